@@ -1,0 +1,71 @@
+# kvferry: the two commands that matter are `make demo` and `make test`.
+# Every target installs missing Debian packages first (make deps), so a fresh machine needs
+# nothing else.
+
+JOBS        ?= $(shell nproc)
+BUILD       ?= build
+ASAN_BUILD  ?= build-asan
+TSAN_BUILD  ?= build-tsan
+FUZZ_BUILD  ?= build-fuzz
+FUZZ_SECONDS ?= 60
+PREFIX      ?= /usr/local
+CTEST_ARGS  ?=
+SOURCES      = $(shell git ls-files '*.cc' '*.h' 2>/dev/null || find include src tools tests fuzz -name '*.cc' -o -name '*.h')
+
+.PHONY: all deps configure build test asan fuzz format format-check tidy install demo clean
+
+all: build
+
+deps:
+	@bash scripts/deps.sh
+
+$(BUILD)/CMakeCache.txt: | deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+configure: deps $(BUILD)/CMakeCache.txt
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+# The same tests under AddressSanitizer and UndefinedBehaviorSanitizer.
+asan: deps
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=address,undefined
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --test-dir $(ASAN_BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+# libFuzzer targets built with clang, each run for FUZZ_SECONDS from the committed seeds.
+# A crash leaves its input in $(FUZZ_BUILD)/findings/ and fails the target.
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_FUZZ=ON
+	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+	@for t in wire_decode ranktable_parse; do \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/findings; \
+	  echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
+	  $(FUZZ_BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=2048 \
+	    -timeout=10 -print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/findings/$$t- \
+	    $(FUZZ_BUILD)/corpus/$$t fuzz/seeds/$$t 2>$(FUZZ_BUILD)/fuzz_$$t.log \
+	    || { tail -40 $(FUZZ_BUILD)/fuzz_$$t.log; exit 1; }; \
+	  grep -E "stat::number_of_executed_units|stat::peak_rss_mb" $(FUZZ_BUILD)/fuzz_$$t.log; \
+	done
+
+format:
+	clang-format -i $(SOURCES)
+
+format-check:
+	@clang-format --dry-run --Werror $(SOURCES) && echo "format-check: clean"
+
+tidy: build
+	clang-tidy -p $(BUILD) --quiet $(filter %.cc,$(filter src/% tools/%,$(SOURCES)))
+
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
+
+demo: build
+	@bash scripts/demo.sh $(BUILD)/kvferry
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)

@@ -1,0 +1,190 @@
+// kvferry: the geometry of one worker's paged KV cache.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+/// Element type of the cache. Numeric values are stable (they appear in hashes and on the wire).
+enum class DType : std::uint8_t {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,
+  kInt8 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+};
+
+/// Bytes per element: 2, 2, 4, 1, 4, 8.
+std::int64_t DTypeSize(DType dtype);
+/// Canonical short name: "fp16", "bf16", "fp32", "int8", "int32", "int64".
+const char* DTypeName(DType dtype);
+/// Accepts the canonical names and the torch spellings ("float16", "half", "bfloat16", "float32",
+/// "float", with or without a "torch." prefix).
+Result<DType> ParseDType(std::string_view name);
+
+/// The attention cache shape of a layer.
+enum class CacheKind : std::uint8_t {
+  /// Multi-head / grouped-query attention: parts K and V, heads split across TP ranks.
+  kMha = 0,
+  /// Multi-head latent attention: a latent part and a rope part of different widths, replicated
+  /// on every TP rank.
+  kMla = 1,
+  /// Sparse MLA: latent, rope and indexer parts, replicated on every TP rank.
+  kSparseMla = 2,
+};
+const char* CacheKindName(CacheKind kind);  // "mha", "mla", "sparse_mla"
+Result<CacheKind> ParseCacheKind(std::string_view name);
+/// Number of parts a layer of this kind has: 2, 2, 3.
+std::size_t CacheKindParts(CacheKind kind);
+
+/// Which axis is outermost inside one block of one part.
+enum class BlockLayout : std::uint8_t {
+  /// [tokens][heads][head_dim]: vLLM's and vllm-ascend's default.
+  kTokenMajor = 0,
+  /// [heads][tokens][head_dim]: a run of heads is one contiguous byte range, so TP combinations
+  /// that slice heads can be served with one read per block.
+  kHeadMajor = 1,
+};
+const char* BlockLayoutName(BlockLayout layout);  // "token_major", "head_major"
+Result<BlockLayout> ParseBlockLayout(std::string_view name);
+
+/// One part of a layer (K, V, latent, rope, indexer).
+struct PartSpec {
+  std::string name;
+  /// Model-wide KV heads of this part, before any TP split. For MLA kinds the part is replicated
+  /// on every rank and this is its head count on each rank (usually 1).
+  std::int64_t num_heads = 0;
+  std::int64_t head_dim = 0;
+
+  friend bool operator==(const PartSpec&, const PartSpec&) = default;
+};
+
+struct LayerSpec {
+  CacheKind kind = CacheKind::kMha;
+  std::vector<PartSpec> parts;
+
+  friend bool operator==(const LayerSpec&, const LayerSpec&) = default;
+};
+
+/// Everything CacheSpec::Create validates.
+struct CacheSpecOptions {
+  /// One entry per attention layer; every layer must have the same kind and part shapes.
+  std::vector<LayerSpec> layers;
+  std::int64_t num_blocks = 0;
+  std::int64_t tokens_per_block = 0;
+  DType dtype = DType::kBFloat16;
+  BlockLayout layout = BlockLayout::kTokenMajor;
+  /// The TP group this cache belongs to: MHA heads are split across it.
+  int tp_size = 1;
+  int tp_rank = 0;
+};
+
+/// SHA-256 digest of the fields both sides of a transfer must agree on.
+using CompatibilityHash = std::array<std::uint8_t, 32>;
+
+/// The validated geometry of one TP rank's KV cache: every layer holds `num_blocks` blocks per
+/// part, each block `tokens_per_block` tokens of this rank's heads. Immutable value type;
+/// thread-safe to share.
+class CacheSpec {
+ public:
+  /// Validates: at least one layer; part count matching the kind; all sizes positive; every layer
+  /// equal to layer 0; heads divisible across the TP group; no 64-bit overflow in any byte count.
+  static Result<CacheSpec> Create(CacheSpecOptions options);
+
+  /// Shorthands for uniform models.
+  static Result<CacheSpec> Mha(int num_layers, std::int64_t kv_heads, std::int64_t head_dim,
+                               std::int64_t num_blocks, std::int64_t tokens_per_block, DType dtype,
+                               int tp_size = 1, int tp_rank = 0,
+                               BlockLayout layout = BlockLayout::kTokenMajor);
+  static Result<CacheSpec> Mla(int num_layers, std::int64_t latent_dim, std::int64_t rope_dim,
+                               std::int64_t num_blocks, std::int64_t tokens_per_block, DType dtype,
+                               int tp_size = 1, int tp_rank = 0);
+  static Result<CacheSpec> SparseMla(int num_layers, std::int64_t latent_dim,
+                                     std::int64_t rope_dim, std::int64_t indexer_dim,
+                                     std::int64_t num_blocks, std::int64_t tokens_per_block,
+                                     DType dtype, int tp_size = 1, int tp_rank = 0);
+
+  const CacheSpecOptions& options() const { return options_; }
+  int num_layers() const { return static_cast<int>(options_.layers.size()); }
+  CacheKind kind() const { return options_.layers.front().kind; }
+  /// The parts of every layer (they all agree).
+  const std::vector<PartSpec>& parts() const { return options_.layers.front().parts; }
+  int num_parts() const { return static_cast<int>(parts().size()); }
+  std::int64_t num_blocks() const { return options_.num_blocks; }
+  std::int64_t tokens_per_block() const { return options_.tokens_per_block; }
+  DType dtype() const { return options_.dtype; }
+  BlockLayout layout() const { return options_.layout; }
+  int tp_size() const { return options_.tp_size; }
+  int tp_rank() const { return options_.tp_rank; }
+
+  /// Heads of `part` this rank holds, and the model-wide index of the first.
+  std::int64_t LocalHeads(int part) const;
+  std::int64_t FirstLocalHead(int part) const;
+  /// Bytes of one block of one part on this rank.
+  std::int64_t BlockBytes(int part) const { return block_bytes_[static_cast<std::size_t>(part)]; }
+  /// Bytes of one part of one layer: num_blocks * BlockBytes(part).
+  std::int64_t PartBytes(int part) const { return part_bytes_[static_cast<std::size_t>(part)]; }
+  /// Bytes of the whole cache on this rank.
+  std::int64_t TotalBytes() const { return total_bytes_; }
+  /// Alignment every part's base address must have: the element size.
+  std::int64_t RequiredAlignment() const { return DTypeSize(options_.dtype); }
+
+  /// Hash of the model-level geometry: kind, layers, parts (names, model-wide heads, dims),
+  /// tokens per block, dtype and layout. Block counts and TP placement are not in it: two sides
+  /// with different cache sizes or TP sizes can still exchange blocks.
+  CompatibilityHash Hash() const;
+  /// The exact text that Hash() digests; also a readable one-line summary.
+  std::string CanonicalText() const;
+
+  friend bool operator==(const CacheSpec& a, const CacheSpec& b) {
+    return a.options_.layers == b.options_.layers && a.options_.num_blocks == b.options_.num_blocks &&
+           a.options_.tokens_per_block == b.options_.tokens_per_block &&
+           a.options_.dtype == b.options_.dtype && a.options_.layout == b.options_.layout &&
+           a.options_.tp_size == b.options_.tp_size && a.options_.tp_rank == b.options_.tp_rank;
+  }
+
+ private:
+  explicit CacheSpec(CacheSpecOptions options) : options_(std::move(options)) {}
+
+  CacheSpecOptions options_;
+  std::vector<std::int64_t> block_bytes_;
+  std::vector<std::int64_t> part_bytes_;
+  std::int64_t total_bytes_ = 0;
+};
+
+/// Heads held by TP rank `rank` of `tp_size` for a part of `model_heads` heads that is split
+/// across TP (MHA): the count and the first model-wide index. With fewer heads than ranks each
+/// head is replicated on tp_size / model_heads consecutive ranks. Requires a valid combination
+/// (one size divides the other), which CacheSpec::Create checks.
+struct HeadRange {
+  std::int64_t first = 0;
+  std::int64_t count = 0;
+};
+HeadRange SplitHeads(std::int64_t model_heads, int tp_size, int rank);
+
+/// The base address of every part of every layer of one registered cache, checked against its
+/// spec: non-null, aligned to the element size, and no two parts overlapping.
+class CacheAddresses {
+ public:
+  /// `bases[layer][part]`; each region is spec.PartBytes(part) long.
+  static Result<CacheAddresses> Create(const CacheSpec& spec,
+                                       std::vector<std::vector<std::uint64_t>> bases);
+
+  std::uint64_t Base(int layer, int part) const {
+    return bases_[static_cast<std::size_t>(layer)][static_cast<std::size_t>(part)];
+  }
+
+ private:
+  explicit CacheAddresses(std::vector<std::vector<std::uint64_t>> bases)
+      : bases_(std::move(bases)) {}
+  std::vector<std::vector<std::uint64_t>> bases_;
+};
+
+}  // namespace kvferry

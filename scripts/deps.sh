@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs the Debian packages kvferry needs to build, test and fuzz. Idempotent: when everything
+# is present it only checks (well under a second) and prints nothing.
+set -euo pipefail
+
+PACKAGES=(
+  g++ make cmake pkg-config            # toolchain
+  clang libclang-rt-14-dev             # libFuzzer targets (make fuzz)
+  clang-format clang-tidy              # make format-check, make tidy
+  libssl-dev                           # SHA-256, HMAC
+  libspdlog-dev libfmt-dev             # logging
+  nlohmann-json3-dev                   # rank table
+  libmsgpack-cxx-dev                   # wire format
+  libzmq3-dev cppzmq-dev               # side channel
+  libcli11-dev                         # CLI
+  libgtest-dev libgmock-dev            # tests
+  libbenchmark-dev                     # micro-benchmarks
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "make deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "make deps: done"

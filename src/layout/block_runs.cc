@@ -1,0 +1,87 @@
+#include "layout/block_runs.h"
+
+#include <algorithm>
+#include <string>
+
+namespace kvferry {
+
+Result<std::span<const std::int64_t>> TailOfRemote(std::span<const std::int64_t> remote_ids,
+                                                   std::span<const std::int64_t> local_ids) {
+  if (local_ids.size() > remote_ids.size()) {
+    return Status::InvalidArgument(
+        "the decode side allocated " + std::to_string(local_ids.size()) +
+        " blocks but the prefill side sent only " + std::to_string(remote_ids.size()) +
+        "; expected at most as many local blocks as remote ones");
+  }
+  return remote_ids.subspan(remote_ids.size() - local_ids.size());
+}
+
+Result<std::vector<BlockRun>> MergeBlockRuns(std::span<const std::int64_t> remote_ids,
+                                             std::span<const std::int64_t> local_ids,
+                                             std::int64_t remote_num_blocks,
+                                             std::int64_t local_num_blocks) {
+  if (remote_ids.size() != local_ids.size()) {
+    return Status::InvalidArgument("expected as many remote as local block ids, found " +
+                                   std::to_string(remote_ids.size()) + " and " +
+                                   std::to_string(local_ids.size()));
+  }
+  std::vector<bool> seen(static_cast<std::size_t>(std::max<std::int64_t>(local_num_blocks, 0)));
+  for (std::size_t i = 0; i < remote_ids.size(); ++i) {
+    if (remote_ids[i] < 0 || remote_ids[i] >= remote_num_blocks) {
+      return Status::InvalidArgument("remote block id " + std::to_string(remote_ids[i]) +
+                                     " at index " + std::to_string(i) + " is outside [0, " +
+                                     std::to_string(remote_num_blocks) + ")");
+    }
+    if (local_ids[i] < 0 || local_ids[i] >= local_num_blocks) {
+      return Status::InvalidArgument("local block id " + std::to_string(local_ids[i]) +
+                                     " at index " + std::to_string(i) + " is outside [0, " +
+                                     std::to_string(local_num_blocks) + ")");
+    }
+    const auto slot = static_cast<std::size_t>(local_ids[i]);
+    if (seen[slot]) {
+      return Status::InvalidArgument("local block id " + std::to_string(local_ids[i]) +
+                                     " appears twice; each local block can receive one block");
+    }
+    seen[slot] = true;
+  }
+  std::vector<BlockRun> runs;
+  for (std::size_t i = 0; i < remote_ids.size(); ++i) {
+    if (!runs.empty()) {
+      BlockRun& last = runs.back();
+      if (remote_ids[i] == last.remote_start + last.count &&
+          local_ids[i] == last.local_start + last.count) {
+        ++last.count;
+        continue;
+      }
+    }
+    runs.push_back({remote_ids[i], local_ids[i], 1});
+  }
+  return runs;
+}
+
+std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
+                                     std::span<const PartBlockBytes> block_bytes,
+                                     const TpSource& source) {
+  std::vector<ByteRange> out;
+  for (int layer = 0; layer < num_layers; ++layer) {
+    for (std::size_t p = 0; p < block_bytes.size(); ++p) {
+      const BlockSlice& slice = source.part_slices[p];
+      const PartBlockBytes& bb = block_bytes[p];
+      const int part = static_cast<int>(p);
+      for (const BlockRun& run : runs) {
+        if (slice.whole_block) {
+          out.push_back({layer, part, run.remote_start * bb.remote, run.local_start * bb.local,
+                         run.count * bb.remote});
+          continue;
+        }
+        for (std::int64_t b = 0; b < run.count; ++b) {
+          out.push_back({layer, part, (run.remote_start + b) * bb.remote + slice.remote_offset,
+                         (run.local_start + b) * bb.local + slice.local_offset, slice.length});
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace kvferry

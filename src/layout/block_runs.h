@@ -1,0 +1,64 @@
+// From block id lists to the reads that move them: the tail rule, merged block runs, and the
+// byte ranges of every run for every layer and part.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvferry/status.h"
+#include "layout/tp_map.h"
+
+namespace kvferry {
+
+/// `count` blocks that are contiguous on both sides: remote blocks [remote_start, +count) go to
+/// local blocks [local_start, +count).
+struct BlockRun {
+  std::int64_t remote_start = 0;
+  std::int64_t local_start = 0;
+  std::int64_t count = 0;
+
+  friend bool operator==(const BlockRun&, const BlockRun&) = default;
+};
+
+/// DESIGN rule 8's tail rule: when the decode side allocated fewer blocks than the prefill side
+/// sent (the decode side already holds a prefix), it reads the tail of the remote list. Returns
+/// the remote ids to read, one per local id. More local than remote ids is InvalidArgument.
+Result<std::span<const std::int64_t>> TailOfRemote(std::span<const std::int64_t> remote_ids,
+                                                   std::span<const std::int64_t> local_ids);
+
+/// The minimal list of runs pairing `remote_ids` (already cut by the tail rule) with `local_ids`
+/// position by position, in order. Ids must lie in [0, num_blocks) of their side, the two lists
+/// must have equal length, and no local id may repeat (two reads into one block).
+Result<std::vector<BlockRun>> MergeBlockRuns(std::span<const std::int64_t> remote_ids,
+                                             std::span<const std::int64_t> local_ids,
+                                             std::int64_t remote_num_blocks,
+                                             std::int64_t local_num_blocks);
+
+/// One read: bytes [remote_offset, +length) of the remote part region into
+/// [local_offset, +length) of the local part region, for one layer and part. Offsets are from
+/// the part's base address on each side.
+struct ByteRange {
+  int layer = 0;
+  int part = 0;
+  std::int64_t remote_offset = 0;
+  std::int64_t local_offset = 0;
+  std::int64_t length = 0;
+
+  friend bool operator==(const ByteRange&, const ByteRange&) = default;
+};
+
+/// Block sizes of one part on each side (they differ when TP splits heads differently).
+struct PartBlockBytes {
+  std::int64_t remote = 0;
+  std::int64_t local = 0;
+};
+
+/// The byte ranges of `runs` for `num_layers` layers, part by part, using the slice of every
+/// block that `source` names. Whole-block slices give one range per run; partial slices give one
+/// range per block. Ordered by layer, part, then run.
+std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
+                                     std::span<const PartBlockBytes> block_bytes,
+                                     const TpSource& source);
+
+}  // namespace kvferry

@@ -1,0 +1,359 @@
+#include "kvferry/cache_spec.h"
+
+#include <algorithm>
+#include <cctype>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "common/checked_math.h"
+#include "common/digest.h"
+
+namespace kvferry {
+namespace {
+
+std::string Lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+std::string ToHexAddress(std::uint64_t value) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  do {
+    out.insert(out.begin(), kDigits[value & 0xf]);
+    value >>= 4;
+  } while (value != 0);
+  return out;
+}
+
+bool IsSplitAcrossTp(CacheKind kind) { return kind == CacheKind::kMha; }
+
+std::string PartLabel(int layer, int part, const PartSpec& spec) {
+  return "layer " + std::to_string(layer) + " part " + std::to_string(part) + " ('" + spec.name +
+         "')";
+}
+
+Status ValidateLayerAgainstFirst(int index, const LayerSpec& layer, const LayerSpec& first) {
+  if (layer.kind != first.kind) {
+    return Status::InvalidArgument("layer " + std::to_string(index) + " is " +
+                                   CacheKindName(layer.kind) + " but layer 0 is " +
+                                   CacheKindName(first.kind) +
+                                   "; kvferry needs every layer to share one cache shape");
+  }
+  for (std::size_t p = 0; p < layer.parts.size(); ++p) {
+    const PartSpec& a = layer.parts[p];
+    const PartSpec& b = first.parts[p];
+    auto mismatch = [&](const char* field, const std::string& found, const std::string& want) {
+      return Status::InvalidArgument(PartLabel(index, static_cast<int>(p), a) + " has " + field +
+                                     " " + found + " but layer 0 has " + want +
+                                     "; kvferry needs every layer to share one cache shape");
+    };
+    if (a.name != b.name) return mismatch("name", "'" + a.name + "'", "'" + b.name + "'");
+    if (a.num_heads != b.num_heads) {
+      return mismatch("num_heads", std::to_string(a.num_heads), std::to_string(b.num_heads));
+    }
+    if (a.head_dim != b.head_dim) {
+      return mismatch("head_dim", std::to_string(a.head_dim), std::to_string(b.head_dim));
+    }
+  }
+  return Status::Ok();
+}
+
+Status ValidateTpSplit(const PartSpec& part, int tp_size) {
+  const std::int64_t heads = part.num_heads;
+  const bool ok = tp_size <= heads ? heads % tp_size == 0 : tp_size % heads == 0;
+  if (!ok) {
+    return Status::InvalidArgument(
+        "part '" + part.name + "' has " + std::to_string(heads) +
+        " KV heads, which cannot be split across TP size " + std::to_string(tp_size) +
+        ": one of them must divide the other");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::int64_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+    case DType::kInt8:
+      return 1;
+    case DType::kInt64:
+      return 8;
+  }
+  return 1;
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+  }
+  return "unknown";
+}
+
+Result<DType> ParseDType(std::string_view name) {
+  std::string n = Lower(name);
+  if (n.rfind("torch.", 0) == 0) n = n.substr(6);
+  if (n == "fp16" || n == "float16" || n == "half") return DType::kFloat16;
+  if (n == "bf16" || n == "bfloat16") return DType::kBFloat16;
+  if (n == "fp32" || n == "float32" || n == "float") return DType::kFloat32;
+  if (n == "int8") return DType::kInt8;
+  if (n == "int32") return DType::kInt32;
+  if (n == "int64") return DType::kInt64;
+  return Status::InvalidArgument("unknown dtype '" + std::string(name) +
+                                 "': expected one of fp16, bf16, fp32, int8, int32, int64");
+}
+
+const char* CacheKindName(CacheKind kind) {
+  switch (kind) {
+    case CacheKind::kMha:
+      return "mha";
+    case CacheKind::kMla:
+      return "mla";
+    case CacheKind::kSparseMla:
+      return "sparse_mla";
+  }
+  return "unknown";
+}
+
+Result<CacheKind> ParseCacheKind(std::string_view name) {
+  const std::string n = Lower(name);
+  if (n == "mha" || n == "gqa") return CacheKind::kMha;
+  if (n == "mla") return CacheKind::kMla;
+  if (n == "sparse_mla" || n == "sfa") return CacheKind::kSparseMla;
+  return Status::InvalidArgument("unknown cache kind '" + std::string(name) +
+                                 "': expected mha, mla or sparse_mla");
+}
+
+std::size_t CacheKindParts(CacheKind kind) { return kind == CacheKind::kSparseMla ? 3 : 2; }
+
+const char* BlockLayoutName(BlockLayout layout) {
+  return layout == BlockLayout::kHeadMajor ? "head_major" : "token_major";
+}
+
+Result<BlockLayout> ParseBlockLayout(std::string_view name) {
+  const std::string n = Lower(name);
+  if (n == "token_major") return BlockLayout::kTokenMajor;
+  if (n == "head_major") return BlockLayout::kHeadMajor;
+  return Status::InvalidArgument("unknown block layout '" + std::string(name) +
+                                 "': expected token_major or head_major");
+}
+
+HeadRange SplitHeads(std::int64_t model_heads, int tp_size, int rank) {
+  if (tp_size <= model_heads) {
+    const std::int64_t per_rank = model_heads / tp_size;
+    return {rank * per_rank, per_rank};
+  }
+  const std::int64_t replicas = tp_size / model_heads;
+  return {rank / replicas, 1};
+}
+
+Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
+  const auto& layers = options.layers;
+  if (layers.empty()) {
+    return Status::InvalidArgument("cache spec has no layers: expected at least one");
+  }
+  if (options.num_blocks <= 0) {
+    return Status::InvalidArgument("num_blocks must be positive, found " +
+                                   std::to_string(options.num_blocks));
+  }
+  if (options.tokens_per_block <= 0) {
+    return Status::InvalidArgument("tokens_per_block must be positive, found " +
+                                   std::to_string(options.tokens_per_block));
+  }
+  if (options.tp_size <= 0 || options.tp_rank < 0 || options.tp_rank >= options.tp_size) {
+    return Status::InvalidArgument("TP rank " + std::to_string(options.tp_rank) + " of size " +
+                                   std::to_string(options.tp_size) +
+                                   " is invalid: expected size >= 1 and 0 <= rank < size");
+  }
+  const LayerSpec& first = layers.front();
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const LayerSpec& layer = layers[l];
+    const int li = static_cast<int>(l);
+    if (layer.parts.size() != CacheKindParts(layer.kind)) {
+      return Status::InvalidArgument(
+          "layer " + std::to_string(l) + " is " + CacheKindName(layer.kind) + " and needs " +
+          std::to_string(CacheKindParts(layer.kind)) + " parts, found " +
+          std::to_string(layer.parts.size()));
+    }
+    for (std::size_t p = 0; p < layer.parts.size(); ++p) {
+      const PartSpec& part = layer.parts[p];
+      if (part.num_heads <= 0 || part.head_dim <= 0) {
+        return Status::InvalidArgument(PartLabel(li, static_cast<int>(p), part) +
+                                       " needs positive num_heads and head_dim, found " +
+                                       std::to_string(part.num_heads) + " and " +
+                                       std::to_string(part.head_dim));
+      }
+    }
+    if (l > 0) KVFERRY_RETURN_IF_ERROR(ValidateLayerAgainstFirst(li, layer, first));
+  }
+  if (first.kind == CacheKind::kMha && first.parts[0].num_heads != first.parts[1].num_heads) {
+    return Status::InvalidArgument("MHA parts K and V must have the same number of KV heads, found " +
+                                   std::to_string(first.parts[0].num_heads) + " and " +
+                                   std::to_string(first.parts[1].num_heads));
+  }
+  if (IsSplitAcrossTp(first.kind)) {
+    for (const PartSpec& part : first.parts) {
+      KVFERRY_RETURN_IF_ERROR(ValidateTpSplit(part, options.tp_size));
+    }
+  }
+
+  CacheSpec spec(std::move(options));
+  const std::int64_t elem = DTypeSize(spec.options_.dtype);
+  std::int64_t per_layer = 0;
+  for (int p = 0; p < spec.num_parts(); ++p) {
+    const PartSpec& part = spec.parts()[static_cast<std::size_t>(p)];
+    auto overflow = [&](const char* what) {
+      return Status::InvalidArgument(std::string(what) + " of part '" + part.name +
+                                     "' overflows 64 bits: " + spec.CanonicalText() +
+                                     " with num_blocks " + std::to_string(spec.num_blocks()));
+    };
+    std::optional<std::int64_t> block = CheckedMul(spec.tokens_per_block(), spec.LocalHeads(p));
+    if (block) block = CheckedMul(*block, part.head_dim);
+    if (block) block = CheckedMul(*block, elem);
+    if (!block) return overflow("bytes per block");
+    std::optional<std::int64_t> whole = CheckedMul(*block, spec.num_blocks());
+    if (!whole) return overflow("bytes per layer");
+    std::optional<std::int64_t> sum = CheckedAdd(per_layer, *whole);
+    if (!sum) return overflow("bytes per layer");
+    per_layer = *sum;
+    spec.block_bytes_.push_back(*block);
+    spec.part_bytes_.push_back(*whole);
+  }
+  std::optional<std::int64_t> total = CheckedMul(per_layer, spec.num_layers());
+  if (!total) {
+    return Status::InvalidArgument("total cache bytes overflow 64 bits: " + spec.CanonicalText());
+  }
+  spec.total_bytes_ = *total;
+  return spec;
+}
+
+Result<CacheSpec> CacheSpec::Mha(int num_layers, std::int64_t kv_heads, std::int64_t head_dim,
+                                 std::int64_t num_blocks, std::int64_t tokens_per_block,
+                                 DType dtype, int tp_size, int tp_rank, BlockLayout layout) {
+  LayerSpec layer{CacheKind::kMha, {{"k", kv_heads, head_dim}, {"v", kv_heads, head_dim}}};
+  return Create({std::vector<LayerSpec>(static_cast<std::size_t>(std::max(num_layers, 0)), layer),
+                 num_blocks, tokens_per_block, dtype, layout, tp_size, tp_rank});
+}
+
+Result<CacheSpec> CacheSpec::Mla(int num_layers, std::int64_t latent_dim, std::int64_t rope_dim,
+                                 std::int64_t num_blocks, std::int64_t tokens_per_block,
+                                 DType dtype, int tp_size, int tp_rank) {
+  LayerSpec layer{CacheKind::kMla, {{"latent", 1, latent_dim}, {"rope", 1, rope_dim}}};
+  return Create({std::vector<LayerSpec>(static_cast<std::size_t>(std::max(num_layers, 0)), layer),
+                 num_blocks, tokens_per_block, dtype, BlockLayout::kTokenMajor, tp_size, tp_rank});
+}
+
+Result<CacheSpec> CacheSpec::SparseMla(int num_layers, std::int64_t latent_dim,
+                                       std::int64_t rope_dim, std::int64_t indexer_dim,
+                                       std::int64_t num_blocks, std::int64_t tokens_per_block,
+                                       DType dtype, int tp_size, int tp_rank) {
+  LayerSpec layer{CacheKind::kSparseMla,
+                  {{"latent", 1, latent_dim}, {"rope", 1, rope_dim}, {"indexer", 1, indexer_dim}}};
+  return Create({std::vector<LayerSpec>(static_cast<std::size_t>(std::max(num_layers, 0)), layer),
+                 num_blocks, tokens_per_block, dtype, BlockLayout::kTokenMajor, tp_size, tp_rank});
+}
+
+std::int64_t CacheSpec::LocalHeads(int part) const {
+  const PartSpec& p = parts()[static_cast<std::size_t>(part)];
+  if (!IsSplitAcrossTp(kind())) return p.num_heads;
+  return SplitHeads(p.num_heads, tp_size(), tp_rank()).count;
+}
+
+std::int64_t CacheSpec::FirstLocalHead(int part) const {
+  const PartSpec& p = parts()[static_cast<std::size_t>(part)];
+  if (!IsSplitAcrossTp(kind())) return 0;
+  return SplitHeads(p.num_heads, tp_size(), tp_rank()).first;
+}
+
+std::string CacheSpec::CanonicalText() const {
+  std::string out = "kvferry-cache-v1 kind=";
+  out += CacheKindName(kind());
+  out += " layers=" + std::to_string(num_layers());
+  out += " tokens_per_block=" + std::to_string(tokens_per_block());
+  out += " dtype=";
+  out += DTypeName(dtype());
+  out += " layout=";
+  out += BlockLayoutName(layout());
+  out += " parts=";
+  for (std::size_t i = 0; i < parts().size(); ++i) {
+    const PartSpec& p = parts()[i];
+    if (i > 0) out += ",";
+    out += p.name + ":" + std::to_string(p.num_heads) + "x" + std::to_string(p.head_dim);
+  }
+  return out;
+}
+
+CompatibilityHash CacheSpec::Hash() const { return Sha256(CanonicalText()); }
+
+Result<CacheAddresses> CacheAddresses::Create(const CacheSpec& spec,
+                                              std::vector<std::vector<std::uint64_t>> bases) {
+  if (bases.size() != static_cast<std::size_t>(spec.num_layers())) {
+    return Status::InvalidArgument("expected base addresses for " +
+                                   std::to_string(spec.num_layers()) + " layers, found " +
+                                   std::to_string(bases.size()));
+  }
+  struct Region {
+    std::uint64_t begin;
+    std::uint64_t end;
+    int layer;
+    int part;
+  };
+  std::vector<Region> regions;
+  const auto align = static_cast<std::uint64_t>(spec.RequiredAlignment());
+  for (std::size_t l = 0; l < bases.size(); ++l) {
+    if (bases[l].size() != static_cast<std::size_t>(spec.num_parts())) {
+      return Status::InvalidArgument("layer " + std::to_string(l) + " has " +
+                                     std::to_string(bases[l].size()) + " base addresses, expected " +
+                                     std::to_string(spec.num_parts()) + " (one per part)");
+    }
+    for (int p = 0; p < spec.num_parts(); ++p) {
+      const std::uint64_t base = bases[l][static_cast<std::size_t>(p)];
+      const std::string label =
+          PartLabel(static_cast<int>(l), p, spec.parts()[static_cast<std::size_t>(p)]);
+      if (base == 0) return Status::InvalidArgument(label + " has a null base address");
+      if (base % align != 0) {
+        return Status::InvalidArgument(label + " base address 0x" + ToHexAddress(base) +
+                                       " is not aligned to " + std::to_string(align) +
+                                       " bytes, as dtype " + DTypeName(spec.dtype()) + " requires");
+      }
+      const auto len = static_cast<std::uint64_t>(spec.PartBytes(p));
+      if (base + len < base) {
+        return Status::InvalidArgument(label + " region wraps around the address space");
+      }
+      regions.push_back({base, base + len, static_cast<int>(l), p});
+    }
+  }
+  std::sort(regions.begin(), regions.end(),
+            [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < regions.size(); ++i) {
+    if (regions[i].begin < regions[i - 1].end) {
+      return Status::InvalidArgument(
+          "layer " + std::to_string(regions[i].layer) + " part " + std::to_string(regions[i].part) +
+          " overlaps layer " + std::to_string(regions[i - 1].layer) + " part " +
+          std::to_string(regions[i - 1].part) + ": every part needs its own memory");
+    }
+  }
+  return CacheAddresses(std::move(bases));
+}
+
+}  // namespace kvferry

@@ -1,0 +1,115 @@
+#include "layout/tp_map.h"
+
+#include <algorithm>
+#include <string>
+
+namespace kvferry {
+namespace {
+
+Status CheckTpSizes(const CacheSpec& geometry, int prefill_tp, int decode_tp) {
+  if (prefill_tp <= 0 || decode_tp <= 0) {
+    return Status::InvalidArgument("TP sizes must be positive, found prefill " +
+                                   std::to_string(prefill_tp) + " and decode " +
+                                   std::to_string(decode_tp));
+  }
+  if (geometry.kind() != CacheKind::kMha) return Status::Ok();
+  const std::int64_t heads = geometry.parts().front().num_heads;
+  for (int tp : {prefill_tp, decode_tp}) {
+    const bool ok = tp <= heads ? heads % tp == 0 : tp % heads == 0;
+    if (!ok) {
+      return Status::NotSupported("MHA cache with " + std::to_string(heads) +
+                                  " KV heads cannot be split across TP size " + std::to_string(tp) +
+                                  ": one of them must divide the other");
+    }
+  }
+  return Status::Ok();
+}
+
+// Bytes of `heads` heads of one part inside a head-major block.
+std::int64_t HeadBytes(const CacheSpec& g, int part, std::int64_t heads) {
+  return heads * g.tokens_per_block() * g.parts()[static_cast<std::size_t>(part)].head_dim *
+         DTypeSize(g.dtype());
+}
+
+// The prefill rank that serves head `head` to decode rank `decode_rank`. With replicated heads on
+// the prefill side, decode ranks are spread over the replicas.
+int PrefillRankForHead(std::int64_t heads, int prefill_tp, int decode_rank, std::int64_t head) {
+  if (prefill_tp <= heads) return static_cast<int>(head / (heads / prefill_tp));
+  const std::int64_t replicas = prefill_tp / heads;
+  return static_cast<int>(head * replicas + decode_rank % replicas);
+}
+
+}  // namespace
+
+Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefill_tp,
+                                            int decode_tp, int decode_rank) {
+  KVFERRY_RETURN_IF_ERROR(CheckTpSizes(geometry, prefill_tp, decode_tp));
+  if (decode_rank < 0 || decode_rank >= decode_tp) {
+    return Status::InvalidArgument("decode rank " + std::to_string(decode_rank) +
+                                   " is outside decode TP size " + std::to_string(decode_tp));
+  }
+  const int parts = geometry.num_parts();
+  if (geometry.kind() != CacheKind::kMha) {
+    TpSource source{decode_rank % prefill_tp, {}};
+    for (int p = 0; p < parts; ++p) {
+      const std::int64_t bytes = HeadBytes(geometry, p, geometry.parts()[static_cast<std::size_t>(p)].num_heads);
+      source.part_slices.push_back({0, 0, bytes, true});
+    }
+    return std::vector<TpSource>{source};
+  }
+
+  const std::int64_t heads = geometry.parts().front().num_heads;
+  const HeadRange mine = SplitHeads(heads, decode_tp, decode_rank);
+  std::vector<TpSource> sources;
+  std::int64_t h = mine.first;
+  while (h < mine.first + mine.count) {
+    const int q = PrefillRankForHead(heads, prefill_tp, decode_rank, h);
+    const HeadRange theirs = SplitHeads(heads, prefill_tp, q);
+    // Heads [h, end) all come from prefill rank q.
+    const std::int64_t end = std::min(mine.first + mine.count, theirs.first + theirs.count);
+    const bool whole = (h == mine.first && end == mine.first + mine.count &&
+                        h == theirs.first && end == theirs.first + theirs.count);
+    if (!whole && geometry.layout() != BlockLayout::kHeadMajor) {
+      return Status::NotSupported(
+          "MHA cache with " + std::to_string(heads) + " KV heads, prefill TP " +
+          std::to_string(prefill_tp) + " and decode TP " + std::to_string(decode_tp) +
+          ": decode rank " + std::to_string(decode_rank) + " needs heads [" + std::to_string(h) +
+          ", " + std::to_string(end) + ") of prefill rank " + std::to_string(q) +
+          ", which holds [" + std::to_string(theirs.first) + ", " +
+          std::to_string(theirs.first + theirs.count) +
+          "); in a token_major block layout a head slice is not one byte range per block. Use "
+          "equal TP sizes, or a head_major block layout");
+    }
+    TpSource source{q, {}};
+    for (int p = 0; p < parts; ++p) {
+      source.part_slices.push_back({HeadBytes(geometry, p, h - theirs.first),
+                                    HeadBytes(geometry, p, h - mine.first),
+                                    HeadBytes(geometry, p, end - h), whole});
+    }
+    sources.push_back(std::move(source));
+    h = end;
+  }
+  std::sort(sources.begin(), sources.end(),
+            [](const TpSource& a, const TpSource& b) { return a.prefill_rank < b.prefill_rank; });
+  return sources;
+}
+
+Result<int> ExpectedReaders(const CacheSpec& geometry, int prefill_tp, int decode_tp,
+                            int prefill_rank) {
+  KVFERRY_RETURN_IF_ERROR(CheckTpSizes(geometry, prefill_tp, decode_tp));
+  if (prefill_rank < 0 || prefill_rank >= prefill_tp) {
+    return Status::InvalidArgument("prefill rank " + std::to_string(prefill_rank) +
+                                   " is outside prefill TP size " + std::to_string(prefill_tp));
+  }
+  int readers = 0;
+  for (int r = 0; r < decode_tp; ++r) {
+    KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
+                             PlanTpSources(geometry, prefill_tp, decode_tp, r));
+    for (const TpSource& s : sources) {
+      if (s.prefill_rank == prefill_rank) ++readers;
+    }
+  }
+  return readers;
+}
+
+}  // namespace kvferry

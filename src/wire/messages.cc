@@ -1,0 +1,584 @@
+#include "wire/messages.h"
+
+#include <msgpack.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <string_view>
+#include <utility>
+
+namespace kvferry::wire {
+namespace {
+
+using Packer = msgpack::packer<msgpack::sbuffer>;
+
+// ---------------------------------------------------------------------------------------------
+// Encoding
+
+void PackStr(Packer& pk, std::string_view s) {
+  pk.pack_str(static_cast<std::uint32_t>(s.size()));
+  pk.pack_str_body(s.data(), static_cast<std::uint32_t>(s.size()));
+}
+
+void PackKey(Packer& pk, const char* key) { PackStr(pk, key); }
+
+void PackPeer(Packer& pk, const PeerRef& peer) {
+  pk.pack_map(3);
+  PackKey(pk, "engine_id");
+  PackStr(pk, peer.engine_id);
+  PackKey(pk, "dp_rank");
+  pk.pack_uint32(peer.dp_rank);
+  PackKey(pk, "tp_rank");
+  pk.pack_uint32(peer.tp_rank);
+}
+
+void PackStrList(Packer& pk, const std::vector<std::string>& items) {
+  pk.pack_array(static_cast<std::uint32_t>(items.size()));
+  for (const std::string& s : items) PackStr(pk, s);
+}
+
+void PackCache(Packer& pk, const CacheSpec& spec) {
+  pk.pack_map(9);
+  PackKey(pk, "kind");
+  PackStr(pk, CacheKindName(spec.kind()));
+  PackKey(pk, "layers");
+  pk.pack_uint32(static_cast<std::uint32_t>(spec.num_layers()));
+  PackKey(pk, "parts");
+  pk.pack_array(static_cast<std::uint32_t>(spec.num_parts()));
+  for (const PartSpec& p : spec.parts()) {
+    pk.pack_map(3);
+    PackKey(pk, "name");
+    PackStr(pk, p.name);
+    PackKey(pk, "heads");
+    pk.pack_int64(p.num_heads);
+    PackKey(pk, "dim");
+    pk.pack_int64(p.head_dim);
+  }
+  PackKey(pk, "num_blocks");
+  pk.pack_int64(spec.num_blocks());
+  PackKey(pk, "tokens_per_block");
+  pk.pack_int64(spec.tokens_per_block());
+  PackKey(pk, "dtype");
+  PackStr(pk, DTypeName(spec.dtype()));
+  PackKey(pk, "layout");
+  PackStr(pk, BlockLayoutName(spec.layout()));
+  PackKey(pk, "tp_size");
+  pk.pack_int32(spec.tp_size());
+  PackKey(pk, "tp_rank");
+  pk.pack_int32(spec.tp_rank());
+}
+
+// Writes the envelope's "v" and "t" and the map header for `fields` more keys.
+void PackHeader(Packer& pk, const char* type, std::uint32_t fields) {
+  pk.pack_map(2 + fields);
+  PackKey(pk, "v");
+  pk.pack_uint32(kProtocolVersion);
+  PackKey(pk, "t");
+  PackStr(pk, type);
+}
+
+struct EncodeVisitor {
+  Packer& pk;
+
+  void operator()(const MetadataRequest& m) const {
+    PackHeader(pk, "metadata_request", 1);
+    PackKey(pk, "from");
+    PackPeer(pk, m.from);
+  }
+  void operator()(const AgentMetadata& m) const {
+    const AgentIdentity& a = m.agent;
+    PackHeader(pk, "agent_metadata", 5);
+    PackKey(pk, "agent");
+    pk.pack_map(6 + (a.super_pod_id ? 1 : 0) + (a.super_device_id ? 1 : 0));
+    PackKey(pk, "peer");
+    PackPeer(pk, a.peer);
+    PackKey(pk, "tp_size");
+    pk.pack_uint32(a.tp_size);
+    PackKey(pk, "server_id");
+    PackStr(pk, a.server_id);
+    PackKey(pk, "device_id");
+    PackStr(pk, a.device_id);
+    PackKey(pk, "device_ip");
+    PackStr(pk, a.device_ip);
+    PackKey(pk, "cluster_id");
+    pk.pack_uint64(a.cluster_id);
+    if (a.super_pod_id) {
+      PackKey(pk, "super_pod_id");
+      PackStr(pk, *a.super_pod_id);
+    }
+    if (a.super_device_id) {
+      PackKey(pk, "super_device_id");
+      PackStr(pk, *a.super_device_id);
+    }
+    PackKey(pk, "endpoint");
+    PackStr(pk, m.listener_endpoint);
+    PackKey(pk, "transports");
+    pk.pack_array(static_cast<std::uint32_t>(m.transports.size()));
+    for (const TransportDescriptor& t : m.transports) {
+      pk.pack_map(2);
+      PackKey(pk, "kind");
+      PackStr(pk, t.kind);
+      PackKey(pk, "desc");
+      pk.pack_bin(static_cast<std::uint32_t>(t.blob.size()));
+      pk.pack_bin_body(reinterpret_cast<const char*>(t.blob.data()),
+                       static_cast<std::uint32_t>(t.blob.size()));
+    }
+    PackKey(pk, "cache");
+    PackCache(pk, m.cache);
+    PackKey(pk, "cache_hash");
+    pk.pack_bin(static_cast<std::uint32_t>(m.cache_hash.size()));
+    pk.pack_bin_body(reinterpret_cast<const char*>(m.cache_hash.data()),
+                     static_cast<std::uint32_t>(m.cache_hash.size()));
+  }
+  void operator()(const FinishedNotice& m) const {
+    PackHeader(pk, "finished", 2);
+    PackKey(pk, "from");
+    PackPeer(pk, m.from);
+    PackKey(pk, "request_ids");
+    PackStrList(pk, m.request_ids);
+  }
+  void operator()(const AbortNotice& m) const {
+    PackHeader(pk, "abort", 3);
+    PackKey(pk, "from");
+    PackPeer(pk, m.from);
+    PackKey(pk, "request_ids");
+    PackStrList(pk, m.request_ids);
+    PackKey(pk, "reason");
+    PackStr(pk, m.reason);
+  }
+  void operator()(const LeaseRenewal& m) const {
+    PackHeader(pk, "lease", 3);
+    PackKey(pk, "from");
+    PackPeer(pk, m.from);
+    PackKey(pk, "request_ids");
+    PackStrList(pk, m.request_ids);
+    PackKey(pk, "lease_ms");
+    pk.pack_uint32(m.lease_ms);
+  }
+  void operator()(const Ack& m) const {
+    PackHeader(pk, "ack", 1);
+    PackKey(pk, "count");
+    pk.pack_uint32(m.count);
+  }
+  void operator()(const ErrorReply& m) const {
+    PackHeader(pk, "error", 2);
+    PackKey(pk, "code");
+    pk.pack_uint8(static_cast<std::uint8_t>(m.code));
+    PackKey(pk, "message");
+    PackStr(pk, m.message);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Decoding
+
+// First pass over untrusted bytes, before msgpack allocates anything: every declared array or map
+// element needs at least one byte of input, so the declared elements may not outnumber the bytes.
+// msgpack allocates an array's storage when it reads the header, so without this pass a few bytes
+// could make it allocate gigabytes. Also bounds the nesting depth.
+class BoundsCheck : public msgpack::null_visitor {
+ public:
+  explicit BoundsCheck(std::size_t input_bytes) : budget_(input_bytes) {}
+
+  bool start_array(std::uint32_t n) { return Enter(n); }
+  bool end_array() { return Leave(); }
+  bool start_map(std::uint32_t n) {
+    // A map entry is a key and a value: two elements.
+    return Enter(static_cast<std::uint64_t>(n) * 2);
+  }
+  bool end_map() { return Leave(); }
+
+  const char* failure() const { return failure_; }
+
+ private:
+  bool Enter(std::uint64_t elements) {
+    if (++depth_ > kMaxDepth) {
+      failure_ = "nesting deeper than the protocol allows";
+      return false;
+    }
+    if (elements > budget_) {
+      failure_ = "a list or map declares more elements than the message has bytes";
+      return false;
+    }
+    budget_ -= elements;
+    return true;
+  }
+  bool Leave() {
+    --depth_;
+    return true;
+  }
+
+  std::uint64_t budget_;
+  std::size_t depth_ = 0;
+  const char* failure_ = nullptr;
+};
+
+const char* ObjectTypeName(const msgpack::object& o) {
+  switch (o.type) {
+    case msgpack::type::NIL:
+      return "nil";
+    case msgpack::type::BOOLEAN:
+      return "a boolean";
+    case msgpack::type::POSITIVE_INTEGER:
+      return "a non-negative integer";
+    case msgpack::type::NEGATIVE_INTEGER:
+      return "a negative integer";
+    case msgpack::type::FLOAT32:
+    case msgpack::type::FLOAT64:
+      return "a float";
+    case msgpack::type::STR:
+      return "a string";
+    case msgpack::type::BIN:
+      return "binary";
+    case msgpack::type::ARRAY:
+      return "an array";
+    case msgpack::type::MAP:
+      return "a map";
+    case msgpack::type::EXT:
+      return "an extension";
+  }
+  return "an unknown type";
+}
+
+// A map whose keys have been checked to be unique strings, with its path for error messages.
+class MapView {
+ public:
+  static Result<MapView> Of(const msgpack::object& o, std::string path) {
+    if (o.type != msgpack::type::MAP) {
+      return Status::InvalidArgument(path + ": expected a map, found " + ObjectTypeName(o));
+    }
+    const msgpack::object_map& m = o.via.map;
+    for (std::uint32_t i = 0; i < m.size; ++i) {
+      const msgpack::object& k = m.ptr[i].key;
+      if (k.type != msgpack::type::STR) {
+        return Status::InvalidArgument(path + ": map key " + std::to_string(i) +
+                                       " is " + ObjectTypeName(k) + ", expected a string");
+      }
+      const std::string_view key(k.via.str.ptr, k.via.str.size);
+      for (std::uint32_t j = 0; j < i; ++j) {
+        const msgpack::object& other = m.ptr[j].key;
+        if (std::string_view(other.via.str.ptr, other.via.str.size) == key) {
+          return Status::InvalidArgument(path + ": key '" + std::string(key.substr(0, 64)) +
+                                         "' appears twice");
+        }
+      }
+    }
+    return MapView(&m, std::move(path));
+  }
+
+  const std::string& path() const { return path_; }
+  std::string At(const char* key) const { return path_ + "." + key; }
+
+  const msgpack::object* Find(const char* key) const {
+    const std::string_view want(key);
+    for (std::uint32_t i = 0; i < map_->size; ++i) {
+      const msgpack::object& k = map_->ptr[i].key;
+      if (std::string_view(k.via.str.ptr, k.via.str.size) == want) return &map_->ptr[i].val;
+    }
+    return nullptr;
+  }
+
+  Result<const msgpack::object*> Require(const char* key) const {
+    const msgpack::object* v = Find(key);
+    if (v == nullptr) return Status::InvalidArgument(At(key) + ": missing");
+    return v;
+  }
+
+  Result<std::string> Str(const char* key, std::size_t max_bytes) const {
+    KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, Require(key));
+    return StrOf(*v, At(key), max_bytes);
+  }
+
+  std::optional<Result<std::string>> OptionalStr(const char* key, std::size_t max_bytes) const {
+    const msgpack::object* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    return StrOf(*v, At(key), max_bytes);
+  }
+
+  Result<std::uint64_t> Uint(const char* key, std::uint64_t max) const {
+    KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, Require(key));
+    if (v->type != msgpack::type::POSITIVE_INTEGER) {
+      return Status::InvalidArgument(At(key) + ": expected a non-negative integer, found " +
+                                     ObjectTypeName(*v));
+    }
+    if (v->via.u64 > max) {
+      return Status::InvalidArgument(At(key) + ": " + std::to_string(v->via.u64) +
+                                     " exceeds the limit of " + std::to_string(max));
+    }
+    return v->via.u64;
+  }
+
+  Result<std::vector<std::uint8_t>> Bin(const char* key, std::size_t max_bytes) const {
+    KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, Require(key));
+    if (v->type != msgpack::type::BIN) {
+      return Status::InvalidArgument(At(key) + ": expected binary, found " + ObjectTypeName(*v));
+    }
+    if (v->via.bin.size > max_bytes) {
+      return Status::InvalidArgument(At(key) + ": " + std::to_string(v->via.bin.size) +
+                                     " bytes exceed the limit of " + std::to_string(max_bytes));
+    }
+    const auto* p = reinterpret_cast<const std::uint8_t*>(v->via.bin.ptr);
+    return std::vector<std::uint8_t>(p, p + v->via.bin.size);
+  }
+
+  Result<std::vector<std::string>> StrList(const char* key, std::size_t max_items,
+                                           std::size_t max_bytes) const {
+    KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, Require(key));
+    if (v->type != msgpack::type::ARRAY) {
+      return Status::InvalidArgument(At(key) + ": expected an array, found " + ObjectTypeName(*v));
+    }
+    if (v->via.array.size > max_items) {
+      return Status::InvalidArgument(At(key) + ": " + std::to_string(v->via.array.size) +
+                                     " items exceed the limit of " + std::to_string(max_items));
+    }
+    std::vector<std::string> out;
+    out.reserve(v->via.array.size);
+    for (std::uint32_t i = 0; i < v->via.array.size; ++i) {
+      KVFERRY_ASSIGN_OR_RETURN(
+          std::string s,
+          StrOf(v->via.array.ptr[i], At(key) + "[" + std::to_string(i) + "]", max_bytes));
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
+
+  static Result<std::string> StrOf(const msgpack::object& v, const std::string& path,
+                                   std::size_t max_bytes) {
+    if (v.type != msgpack::type::STR) {
+      return Status::InvalidArgument(path + ": expected a string, found " + ObjectTypeName(v));
+    }
+    if (v.via.str.size > max_bytes) {
+      return Status::InvalidArgument(path + ": " + std::to_string(v.via.str.size) +
+                                     " bytes exceed the limit of " + std::to_string(max_bytes));
+    }
+    return std::string(v.via.str.ptr, v.via.str.size);
+  }
+
+ private:
+  MapView(const msgpack::object_map* map, std::string path) : map_(map), path_(std::move(path)) {}
+
+  const msgpack::object_map* map_;
+  std::string path_;
+};
+
+constexpr std::uint64_t kMaxU32 = std::numeric_limits<std::uint32_t>::max();
+constexpr std::uint64_t kMaxI32 = std::numeric_limits<std::int32_t>::max();
+constexpr std::uint64_t kMaxI64 = std::numeric_limits<std::int64_t>::max();
+
+Result<PeerRef> DecodePeer(const MapView& parent, const char* key) {
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, parent.Require(key));
+  KVFERRY_ASSIGN_OR_RETURN(MapView m, MapView::Of(*v, parent.At(key)));
+  PeerRef peer;
+  KVFERRY_ASSIGN_OR_RETURN(peer.engine_id, m.Str("engine_id", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t dp, m.Uint("dp_rank", kMaxU32));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp, m.Uint("tp_rank", kMaxU32));
+  peer.dp_rank = static_cast<std::uint32_t>(dp);
+  peer.tp_rank = static_cast<std::uint32_t>(tp);
+  return peer;
+}
+
+Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, parent.Require(key));
+  KVFERRY_ASSIGN_OR_RETURN(MapView m, MapView::Of(*v, parent.At(key)));
+  KVFERRY_ASSIGN_OR_RETURN(std::string kind_name, m.Str("kind", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(CacheKind kind, ParseCacheKind(kind_name));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t layers, m.Uint("layers", kMaxLayers));
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* parts_obj, m.Require("parts"));
+  if (parts_obj->type != msgpack::type::ARRAY || parts_obj->via.array.size > 8) {
+    return Status::InvalidArgument(m.At("parts") + ": expected an array of at most 8 parts");
+  }
+  LayerSpec layer{kind, {}};
+  for (std::uint32_t i = 0; i < parts_obj->via.array.size; ++i) {
+    KVFERRY_ASSIGN_OR_RETURN(
+        MapView pm,
+        MapView::Of(parts_obj->via.array.ptr[i], m.At("parts") + "[" + std::to_string(i) + "]"));
+    PartSpec part;
+    KVFERRY_ASSIGN_OR_RETURN(part.name, pm.Str("name", kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t heads, pm.Uint("heads", kMaxI64));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t dim, pm.Uint("dim", kMaxI64));
+    part.num_heads = static_cast<std::int64_t>(heads);
+    part.head_dim = static_cast<std::int64_t>(dim);
+    layer.parts.push_back(std::move(part));
+  }
+  CacheSpecOptions options;
+  options.layers.assign(static_cast<std::size_t>(layers), layer);
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t blocks, m.Uint("num_blocks", kMaxI64));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tpb, m.Uint("tokens_per_block", kMaxI64));
+  options.num_blocks = static_cast<std::int64_t>(blocks);
+  options.tokens_per_block = static_cast<std::int64_t>(tpb);
+  KVFERRY_ASSIGN_OR_RETURN(std::string dtype, m.Str("dtype", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(options.dtype, ParseDType(dtype));
+  KVFERRY_ASSIGN_OR_RETURN(std::string layout, m.Str("layout", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(options.layout, ParseBlockLayout(layout));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", kMaxI32));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_rank, m.Uint("tp_rank", kMaxI32));
+  options.tp_size = static_cast<int>(tp_size);
+  options.tp_rank = static_cast<int>(tp_rank);
+  Result<CacheSpec> spec = CacheSpec::Create(std::move(options));
+  if (!spec.ok()) return spec.status().WithContext(m.path());
+  return spec;
+}
+
+Result<Message> DecodeAgentMetadata(const MapView& m) {
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* agent_obj, m.Require("agent"));
+  KVFERRY_ASSIGN_OR_RETURN(MapView am, MapView::Of(*agent_obj, m.At("agent")));
+  AgentIdentity agent;
+  KVFERRY_ASSIGN_OR_RETURN(agent.peer, DecodePeer(am, "peer"));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, am.Uint("tp_size", kMaxU32));
+  if (tp_size == 0 || agent.peer.tp_rank >= tp_size) {
+    return Status::InvalidArgument(am.At("tp_size") + ": expected tp_rank " +
+                                   std::to_string(agent.peer.tp_rank) + " < tp_size, found " +
+                                   std::to_string(tp_size));
+  }
+  agent.tp_size = static_cast<std::uint32_t>(tp_size);
+  KVFERRY_ASSIGN_OR_RETURN(agent.server_id, am.Str("server_id", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(agent.device_id, am.Str("device_id", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(agent.device_ip, am.Str("device_ip", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(agent.cluster_id,
+                           am.Uint("cluster_id", std::numeric_limits<std::uint64_t>::max()));
+  if (auto pod = am.OptionalStr("super_pod_id", kMaxIdBytes)) {
+    if (!pod->ok()) return pod->status();
+    agent.super_pod_id = std::move(*pod).value();
+  }
+  if (auto sdid = am.OptionalStr("super_device_id", kMaxIdBytes)) {
+    if (!sdid->ok()) return sdid->status();
+    agent.super_device_id = std::move(*sdid).value();
+  }
+  KVFERRY_ASSIGN_OR_RETURN(std::string endpoint, m.Str("endpoint", kMaxTextBytes));
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* tr, m.Require("transports"));
+  if (tr->type != msgpack::type::ARRAY) {
+    return Status::InvalidArgument(m.At("transports") + ": expected an array, found " +
+                                   ObjectTypeName(*tr));
+  }
+  if (tr->via.array.size > kMaxTransports) {
+    return Status::InvalidArgument(m.At("transports") + ": " +
+                                   std::to_string(tr->via.array.size) +
+                                   " entries exceed the limit of " +
+                                   std::to_string(kMaxTransports));
+  }
+  std::vector<TransportDescriptor> transports;
+  for (std::uint32_t i = 0; i < tr->via.array.size; ++i) {
+    KVFERRY_ASSIGN_OR_RETURN(
+        MapView tm,
+        MapView::Of(tr->via.array.ptr[i], m.At("transports") + "[" + std::to_string(i) + "]"));
+    TransportDescriptor t;
+    KVFERRY_ASSIGN_OR_RETURN(t.kind, tm.Str("kind", kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(t.blob, tm.Bin("desc", kMaxDescriptorBytes));
+    transports.push_back(std::move(t));
+  }
+  KVFERRY_ASSIGN_OR_RETURN(CacheSpec cache, DecodeCache(m, "cache"));
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> hash, m.Bin("cache_hash", 32));
+  CompatibilityHash cache_hash{};
+  if (hash.size() != cache_hash.size()) {
+    return Status::InvalidArgument(m.At("cache_hash") + ": expected 32 bytes, found " +
+                                   std::to_string(hash.size()));
+  }
+  std::copy(hash.begin(), hash.end(), cache_hash.begin());
+  if (cache_hash != cache.Hash()) {
+    return Status::InvalidArgument(m.At("cache_hash") +
+                                   ": does not match the cache spec it came with (" +
+                                   cache.CanonicalText() + ")");
+  }
+  return Message{AgentMetadata{std::move(agent), std::move(endpoint), std::move(transports),
+                               std::move(cache), cache_hash}};
+}
+
+Result<Message> DecodeBody(const MapView& m, std::string_view type) {
+  if (type == "metadata_request") {
+    KVFERRY_ASSIGN_OR_RETURN(PeerRef from, DecodePeer(m, "from"));
+    return Message{MetadataRequest{std::move(from)}};
+  }
+  if (type == "agent_metadata") return DecodeAgentMetadata(m);
+  if (type == "finished" || type == "abort" || type == "lease") {
+    KVFERRY_ASSIGN_OR_RETURN(PeerRef from, DecodePeer(m, "from"));
+    KVFERRY_ASSIGN_OR_RETURN(std::vector<std::string> ids,
+                             m.StrList("request_ids", kMaxRequestIds, kMaxIdBytes));
+    if (type == "finished") return Message{FinishedNotice{std::move(from), std::move(ids)}};
+    if (type == "abort") {
+      KVFERRY_ASSIGN_OR_RETURN(std::string reason, m.Str("reason", kMaxTextBytes));
+      return Message{AbortNotice{std::move(from), std::move(ids), std::move(reason)}};
+    }
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t lease_ms, m.Uint("lease_ms", kMaxU32));
+    return Message{LeaseRenewal{std::move(from), std::move(ids), static_cast<std::uint32_t>(lease_ms)}};
+  }
+  if (type == "ack") {
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t count, m.Uint("count", kMaxU32));
+    return Message{Ack{static_cast<std::uint32_t>(count)}};
+  }
+  if (type == "error") {
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t code, m.Uint("code", 255));
+    if (code == 0) {
+      return Status::InvalidArgument(m.At("code") + ": an error reply cannot carry code 0 (OK)");
+    }
+    KVFERRY_ASSIGN_OR_RETURN(std::string text, m.Str("message", kMaxTextBytes));
+    return Message{ErrorReply{StatusCodeFromWire(code), std::move(text)}};
+  }
+  return Status::InvalidArgument("message type '" + std::string(type.substr(0, 64)) +
+                                 "' is unknown: expected metadata_request, agent_metadata, "
+                                 "finished, abort, lease, ack or error");
+}
+
+}  // namespace
+
+const char* MessageTypeName(const Message& message) {
+  static constexpr const char* kNames[] = {"metadata_request", "agent_metadata", "finished",
+                                           "abort",            "lease",          "ack",
+                                           "error"};
+  return kNames[message.index()];
+}
+
+std::vector<std::uint8_t> Encode(const Message& message) {
+  msgpack::sbuffer buffer;
+  Packer pk(buffer);
+  std::visit(EncodeVisitor{pk}, message);
+  const auto* p = reinterpret_cast<const std::uint8_t*>(buffer.data());
+  return {p, p + buffer.size()};
+}
+
+Result<Message> Decode(std::span<const std::uint8_t> bytes) {
+  if (bytes.empty()) return Status::InvalidArgument("empty message: expected a msgpack map");
+  if (bytes.size() > kMaxMessageBytes) {
+    return Status::InvalidArgument("message of " + std::to_string(bytes.size()) +
+                                   " bytes exceeds the limit of " +
+                                   std::to_string(kMaxMessageBytes));
+  }
+  const char* data = reinterpret_cast<const char*>(bytes.data());
+  msgpack::object_handle handle;
+  // msgpack-c reports malformed input by throwing; this is the one place kvferry lets a library
+  // exception reach its code, and it ends here as a Status.
+  try {
+    BoundsCheck bounds(bytes.size());
+    std::size_t off = 0;
+    if (!msgpack::parse(data, bytes.size(), off, bounds)) {
+      return Status::InvalidArgument(std::string("malformed msgpack: ") +
+                                     (bounds.failure() ? bounds.failure()
+                                                       : "truncated or invalid encoding"));
+    }
+    if (off != bytes.size()) {
+      return Status::InvalidArgument(std::to_string(bytes.size() - off) +
+                                     " trailing bytes after the message: expected exactly one "
+                                     "msgpack map");
+    }
+    off = 0;
+    const msgpack::unpack_limit limits(kMaxRequestIds, 64, kMaxMessageBytes, kMaxMessageBytes, 0,
+                                       kMaxDepth);
+    handle = msgpack::unpack(data, bytes.size(), off, nullptr, nullptr, limits);
+  } catch (const std::exception& e) {
+    return Status::InvalidArgument(std::string("malformed msgpack: ") + e.what());
+  }
+  KVFERRY_ASSIGN_OR_RETURN(MapView m, MapView::Of(handle.get(), "message"));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t version,
+                           m.Uint("v", std::numeric_limits<std::uint64_t>::max()));
+  if (version != kProtocolVersion) {
+    return Status::NotSupported("protocol version " + std::to_string(version) +
+                                " is not supported: this build speaks version " +
+                                std::to_string(kProtocolVersion) +
+                                "; run the same kvferry release on both sides");
+  }
+  KVFERRY_ASSIGN_OR_RETURN(std::string type, m.Str("t", kMaxIdBytes));
+  return DecodeBody(m, type);
+}
+
+}  // namespace kvferry::wire

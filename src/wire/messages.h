@@ -1,0 +1,141 @@
+// The side-channel messages between prefill and decode workers, and their msgpack form.
+//
+// Format (protocol version 1, specified in docs/protocol.md): every message is one msgpack map
+// with string keys. "v" holds the protocol version, "t" the message type; the other keys are the
+// type's fields. Unknown keys are ignored so that later minor additions stay readable; a missing
+// or mistyped known key, an unknown type or version, or bytes after the map are errors.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "kvferry/cache_spec.h"
+#include "kvferry/status.h"
+
+namespace kvferry::wire {
+
+/// The protocol version this build speaks. Peers with another version are refused.
+inline constexpr std::uint32_t kProtocolVersion = 1;
+
+/// Bounds every decoder enforces; inputs beyond them are InvalidArgument or ResourceExhausted.
+inline constexpr std::size_t kMaxMessageBytes = 8u << 20;
+inline constexpr std::size_t kMaxRequestIds = 65536;
+inline constexpr std::size_t kMaxIdBytes = 1024;      ///< request ids, engine ids, names
+inline constexpr std::size_t kMaxTextBytes = 4096;    ///< error and abort reasons, endpoints
+inline constexpr std::size_t kMaxTransports = 16;
+inline constexpr std::size_t kMaxDescriptorBytes = 64u << 10;
+inline constexpr std::size_t kMaxLayers = 4096;
+inline constexpr std::size_t kMaxDepth = 6;
+
+/// Who sent a message: an engine instance and the worker's place in it.
+struct PeerRef {
+  std::string engine_id;
+  std::uint32_t dp_rank = 0;
+  std::uint32_t tp_rank = 0;
+
+  friend bool operator==(const PeerRef&, const PeerRef&) = default;
+};
+
+/// A worker's identity from the rank table plus its parallel placement.
+struct AgentIdentity {
+  PeerRef peer;
+  std::uint32_t tp_size = 1;
+  std::string server_id;
+  std::string device_id;
+  std::string device_ip;
+  std::uint64_t cluster_id = 0;
+  std::optional<std::string> super_pod_id;
+  std::optional<std::string> super_device_id;
+
+  friend bool operator==(const AgentIdentity&, const AgentIdentity&) = default;
+};
+
+/// How to reach one data-plane backend of a worker. The bytes are the backend's own descriptor;
+/// the wire layer carries them without looking inside.
+struct TransportDescriptor {
+  std::string kind;  ///< "shm", "tcp", ...
+  std::vector<std::uint8_t> blob;
+
+  friend bool operator==(const TransportDescriptor&, const TransportDescriptor&) = default;
+};
+
+/// Type "metadata_request": a decode worker asks for a prefill worker's AgentMetadata.
+struct MetadataRequest {
+  PeerRef from;
+
+  friend bool operator==(const MetadataRequest&, const MetadataRequest&) = default;
+};
+
+/// Type "agent_metadata": everything a peer needs before bytes move. The decoder re-validates the
+/// cache spec and checks that cache_hash matches it.
+struct AgentMetadata {
+  AgentIdentity agent;
+  std::string listener_endpoint;  ///< e.g. "tcp://10.0.0.1:30000"
+  std::vector<TransportDescriptor> transports;
+  CacheSpec cache;
+  CompatibilityHash cache_hash{};
+
+  friend bool operator==(const AgentMetadata&, const AgentMetadata&) = default;
+};
+
+/// Type "finished": the sender has completed its reads of these requests (batched).
+struct FinishedNotice {
+  PeerRef from;
+  std::vector<std::string> request_ids;
+
+  friend bool operator==(const FinishedNotice&, const FinishedNotice&) = default;
+};
+
+/// Type "abort": the sender will not read these requests; free their blocks now.
+struct AbortNotice {
+  PeerRef from;
+  std::vector<std::string> request_ids;
+  std::string reason;
+
+  friend bool operator==(const AbortNotice&, const AbortNotice&) = default;
+};
+
+/// Type "lease": the sender still means to read these requests; extend their holds.
+struct LeaseRenewal {
+  PeerRef from;
+  std::vector<std::string> request_ids;
+  std::uint32_t lease_ms = 0;
+
+  friend bool operator==(const LeaseRenewal&, const LeaseRenewal&) = default;
+};
+
+/// Type "ack": a request was accepted; `count` is how many of its items took effect.
+struct Ack {
+  std::uint32_t count = 0;
+
+  friend bool operator==(const Ack&, const Ack&) = default;
+};
+
+/// Type "error": a request was refused. `code` is a StatusCode wire value.
+struct ErrorReply {
+  StatusCode code = StatusCode::kInternal;
+  std::string message;
+
+  friend bool operator==(const ErrorReply&, const ErrorReply&) = default;
+};
+
+using Message = std::variant<MetadataRequest, AgentMetadata, FinishedNotice, AbortNotice,
+                             LeaseRenewal, Ack, ErrorReply>;
+
+/// The type name written in "t" for a message.
+const char* MessageTypeName(const Message& message);
+
+/// Encodes a message. Never fails for values within the bounds above; values beyond them are
+/// encoded anyway and refused by the receiver's decoder.
+std::vector<std::uint8_t> Encode(const Message& message);
+
+/// Decodes exactly one message that fills `bytes`. Never trusts the input: wrong types, missing
+/// fields, oversized lists or strings, unknown types or versions and trailing bytes are
+/// InvalidArgument; memory use is bounded by a small multiple of the input size. Thread-safe.
+Result<Message> Decode(std::span<const std::uint8_t> bytes);
+
+}  // namespace kvferry::wire

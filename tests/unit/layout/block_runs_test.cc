@@ -1,0 +1,160 @@
+#include "layout/block_runs.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+namespace kvferry {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(TailOfRemoteTest, TakesTheTailWhenTheDecodeSideHoldsAPrefix) {
+  const std::vector<std::int64_t> remote = {10, 11, 12, 13, 14};
+  const std::vector<std::int64_t> local = {7, 8};
+  Result<std::span<const std::int64_t>> tail = TailOfRemote(remote, local);
+  ASSERT_TRUE(tail.ok());
+  EXPECT_THAT(std::vector<std::int64_t>(tail->begin(), tail->end()), ElementsAre(13, 14));
+}
+
+TEST(TailOfRemoteTest, ZeroLocalBlocksGivesAnEmptyList) {
+  const std::vector<std::int64_t> remote = {1, 2};
+  Result<std::span<const std::int64_t>> tail = TailOfRemote(remote, {});
+  ASSERT_TRUE(tail.ok());
+  EXPECT_TRUE(tail->empty());
+}
+
+TEST(TailOfRemoteTest, MoreLocalThanRemoteIsAnError) {
+  const std::vector<std::int64_t> remote = {1};
+  const std::vector<std::int64_t> local = {1, 2};
+  EXPECT_THAT(TailOfRemote(remote, local).status().message(),
+              HasSubstr("allocated 2 blocks but the prefill side sent only 1"));
+}
+
+TEST(MergeBlockRunsTest, MergesOnlyWhereBothSidesAreContiguous) {
+  const std::vector<std::int64_t> remote = {4, 5, 6, 9, 10, 11};
+  const std::vector<std::int64_t> local = {0, 1, 3, 4, 5, 6};
+  Result<std::vector<BlockRun>> runs = MergeBlockRuns(remote, local, 16, 16);
+  ASSERT_TRUE(runs.ok());
+  EXPECT_THAT(*runs, ElementsAre(BlockRun{4, 0, 2}, BlockRun{6, 3, 1}, BlockRun{9, 4, 3}));
+}
+
+TEST(MergeBlockRunsTest, RejectsOutOfRangeAndDuplicateLocalIds) {
+  const std::vector<std::int64_t> remote = {0, 1};
+  EXPECT_THAT(MergeBlockRuns(remote, std::vector<std::int64_t>{0, 8}, 8, 8).status().message(),
+              HasSubstr("local block id 8 at index 1 is outside [0, 8)"));
+  EXPECT_THAT(MergeBlockRuns(std::vector<std::int64_t>{0, -1}, std::vector<std::int64_t>{0, 1},
+                             8, 8)
+                  .status()
+                  .message(),
+              HasSubstr("remote block id -1"));
+  EXPECT_THAT(MergeBlockRuns(remote, std::vector<std::int64_t>{3, 3}, 8, 8).status().message(),
+              HasSubstr("appears twice"));
+  EXPECT_THAT(MergeBlockRuns(remote, std::vector<std::int64_t>{3}, 8, 8).status().message(),
+              HasSubstr("as many remote as local"));
+}
+
+// Property test: on random id lists the runs expand back to the same pairs, no two neighbouring
+// runs could have been merged, and copying the byte ranges moves exactly what copying block by
+// block (the naive version) moves.
+TEST(MergeBlockRunsTest, RandomListsMatchTheNaiveCopy) {
+  std::mt19937_64 rng(20261129);
+  for (int iter = 0; iter < 500; ++iter) {
+    const std::int64_t remote_blocks = 1 + static_cast<std::int64_t>(rng() % 40);
+    const std::int64_t local_blocks = 1 + static_cast<std::int64_t>(rng() % 40);
+    const std::int64_t n = static_cast<std::int64_t>(rng() % std::min(remote_blocks, local_blocks + 1));
+    std::vector<std::int64_t> local(static_cast<std::size_t>(local_blocks));
+    std::iota(local.begin(), local.end(), 0);
+    std::shuffle(local.begin(), local.end(), rng);
+    // Bias toward runs: sort a random prefix so contiguous stretches appear.
+    std::sort(local.begin(), local.begin() + static_cast<std::ptrdiff_t>(rng() % (local.size() + 1)));
+    local.resize(static_cast<std::size_t>(std::min<std::int64_t>(n, local_blocks)));
+    std::vector<std::int64_t> remote;
+    std::int64_t next = static_cast<std::int64_t>(rng() % remote_blocks);
+    for (std::size_t i = 0; i < local.size() + rng() % 3; ++i) {
+      remote.push_back(next);
+      next = (rng() % 3 == 0) ? static_cast<std::int64_t>(rng() % remote_blocks)
+                              : (next + 1) % remote_blocks;
+    }
+    Result<std::span<const std::int64_t>> tail = TailOfRemote(remote, local);
+    ASSERT_TRUE(tail.ok());
+    Result<std::vector<BlockRun>> runs =
+        MergeBlockRuns(*tail, local, remote_blocks, local_blocks);
+    ASSERT_TRUE(runs.ok()) << runs.status().ToString();
+
+    std::vector<std::pair<std::int64_t, std::int64_t>> expanded;
+    for (const BlockRun& r : *runs) {
+      ASSERT_GT(r.count, 0);
+      for (std::int64_t b = 0; b < r.count; ++b) {
+        expanded.emplace_back(r.remote_start + b, r.local_start + b);
+      }
+    }
+    ASSERT_EQ(expanded.size(), local.size());
+    for (std::size_t i = 0; i < local.size(); ++i) {
+      EXPECT_EQ(expanded[i].first, (*tail)[i]);
+      EXPECT_EQ(expanded[i].second, local[i]);
+    }
+    for (std::size_t k = 1; k < runs->size(); ++k) {
+      const BlockRun& a = (*runs)[k - 1];
+      const BlockRun& b = (*runs)[k];
+      EXPECT_FALSE(b.remote_start == a.remote_start + a.count &&
+                   b.local_start == a.local_start + a.count)
+          << "runs " << k - 1 << " and " << k << " could merge";
+    }
+
+    // Byte ranges for 2 layers, 2 parts of different block sizes, whole-block slices.
+    const std::vector<PartBlockBytes> sizes = {{24, 24}, {8, 8}};
+    TpSource whole{0, {{0, 0, 24, true}, {0, 0, 8, true}}};
+    std::vector<std::uint8_t> src(static_cast<std::size_t>(remote_blocks * 24 * 4));
+    for (auto& byte : src) byte = static_cast<std::uint8_t>(rng());
+    auto part_base = [](std::int64_t blocks, int layer, int part) {
+      // Layout of the test buffers: layer-major, then part; part 0 is 24 bytes a block, part 1 is 8.
+      return (layer * 2 + part) * blocks * 24;
+    };
+    std::vector<std::uint8_t> got(static_cast<std::size_t>(local_blocks * 24 * 4), 0);
+    std::vector<std::uint8_t> want = got;
+    for (const ByteRange& br : RunByteRanges(*runs, 2, sizes, whole)) {
+      std::memcpy(&got[static_cast<std::size_t>(part_base(local_blocks, br.layer, br.part) + br.local_offset)],
+                  &src[static_cast<std::size_t>(part_base(remote_blocks, br.layer, br.part) + br.remote_offset)],
+                  static_cast<std::size_t>(br.length));
+    }
+    for (int layer = 0; layer < 2; ++layer) {
+      for (int part = 0; part < 2; ++part) {
+        const std::int64_t bb = sizes[static_cast<std::size_t>(part)].local;
+        for (std::size_t i = 0; i < local.size(); ++i) {
+          std::memcpy(&want[static_cast<std::size_t>(part_base(local_blocks, layer, part) + local[i] * bb)],
+                      &src[static_cast<std::size_t>(part_base(remote_blocks, layer, part) + (*tail)[i] * bb)],
+                      static_cast<std::size_t>(bb));
+        }
+      }
+    }
+    ASSERT_EQ(got, want) << "iteration " << iter;
+  }
+}
+
+TEST(RunByteRangesTest, PartialSlicesGiveOneRangePerBlock) {
+  // Remote blocks of 64 bytes (4 heads), local blocks of 32 bytes (2 heads); the decode rank takes
+  // heads 2..3 of the prefill rank: remote offset 32, local offset 0, 32 bytes.
+  const std::vector<BlockRun> runs = {{5, 1, 2}};
+  const std::vector<PartBlockBytes> sizes = {{64, 32}};
+  TpSource slice{0, {{32, 0, 32, false}}};
+  EXPECT_THAT(RunByteRanges(runs, 1, sizes, slice),
+              ElementsAre(ByteRange{0, 0, 5 * 64 + 32, 32, 32}, ByteRange{0, 0, 6 * 64 + 32, 64, 32}));
+}
+
+TEST(RunByteRangesTest, WholeBlockRunIsOneRangePerLayerAndPart) {
+  const std::vector<BlockRun> runs = {{3, 7, 4}};
+  const std::vector<PartBlockBytes> sizes = {{100, 100}, {10, 10}};
+  TpSource whole{0, {{0, 0, 100, true}, {0, 0, 10, true}}};
+  EXPECT_THAT(RunByteRanges(runs, 2, sizes, whole),
+              ElementsAre(ByteRange{0, 0, 300, 700, 400}, ByteRange{0, 1, 30, 70, 40},
+                          ByteRange{1, 0, 300, 700, 400}, ByteRange{1, 1, 30, 70, 40}));
+}
+
+}  // namespace
+}  // namespace kvferry

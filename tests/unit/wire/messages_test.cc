@@ -1,0 +1,290 @@
+#include "wire/messages.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <msgpack.hpp>
+#include <random>
+
+namespace kvferry::wire {
+namespace {
+
+using ::testing::HasSubstr;
+
+AgentMetadata SampleMetadata() {
+  CacheSpec cache = *CacheSpec::Mla(61, 512, 64, 4096, 128, DType::kBFloat16, 2, 1);
+  AgentIdentity agent{{"prefill-0", 0, 1}, 2, "127.0.0.1", "1", "127.0.0.1", 2, "0", "104857601"};
+  return AgentMetadata{agent,
+                       "tcp://127.0.0.1:30001",
+                       {{"shm", {1, 2, 3}}, {"tcp", {4, 5}}},
+                       cache,
+                       cache.Hash()};
+}
+
+std::vector<Message> SampleMessages() {
+  return {MetadataRequest{{"decode-0", 1, 3}},
+          SampleMetadata(),
+          FinishedNotice{{"decode-0", 0, 2}, {"req-1", "req-2", ""}},
+          AbortNotice{{"decode-0", 0, 0}, {"req-9"}, "client went away"},
+          LeaseRenewal{{"decode-0", 0, 0}, {"a", "b"}, 30000},
+          Ack{7},
+          ErrorReply{StatusCode::kUnauthenticated, "bad mac"}};
+}
+
+TEST(WireTest, EveryMessageRoundTrips) {
+  for (const Message& m : SampleMessages()) {
+    std::vector<std::uint8_t> bytes = Encode(m);
+    Result<Message> back = Decode(bytes);
+    ASSERT_TRUE(back.ok()) << MessageTypeName(m) << ": " << back.status().ToString();
+    EXPECT_EQ(*back, m) << MessageTypeName(m);
+  }
+}
+
+TEST(WireTest, MetadataWithoutOptionalFieldsRoundTrips) {
+  AgentMetadata m = SampleMetadata();
+  m.agent.super_pod_id.reset();
+  m.agent.super_device_id.reset();
+  m.transports.clear();
+  Result<Message> back = Decode(Encode(m));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(std::get<AgentMetadata>(*back), m);
+}
+
+// --- Malformed input, class by class. Every case must be a clear error, never a crash. ---
+
+using Packer = msgpack::packer<msgpack::sbuffer>;
+
+std::vector<std::uint8_t> Bytes(const msgpack::sbuffer& b) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(b.data());
+  return {p, p + b.size()};
+}
+
+void Str(Packer& pk, const std::string& s) { pk.pack(s); }
+
+// {"v": version, "t": type, <extra key/values written by `body`>}
+template <typename Body>
+std::vector<std::uint8_t> Envelope(std::uint64_t version, const std::string& type, int extra,
+                                   Body body) {
+  msgpack::sbuffer b;
+  Packer pk(b);
+  pk.pack_map(static_cast<std::uint32_t>(2 + extra));
+  Str(pk, "v");
+  pk.pack(version);
+  Str(pk, "t");
+  Str(pk, type);
+  body(pk);
+  return Bytes(b);
+}
+
+void Peer(Packer& pk) {
+  pk.pack_map(3);
+  Str(pk, "engine_id");
+  Str(pk, "e");
+  Str(pk, "dp_rank");
+  pk.pack(0);
+  Str(pk, "tp_rank");
+  pk.pack(0);
+}
+
+Status DecodeError(const std::vector<std::uint8_t>& bytes) {
+  Result<Message> r = Decode(bytes);
+  EXPECT_FALSE(r.ok());
+  return r.status();
+}
+
+TEST(WireDecodeTest, WrongTypes) {
+  auto bytes = Envelope(1, "finished", 2, [](Packer& pk) {
+    Str(pk, "from");
+    Peer(pk);
+    Str(pk, "request_ids");
+    pk.pack_array(2);
+    Str(pk, "ok");
+    pk.pack(42);
+  });
+  EXPECT_THAT(DecodeError(bytes).message(),
+              HasSubstr("message.request_ids[1]: expected a string, found a non-negative integer"));
+  bytes = Envelope(1, "ack", 1, [](Packer& pk) {
+    Str(pk, "count");
+    Str(pk, "seven");
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("message.count: expected a non-negative"));
+  msgpack::sbuffer b;
+  Packer(b).pack(std::vector<int>{1, 2});
+  EXPECT_THAT(DecodeError(Bytes(b)).message(), HasSubstr("message: expected a map, found an array"));
+}
+
+TEST(WireDecodeTest, MissingFields) {
+  auto bytes = Envelope(1, "abort", 2, [](Packer& pk) {
+    Str(pk, "from");
+    Peer(pk);
+    Str(pk, "request_ids");
+    pk.pack_array(0);
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("message.reason: missing"));
+  bytes = Envelope(1, "metadata_request", 0, [](Packer&) {});
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("message.from: missing"));
+  msgpack::sbuffer b;
+  Packer pk(b);
+  pk.pack_map(1);
+  Str(pk, "t");
+  Str(pk, "ack");
+  EXPECT_THAT(DecodeError(Bytes(b)).message(), HasSubstr("message.v: missing"));
+}
+
+TEST(WireDecodeTest, OversizedListsAndStrings) {
+  auto bytes = Envelope(1, "finished", 2, [](Packer& pk) {
+    Str(pk, "from");
+    Peer(pk);
+    Str(pk, "request_ids");
+    pk.pack_array(static_cast<std::uint32_t>(kMaxRequestIds + 1));
+    for (std::size_t i = 0; i <= kMaxRequestIds; ++i) Str(pk, "r");
+  });
+  EXPECT_FALSE(Decode(bytes).ok());
+  bytes = Envelope(1, "error", 2, [](Packer& pk) {
+    Str(pk, "code");
+    pk.pack(3);
+    Str(pk, "message");
+    Str(pk, std::string(kMaxTextBytes + 1, 'x'));
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("exceed the limit of 4096"));
+  std::vector<std::uint8_t> huge(kMaxMessageBytes + 1, 0x90);
+  EXPECT_THAT(DecodeError(huge).message(), HasSubstr("exceeds the limit"));
+}
+
+TEST(WireDecodeTest, DeclaredSizesBeyondTheInputAllocateNothing) {
+  // array32 header declaring 4 billion elements, then nothing.
+  const std::vector<std::uint8_t> bomb = {0xdd, 0xff, 0xff, 0xff, 0xff};
+  EXPECT_THAT(DecodeError(bomb).message(), HasSubstr("more elements than the message has bytes"));
+  // A map of arrays each declaring 65535 elements: small input, large declared total.
+  std::vector<std::uint8_t> nested = {0x94};
+  for (int i = 0; i < 4; ++i) nested.insert(nested.end(), {0xdc, 0xff, 0xff});
+  EXPECT_THAT(DecodeError(nested).message(), HasSubstr("more elements than the message has bytes"));
+  // str32 declaring 4 GiB.
+  EXPECT_FALSE(Decode(std::vector<std::uint8_t>{0xdb, 0xff, 0xff, 0xff, 0xff, 'a'}).ok());
+}
+
+TEST(WireDecodeTest, DeepNestingIsRefused) {
+  std::vector<std::uint8_t> deep(64, 0x91);
+  deep.push_back(0x90);
+  EXPECT_THAT(DecodeError(deep).message(), HasSubstr("nesting deeper"));
+}
+
+TEST(WireDecodeTest, UnknownVersionAndType) {
+  auto bytes = Envelope(2, "ack", 1, [](Packer& pk) {
+    Str(pk, "count");
+    pk.pack(1);
+  });
+  Status s = DecodeError(bytes);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported);
+  EXPECT_THAT(s.message(), HasSubstr("protocol version 2 is not supported"));
+  bytes = Envelope(1, "launch_missiles", 0, [](Packer&) {});
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("message type 'launch_missiles' is unknown"));
+}
+
+TEST(WireDecodeTest, TrailingAndTruncatedBytes) {
+  std::vector<std::uint8_t> bytes = Encode(Ack{1});
+  bytes.push_back(0xc0);
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("1 trailing bytes"));
+  bytes = Encode(FinishedNotice{{"d", 0, 0}, {"abc"}});
+  bytes.pop_back();
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("malformed msgpack"));
+  EXPECT_THAT(DecodeError({}).message(), HasSubstr("empty message"));
+  EXPECT_FALSE(Decode(std::vector<std::uint8_t>{0xc1}).ok());  // never-used type byte
+}
+
+TEST(WireDecodeTest, DuplicateAndNonStringKeys) {
+  auto bytes = Envelope(1, "ack", 2, [](Packer& pk) {
+    Str(pk, "count");
+    pk.pack(1);
+    Str(pk, "count");
+    pk.pack(2);
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("key 'count' appears twice"));
+  bytes = Envelope(1, "ack", 2, [](Packer& pk) {
+    Str(pk, "count");
+    pk.pack(1);
+    pk.pack(5);
+    pk.pack(6);
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("map key 3 is a non-negative integer"));
+}
+
+TEST(WireDecodeTest, UnknownKeysAreIgnoredForForwardCompatibility) {
+  auto bytes = Envelope(1, "ack", 2, [](Packer& pk) {
+    Str(pk, "count");
+    pk.pack(3);
+    Str(pk, "added_in_a_later_minor");
+    pk.pack_array(0);
+  });
+  Result<Message> m = Decode(bytes);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(std::get<Ack>(*m).count, 3u);
+}
+
+TEST(WireDecodeTest, ErrorReplyCannotCarryOk) {
+  auto bytes = Envelope(1, "error", 2, [](Packer& pk) {
+    Str(pk, "code");
+    pk.pack(0);
+    Str(pk, "message");
+    Str(pk, "");
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("cannot carry code 0"));
+}
+
+// Re-encodes the sample metadata with one change to its cache map.
+std::vector<std::uint8_t> MetadataWithCache(const CacheSpec& cache, const CompatibilityHash& hash) {
+  AgentMetadata m = SampleMetadata();
+  m.cache = cache;
+  m.cache_hash = hash;
+  return Encode(m);
+}
+
+TEST(WireDecodeTest, MetadataCacheSpecIsRevalidatedAndHashChecked) {
+  const CacheSpec good = SampleMetadata().cache;
+  CompatibilityHash wrong = good.Hash();
+  wrong[0] ^= 0xff;
+  EXPECT_THAT(DecodeError(MetadataWithCache(good, wrong)).message(),
+              HasSubstr("cache_hash: does not match the cache spec"));
+  // A spec that validation rejects: patch num_blocks to 0 in the encoded bytes via a re-encode.
+  AgentMetadata m = SampleMetadata();
+  std::vector<std::uint8_t> bytes = Encode(m);
+  const std::string key = "num_blocks";
+  auto it = std::search(bytes.begin(), bytes.end(), key.begin(), key.end());
+  ASSERT_NE(it, bytes.end());
+  // The value after the key is int64 4096, packed as uint16 (0xcd 0x10 0x00); make it 0.
+  auto value = it + static_cast<std::ptrdiff_t>(key.size());
+  ASSERT_EQ(*value, 0xcd);
+  value[1] = 0;
+  value[2] = 0;
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("message.cache: num_blocks must be positive"));
+}
+
+TEST(WireDecodeTest, MetadataTpRankMustBeBelowTpSize) {
+  AgentMetadata m = SampleMetadata();
+  m.agent.tp_size = 1;  // tp_rank is 1
+  EXPECT_THAT(DecodeError(Encode(m)).message(), HasSubstr("expected tp_rank 1 < tp_size"));
+}
+
+// Random corruption of valid messages: every result is a value or a clean error.
+TEST(WireDecodeTest, RandomMutationsNeverCrash) {
+  std::mt19937 rng(7);
+  int errors = 0;
+  for (const Message& m : SampleMessages()) {
+    const std::vector<std::uint8_t> good = Encode(m);
+    for (int i = 0; i < 2000; ++i) {
+      std::vector<std::uint8_t> bad = good;
+      const int flips = 1 + static_cast<int>(rng() % 4);
+      for (int f = 0; f < flips; ++f) bad[rng() % bad.size()] = static_cast<std::uint8_t>(rng());
+      if (rng() % 5 == 0) bad.resize(rng() % bad.size());
+      Result<Message> r = Decode(bad);
+      if (!r.ok()) {
+        ++errors;
+        EXPECT_FALSE(r.status().message().empty());
+      }
+    }
+  }
+  EXPECT_GT(errors, 0);
+}
+
+}  // namespace
+}  // namespace kvferry::wire
