@@ -83,16 +83,14 @@ Status RunPlan(const PlanArgs& a) {
       for (int p = 0; p < local_spec.num_parts(); ++p) {
         bytes.push_back({remote_spec.BlockBytes(p), local_spec.BlockBytes(p)});
       }
-      const std::vector<ByteRange> ranges =
-          RunByteRanges(runs, local_spec.num_layers(), bytes, s);
+      const std::vector<ByteRange> ranges = RunByteRanges(runs, local_spec.num_layers(), bytes, s);
       std::int64_t total = 0;
       for (const ByteRange& br : ranges) total += br.length;
       std::cout << "  decode rank " << r << " reads prefill rank " << s.prefill_rank << ": ";
       for (std::size_t p = 0; p < s.part_slices.size(); ++p) {
         const BlockSlice& sl = s.part_slices[p];
         std::cout << (p ? ", " : "") << local_spec.parts()[p].name << " bytes [" << sl.remote_offset
-                  << ", +" << sl.length << ") -> [" << sl.local_offset << ", +" << sl.length
-                  << ")";
+                  << ", +" << sl.length << ") -> [" << sl.local_offset << ", +" << sl.length << ")";
       }
       std::cout << "; " << ranges.size() << " reads, " << total << " bytes\n";
     }

@@ -101,8 +101,9 @@ void AddRanktableCommands(CLI::App& app, int& exit_code) {
   rt->require_subcommand(1);
 
   auto check_args = std::make_shared<CheckArgs>();
-  CLI::App* check = rt->add_subcommand("check", "Validate a rank table file; optionally select "
-                                                "the entry a worker would use");
+  CLI::App* check = rt->add_subcommand("check",
+                                       "Validate a rank table file; optionally select "
+                                       "the entry a worker would use");
   check->add_option("file", check_args->file, "Rank table JSON file")->required();
   check->add_option("--role", check_args->role, "prefill|decode (kv_producer|kv_consumer)");
   check->add_option("--server-id", check_args->server_id, "Host address to select entries for");
@@ -112,8 +113,9 @@ void AddRanktableCommands(CLI::App& app, int& exit_code) {
   check->callback([check_args, &exit_code] { exit_code = RunCheck(*check_args); });
 
   auto gen_args = std::make_shared<GenArgs>();
-  CLI::App* gen = rt->add_subcommand("gen", "Write a rank table in the reference generator's "
-                                            "format");
+  CLI::App* gen = rt->add_subcommand("gen",
+                                     "Write a rank table in the reference generator's "
+                                     "format");
   gen->add_option("--hosts", gen_args->hosts, "Host addresses (server_id), in order")
       ->required()
       ->delimiter(',');
@@ -126,8 +128,9 @@ void AddRanktableCommands(CLI::App& app, int& exit_code) {
       ->required();
   gen->add_option("--decode", gen_args->decode, "Number of decode devices (taken next)")
       ->required();
-  gen->add_flag("--super-pod", gen_args->super_pod, "Write the A3 fields super_pod_id and "
-                                                    "super_device_id");
+  gen->add_flag("--super-pod", gen_args->super_pod,
+                "Write the A3 fields super_pod_id and "
+                "super_device_id");
   gen->add_option("-o,--output", gen_args->output, "Output file (default: stdout)");
   gen->callback([gen_args, &exit_code] { exit_code = RunGen(*gen_args); });
 }

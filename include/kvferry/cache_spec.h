@@ -106,10 +106,10 @@ class CacheSpec {
   static Result<CacheSpec> Mla(int num_layers, std::int64_t latent_dim, std::int64_t rope_dim,
                                std::int64_t num_blocks, std::int64_t tokens_per_block, DType dtype,
                                int tp_size = 1, int tp_rank = 0);
-  static Result<CacheSpec> SparseMla(int num_layers, std::int64_t latent_dim,
-                                     std::int64_t rope_dim, std::int64_t indexer_dim,
-                                     std::int64_t num_blocks, std::int64_t tokens_per_block,
-                                     DType dtype, int tp_size = 1, int tp_rank = 0);
+  static Result<CacheSpec> SparseMla(int num_layers, std::int64_t latent_dim, std::int64_t rope_dim,
+                                     std::int64_t indexer_dim, std::int64_t num_blocks,
+                                     std::int64_t tokens_per_block, DType dtype, int tp_size = 1,
+                                     int tp_rank = 0);
 
   const CacheSpecOptions& options() const { return options_; }
   int num_layers() const { return static_cast<int>(options_.layers.size()); }
@@ -144,7 +144,8 @@ class CacheSpec {
   std::string CanonicalText() const;
 
   friend bool operator==(const CacheSpec& a, const CacheSpec& b) {
-    return a.options_.layers == b.options_.layers && a.options_.num_blocks == b.options_.num_blocks &&
+    return a.options_.layers == b.options_.layers &&
+           a.options_.num_blocks == b.options_.num_blocks &&
            a.options_.tokens_per_block == b.options_.tokens_per_block &&
            a.options_.dtype == b.options_.dtype && a.options_.layout == b.options_.layout &&
            a.options_.tp_size == b.options_.tp_size && a.options_.tp_rank == b.options_.tp_rank;

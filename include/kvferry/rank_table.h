@@ -31,13 +31,14 @@ const char* RoleName(Role role);  // "prefill", "decode"
 Result<Role> ParseRole(std::string_view name);
 
 /// One device (one TP worker) of the table. Numbers that the reference's generator writes as
-/// strings are kept as the strings they were, except cluster_id, which both sides use as an integer.
+/// strings are kept as the strings they were, except cluster_id, which both sides use as an
+/// integer.
 struct DeviceEntry {
-  std::string server_id;  ///< the host, matched against the local host's address
-  std::string device_id;  ///< matched against the visible-devices list
-  std::string device_ip;  ///< address the data plane of this worker is reached on
-  std::uint64_t cluster_id = 0;  ///< unique across the whole table
-  std::optional<std::string> super_pod_id;     ///< A3 only
+  std::string server_id;                    ///< the host, matched against the local host's address
+  std::string device_id;                    ///< matched against the visible-devices list
+  std::string device_ip;                    ///< address the data plane of this worker is reached on
+  std::uint64_t cluster_id = 0;             ///< unique across the whole table
+  std::optional<std::string> super_pod_id;  ///< A3 only
   std::optional<std::string> super_device_id;  ///< A3 only
 
   friend bool operator==(const DeviceEntry&, const DeviceEntry&) = default;

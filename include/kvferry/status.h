@@ -14,12 +14,12 @@ namespace kvferry {
 /// The numeric values are part of the wire protocol (error replies carry them): never renumber.
 enum class StatusCode : std::uint8_t {
   kOk = 0,
-  kInvalidArgument = 1,   ///< the caller or a peer passed something malformed or out of range
-  kNotFound = 2,          ///< a named thing (request, peer, rank-table entry, file) does not exist
-  kUnavailable = 3,       ///< a peer or resource cannot be reached now; retrying may help
-  kPeerDisconnected = 4,  ///< a peer that was connected went away mid-operation
-  kTimeout = 5,           ///< a deadline passed before the operation completed
-  kCancelled = 6,         ///< the operation was cancelled by its owner
+  kInvalidArgument = 1,    ///< the caller or a peer passed something malformed or out of range
+  kNotFound = 2,           ///< a named thing (request, peer, rank-table entry, file) does not exist
+  kUnavailable = 3,        ///< a peer or resource cannot be reached now; retrying may help
+  kPeerDisconnected = 4,   ///< a peer that was connected went away mid-operation
+  kTimeout = 5,            ///< a deadline passed before the operation completed
+  kCancelled = 6,          ///< the operation was cancelled by its owner
   kResourceExhausted = 7,  ///< a bound (memory, queue, count) would be exceeded
   kNotSupported = 8,       ///< a valid request this build or configuration cannot serve
   kInternal = 9,           ///< an invariant of kvferry itself broke: a bug to report
@@ -122,10 +122,10 @@ class [[nodiscard]] Result {
 #define KVFERRY_CONCAT_(a, b) KVFERRY_CONCAT_INNER_(a, b)
 
 /// Evaluates `expr` (a Status); returns it from the enclosing function if it is not OK.
-#define KVFERRY_RETURN_IF_ERROR(expr)                    \
-  do {                                                   \
-    ::kvferry::Status kvferry_status_ = (expr);          \
-    if (!kvferry_status_.ok()) return kvferry_status_;   \
+#define KVFERRY_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::kvferry::Status kvferry_status_ = (expr);        \
+    if (!kvferry_status_.ok()) return kvferry_status_; \
   } while (false)
 
 /// Evaluates `expr` (a Result<T>); on error returns its Status, else moves the value into `lhs`

@@ -8,10 +8,10 @@ namespace kvferry {
 Result<std::span<const std::int64_t>> TailOfRemote(std::span<const std::int64_t> remote_ids,
                                                    std::span<const std::int64_t> local_ids) {
   if (local_ids.size() > remote_ids.size()) {
-    return Status::InvalidArgument(
-        "the decode side allocated " + std::to_string(local_ids.size()) +
-        " blocks but the prefill side sent only " + std::to_string(remote_ids.size()) +
-        "; expected at most as many local blocks as remote ones");
+    return Status::InvalidArgument("the decode side allocated " + std::to_string(local_ids.size()) +
+                                   " blocks but the prefill side sent only " +
+                                   std::to_string(remote_ids.size()) +
+                                   "; expected at most as many local blocks as remote ones");
   }
   return remote_ids.subspan(remote_ids.size() - local_ids.size());
 }

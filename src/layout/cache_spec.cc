@@ -38,10 +38,9 @@ std::string PartLabel(int layer, int part, const PartSpec& spec) {
 
 Status ValidateLayerAgainstFirst(int index, const LayerSpec& layer, const LayerSpec& first) {
   if (layer.kind != first.kind) {
-    return Status::InvalidArgument("layer " + std::to_string(index) + " is " +
-                                   CacheKindName(layer.kind) + " but layer 0 is " +
-                                   CacheKindName(first.kind) +
-                                   "; kvferry needs every layer to share one cache shape");
+    return Status::InvalidArgument(
+        "layer " + std::to_string(index) + " is " + CacheKindName(layer.kind) + " but layer 0 is " +
+        CacheKindName(first.kind) + "; kvferry needs every layer to share one cache shape");
   }
   for (std::size_t p = 0; p < layer.parts.size(); ++p) {
     const PartSpec& a = layer.parts[p];
@@ -66,10 +65,9 @@ Status ValidateTpSplit(const PartSpec& part, int tp_size) {
   const std::int64_t heads = part.num_heads;
   const bool ok = tp_size <= heads ? heads % tp_size == 0 : tp_size % heads == 0;
   if (!ok) {
-    return Status::InvalidArgument(
-        "part '" + part.name + "' has " + std::to_string(heads) +
-        " KV heads, which cannot be split across TP size " + std::to_string(tp_size) +
-        ": one of them must divide the other");
+    return Status::InvalidArgument("part '" + part.name + "' has " + std::to_string(heads) +
+                                   " KV heads, which cannot be split across TP size " +
+                                   std::to_string(tp_size) + ": one of them must divide the other");
   }
   return Status::Ok();
 }
@@ -190,10 +188,10 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
     const LayerSpec& layer = layers[l];
     const int li = static_cast<int>(l);
     if (layer.parts.size() != CacheKindParts(layer.kind)) {
-      return Status::InvalidArgument(
-          "layer " + std::to_string(l) + " is " + CacheKindName(layer.kind) + " and needs " +
-          std::to_string(CacheKindParts(layer.kind)) + " parts, found " +
-          std::to_string(layer.parts.size()));
+      return Status::InvalidArgument("layer " + std::to_string(l) + " is " +
+                                     CacheKindName(layer.kind) + " and needs " +
+                                     std::to_string(CacheKindParts(layer.kind)) + " parts, found " +
+                                     std::to_string(layer.parts.size()));
     }
     for (std::size_t p = 0; p < layer.parts.size(); ++p) {
       const PartSpec& part = layer.parts[p];
@@ -207,9 +205,10 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
     if (l > 0) KVFERRY_RETURN_IF_ERROR(ValidateLayerAgainstFirst(li, layer, first));
   }
   if (first.kind == CacheKind::kMha && first.parts[0].num_heads != first.parts[1].num_heads) {
-    return Status::InvalidArgument("MHA parts K and V must have the same number of KV heads, found " +
-                                   std::to_string(first.parts[0].num_heads) + " and " +
-                                   std::to_string(first.parts[1].num_heads));
+    return Status::InvalidArgument(
+        "MHA parts K and V must have the same number of KV heads, found " +
+        std::to_string(first.parts[0].num_heads) + " and " +
+        std::to_string(first.parts[1].num_heads));
   }
   if (IsSplitAcrossTp(first.kind)) {
     for (const PartSpec& part : first.parts) {
@@ -322,9 +321,9 @@ Result<CacheAddresses> CacheAddresses::Create(const CacheSpec& spec,
   const auto align = static_cast<std::uint64_t>(spec.RequiredAlignment());
   for (std::size_t l = 0; l < bases.size(); ++l) {
     if (bases[l].size() != static_cast<std::size_t>(spec.num_parts())) {
-      return Status::InvalidArgument("layer " + std::to_string(l) + " has " +
-                                     std::to_string(bases[l].size()) + " base addresses, expected " +
-                                     std::to_string(spec.num_parts()) + " (one per part)");
+      return Status::InvalidArgument(
+          "layer " + std::to_string(l) + " has " + std::to_string(bases[l].size()) +
+          " base addresses, expected " + std::to_string(spec.num_parts()) + " (one per part)");
     }
     for (int p = 0; p < spec.num_parts(); ++p) {
       const std::uint64_t base = bases[l][static_cast<std::size_t>(p)];

@@ -52,7 +52,8 @@ Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefi
   if (geometry.kind() != CacheKind::kMha) {
     TpSource source{decode_rank % prefill_tp, {}};
     for (int p = 0; p < parts; ++p) {
-      const std::int64_t bytes = HeadBytes(geometry, p, geometry.parts()[static_cast<std::size_t>(p)].num_heads);
+      const std::int64_t bytes =
+          HeadBytes(geometry, p, geometry.parts()[static_cast<std::size_t>(p)].num_heads);
       source.part_slices.push_back({0, 0, bytes, true});
     }
     return std::vector<TpSource>{source};
@@ -67,8 +68,8 @@ Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefi
     const HeadRange theirs = SplitHeads(heads, prefill_tp, q);
     // Heads [h, end) all come from prefill rank q.
     const std::int64_t end = std::min(mine.first + mine.count, theirs.first + theirs.count);
-    const bool whole = (h == mine.first && end == mine.first + mine.count &&
-                        h == theirs.first && end == theirs.first + theirs.count);
+    const bool whole = (h == mine.first && end == mine.first + mine.count && h == theirs.first &&
+                        end == theirs.first + theirs.count);
     if (!whole && geometry.layout() != BlockLayout::kHeadMajor) {
       return Status::NotSupported(
           "MHA cache with " + std::to_string(heads) + " KV heads, prefill TP " +

@@ -171,9 +171,9 @@ Result<std::vector<DeviceEntry>> ParseList(const Json& root, const char* name,
   }
   std::vector<DeviceEntry> out;
   for (std::size_t i = 0; i < it->size(); ++i) {
-    KVFERRY_ASSIGN_OR_RETURN(DeviceEntry e,
-                             ParseEntry((*it)[i], Where(source, std::string(name) + "[" +
-                                                                    std::to_string(i) + "]")));
+    KVFERRY_ASSIGN_OR_RETURN(
+        DeviceEntry e,
+        ParseEntry((*it)[i], Where(source, std::string(name) + "[" + std::to_string(i) + "]")));
     out.push_back(std::move(e));
   }
   return out;
@@ -305,9 +305,8 @@ Result<DeviceEntry> RankTable::SelectLocal(Role role, std::string_view server_id
   std::vector<const DeviceEntry*> matches;
   for (const DeviceEntry& e : list) {
     if (e.server_id != server_id) continue;
-    if (!visible_devices.empty() &&
-        std::find(visible_devices.begin(), visible_devices.end(), e.device_id) ==
-            visible_devices.end()) {
+    if (!visible_devices.empty() && std::find(visible_devices.begin(), visible_devices.end(),
+                                              e.device_id) == visible_devices.end()) {
       continue;
     }
     matches.push_back(&e);
@@ -389,19 +388,19 @@ Result<RankTable> GenerateRankTable(const RankTableGenOptions& options) {
   }
   if (options.prefill_count < 0 || options.decode_count < 0 ||
       options.prefill_count + options.decode_count <= 0) {
-    return Status::InvalidArgument("expected non-negative prefill and decode device counts with "
-                                   "a positive sum, found " +
-                                   std::to_string(options.prefill_count) + " and " +
-                                   std::to_string(options.decode_count));
+    return Status::InvalidArgument(
+        "expected non-negative prefill and decode device counts with "
+        "a positive sum, found " +
+        std::to_string(options.prefill_count) + " and " + std::to_string(options.decode_count));
   }
   const std::int64_t available =
       static_cast<std::int64_t>(options.hosts.size()) * options.devices_per_host;
   if (options.prefill_count + options.decode_count > available) {
-    return Status::InvalidArgument(
-        "prefill + decode devices (" +
-        std::to_string(options.prefill_count + options.decode_count) + ") exceed the " +
-        std::to_string(available) + " devices of " + std::to_string(options.hosts.size()) +
-        " hosts with " + std::to_string(options.devices_per_host) + " each");
+    return Status::InvalidArgument("prefill + decode devices (" +
+                                   std::to_string(options.prefill_count + options.decode_count) +
+                                   ") exceed the " + std::to_string(available) + " devices of " +
+                                   std::to_string(options.hosts.size()) + " hosts with " +
+                                   std::to_string(options.devices_per_host) + " each");
   }
   std::vector<DeviceEntry> all;
   for (std::size_t h = 0; h < options.hosts.size(); ++h) {

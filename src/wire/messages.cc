@@ -1,11 +1,10 @@
 #include "wire/messages.h"
 
-#include <msgpack.hpp>
-
 #include <algorithm>
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <msgpack.hpp>
 #include <string_view>
 #include <utility>
 
@@ -253,8 +252,8 @@ class MapView {
     for (std::uint32_t i = 0; i < m.size; ++i) {
       const msgpack::object& k = m.ptr[i].key;
       if (k.type != msgpack::type::STR) {
-        return Status::InvalidArgument(path + ": map key " + std::to_string(i) +
-                                       " is " + ObjectTypeName(k) + ", expected a string");
+        return Status::InvalidArgument(path + ": map key " + std::to_string(i) + " is " +
+                                       ObjectTypeName(k) + ", expected a string");
       }
       const std::string_view key(k.via.str.ptr, k.via.str.size);
       for (std::uint32_t j = 0; j < i; ++j) {
@@ -453,8 +452,7 @@ Result<Message> DecodeAgentMetadata(const MapView& m) {
                                    ObjectTypeName(*tr));
   }
   if (tr->via.array.size > kMaxTransports) {
-    return Status::InvalidArgument(m.At("transports") + ": " +
-                                   std::to_string(tr->via.array.size) +
+    return Status::InvalidArgument(m.At("transports") + ": " + std::to_string(tr->via.array.size) +
                                    " entries exceed the limit of " +
                                    std::to_string(kMaxTransports));
   }
@@ -501,7 +499,8 @@ Result<Message> DecodeBody(const MapView& m, std::string_view type) {
       return Message{AbortNotice{std::move(from), std::move(ids), std::move(reason)}};
     }
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t lease_ms, m.Uint("lease_ms", kMaxU32));
-    return Message{LeaseRenewal{std::move(from), std::move(ids), static_cast<std::uint32_t>(lease_ms)}};
+    return Message{
+        LeaseRenewal{std::move(from), std::move(ids), static_cast<std::uint32_t>(lease_ms)}};
   }
   if (type == "ack") {
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t count, m.Uint("count", kMaxU32));
@@ -523,9 +522,8 @@ Result<Message> DecodeBody(const MapView& m, std::string_view type) {
 }  // namespace
 
 const char* MessageTypeName(const Message& message) {
-  static constexpr const char* kNames[] = {"metadata_request", "agent_metadata", "finished",
-                                           "abort",            "lease",          "ack",
-                                           "error"};
+  static constexpr const char* kNames[] = {
+      "metadata_request", "agent_metadata", "finished", "abort", "lease", "ack", "error"};
   return kNames[message.index()];
 }
 
@@ -552,9 +550,9 @@ Result<Message> Decode(std::span<const std::uint8_t> bytes) {
     BoundsCheck bounds(bytes.size());
     std::size_t off = 0;
     if (!msgpack::parse(data, bytes.size(), off, bounds)) {
-      return Status::InvalidArgument(std::string("malformed msgpack: ") +
-                                     (bounds.failure() ? bounds.failure()
-                                                       : "truncated or invalid encoding"));
+      return Status::InvalidArgument(
+          std::string("malformed msgpack: ") +
+          (bounds.failure() ? bounds.failure() : "truncated or invalid encoding"));
     }
     if (off != bytes.size()) {
       return Status::InvalidArgument(std::to_string(bytes.size() - off) +

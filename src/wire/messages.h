@@ -24,8 +24,8 @@ inline constexpr std::uint32_t kProtocolVersion = 1;
 /// Bounds every decoder enforces; inputs beyond them are InvalidArgument or ResourceExhausted.
 inline constexpr std::size_t kMaxMessageBytes = 8u << 20;
 inline constexpr std::size_t kMaxRequestIds = 65536;
-inline constexpr std::size_t kMaxIdBytes = 1024;      ///< request ids, engine ids, names
-inline constexpr std::size_t kMaxTextBytes = 4096;    ///< error and abort reasons, endpoints
+inline constexpr std::size_t kMaxIdBytes = 1024;    ///< request ids, engine ids, names
+inline constexpr std::size_t kMaxTextBytes = 4096;  ///< error and abort reasons, endpoints
 inline constexpr std::size_t kMaxTransports = 16;
 inline constexpr std::size_t kMaxDescriptorBytes = 64u << 10;
 inline constexpr std::size_t kMaxLayers = 4096;

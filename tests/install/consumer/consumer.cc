@@ -22,7 +22,7 @@ int main() {
     std::cerr << table.status().ToString() << "\n";
     return 1;
   }
-  std::cout << "consumer ok: " << spec->TotalBytes() << " bytes, " << table->prefill().size()
-            << "+" << table->decode().size() << " devices\n";
+  std::cout << "consumer ok: " << spec->TotalBytes() << " bytes, " << table->prefill().size() << "+"
+            << table->decode().size() << " devices\n";
   return spec->TotalBytes() == 2 * 2 * 64 * 16 * 8 * 128 * 2 ? 0 : 1;
 }

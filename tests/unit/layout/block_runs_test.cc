@@ -48,11 +48,11 @@ TEST(MergeBlockRunsTest, RejectsOutOfRangeAndDuplicateLocalIds) {
   const std::vector<std::int64_t> remote = {0, 1};
   EXPECT_THAT(MergeBlockRuns(remote, std::vector<std::int64_t>{0, 8}, 8, 8).status().message(),
               HasSubstr("local block id 8 at index 1 is outside [0, 8)"));
-  EXPECT_THAT(MergeBlockRuns(std::vector<std::int64_t>{0, -1}, std::vector<std::int64_t>{0, 1},
-                             8, 8)
-                  .status()
-                  .message(),
-              HasSubstr("remote block id -1"));
+  EXPECT_THAT(
+      MergeBlockRuns(std::vector<std::int64_t>{0, -1}, std::vector<std::int64_t>{0, 1}, 8, 8)
+          .status()
+          .message(),
+      HasSubstr("remote block id -1"));
   EXPECT_THAT(MergeBlockRuns(remote, std::vector<std::int64_t>{3, 3}, 8, 8).status().message(),
               HasSubstr("appears twice"));
   EXPECT_THAT(MergeBlockRuns(remote, std::vector<std::int64_t>{3}, 8, 8).status().message(),
@@ -67,12 +67,14 @@ TEST(MergeBlockRunsTest, RandomListsMatchTheNaiveCopy) {
   for (int iter = 0; iter < 500; ++iter) {
     const std::int64_t remote_blocks = 1 + static_cast<std::int64_t>(rng() % 40);
     const std::int64_t local_blocks = 1 + static_cast<std::int64_t>(rng() % 40);
-    const std::int64_t n = static_cast<std::int64_t>(rng() % std::min(remote_blocks, local_blocks + 1));
+    const std::int64_t n =
+        static_cast<std::int64_t>(rng() % std::min(remote_blocks, local_blocks + 1));
     std::vector<std::int64_t> local(static_cast<std::size_t>(local_blocks));
     std::iota(local.begin(), local.end(), 0);
     std::shuffle(local.begin(), local.end(), rng);
     // Bias toward runs: sort a random prefix so contiguous stretches appear.
-    std::sort(local.begin(), local.begin() + static_cast<std::ptrdiff_t>(rng() % (local.size() + 1)));
+    std::sort(local.begin(),
+              local.begin() + static_cast<std::ptrdiff_t>(rng() % (local.size() + 1)));
     local.resize(static_cast<std::size_t>(std::min<std::int64_t>(n, local_blocks)));
     std::vector<std::int64_t> remote;
     std::int64_t next = static_cast<std::int64_t>(rng() % remote_blocks);
@@ -83,8 +85,7 @@ TEST(MergeBlockRunsTest, RandomListsMatchTheNaiveCopy) {
     }
     Result<std::span<const std::int64_t>> tail = TailOfRemote(remote, local);
     ASSERT_TRUE(tail.ok());
-    Result<std::vector<BlockRun>> runs =
-        MergeBlockRuns(*tail, local, remote_blocks, local_blocks);
+    Result<std::vector<BlockRun>> runs = MergeBlockRuns(*tail, local, remote_blocks, local_blocks);
     ASSERT_TRUE(runs.ok()) << runs.status().ToString();
 
     std::vector<std::pair<std::int64_t, std::int64_t>> expanded;
@@ -113,23 +114,28 @@ TEST(MergeBlockRunsTest, RandomListsMatchTheNaiveCopy) {
     std::vector<std::uint8_t> src(static_cast<std::size_t>(remote_blocks * 24 * 4));
     for (auto& byte : src) byte = static_cast<std::uint8_t>(rng());
     auto part_base = [](std::int64_t blocks, int layer, int part) {
-      // Layout of the test buffers: layer-major, then part; part 0 is 24 bytes a block, part 1 is 8.
+      // Layout of the test buffers: layer-major, then part; part 0 is 24 bytes a block, part 1
+      // is 8.
       return (layer * 2 + part) * blocks * 24;
     };
     std::vector<std::uint8_t> got(static_cast<std::size_t>(local_blocks * 24 * 4), 0);
     std::vector<std::uint8_t> want = got;
     for (const ByteRange& br : RunByteRanges(*runs, 2, sizes, whole)) {
-      std::memcpy(&got[static_cast<std::size_t>(part_base(local_blocks, br.layer, br.part) + br.local_offset)],
-                  &src[static_cast<std::size_t>(part_base(remote_blocks, br.layer, br.part) + br.remote_offset)],
+      std::memcpy(&got[static_cast<std::size_t>(part_base(local_blocks, br.layer, br.part) +
+                                                br.local_offset)],
+                  &src[static_cast<std::size_t>(part_base(remote_blocks, br.layer, br.part) +
+                                                br.remote_offset)],
                   static_cast<std::size_t>(br.length));
     }
     for (int layer = 0; layer < 2; ++layer) {
       for (int part = 0; part < 2; ++part) {
         const std::int64_t bb = sizes[static_cast<std::size_t>(part)].local;
         for (std::size_t i = 0; i < local.size(); ++i) {
-          std::memcpy(&want[static_cast<std::size_t>(part_base(local_blocks, layer, part) + local[i] * bb)],
-                      &src[static_cast<std::size_t>(part_base(remote_blocks, layer, part) + (*tail)[i] * bb)],
-                      static_cast<std::size_t>(bb));
+          std::memcpy(
+              &want[static_cast<std::size_t>(part_base(local_blocks, layer, part) + local[i] * bb)],
+              &src[static_cast<std::size_t>(part_base(remote_blocks, layer, part) +
+                                            (*tail)[i] * bb)],
+              static_cast<std::size_t>(bb));
         }
       }
     }
@@ -143,8 +149,9 @@ TEST(RunByteRangesTest, PartialSlicesGiveOneRangePerBlock) {
   const std::vector<BlockRun> runs = {{5, 1, 2}};
   const std::vector<PartBlockBytes> sizes = {{64, 32}};
   TpSource slice{0, {{32, 0, 32, false}}};
-  EXPECT_THAT(RunByteRanges(runs, 1, sizes, slice),
-              ElementsAre(ByteRange{0, 0, 5 * 64 + 32, 32, 32}, ByteRange{0, 0, 6 * 64 + 32, 64, 32}));
+  EXPECT_THAT(
+      RunByteRanges(runs, 1, sizes, slice),
+      ElementsAre(ByteRange{0, 0, 5 * 64 + 32, 32, 32}, ByteRange{0, 0, 6 * 64 + 32, 64, 32}));
 }
 
 TEST(RunByteRangesTest, WholeBlockRunIsOneRangePerLayerAndPart) {

@@ -140,34 +140,28 @@ TEST(CacheSpecTest, HashCoversModelShapeButNotPlacement) {
 
 TEST(CacheAddressesTest, AcceptsAlignedDisjointRegions) {
   CacheSpec spec = *CacheSpec::Mha(2, 1, 8, 4, 2, DType::kInt32);  // 64-byte blocks, 256/part
-  Result<CacheAddresses> a =
-      CacheAddresses::Create(spec, {{0x1000, 0x1100}, {0x1200, 0x1300}});
+  Result<CacheAddresses> a = CacheAddresses::Create(spec, {{0x1000, 0x1100}, {0x1200, 0x1300}});
   ASSERT_TRUE(a.ok()) << a.status().ToString();
   EXPECT_EQ(a->Base(1, 0), 0x1200u);
 }
 
 TEST(CacheAddressesTest, RejectsMisalignedNullOverlappingAndMiscounted) {
   CacheSpec spec = *CacheSpec::Mha(2, 1, 8, 4, 2, DType::kInt32);
-  EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x1102}, {0x1200, 0x1300}})
-                  .status()
-                  .message(),
+  EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x1102}, {0x1200, 0x1300}}).status().message(),
               HasSubstr("0x1102 is not aligned to 4 bytes"));
   EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0}, {0x1200, 0x1300}}).status().message(),
               HasSubstr("null base address"));
-  EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x10f0}, {0x1200, 0x1300}})
-                  .status()
-                  .message(),
+  EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x10f0}, {0x1200, 0x1300}}).status().message(),
               HasSubstr("overlaps"));
   EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x1100}}).status().message(),
               HasSubstr("for 2 layers, found 1"));
   EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000}, {0x1200, 0x1300}}).status().message(),
               HasSubstr("expected 2 (one per part)"));
-  EXPECT_THAT(
-      CacheAddresses::Create(spec, {{std::numeric_limits<std::uint64_t>::max() - 3, 0x1100},
-                                    {0x1200, 0x1300}})
-          .status()
-          .message(),
-      HasSubstr("wraps around"));
+  EXPECT_THAT(CacheAddresses::Create(
+                  spec, {{std::numeric_limits<std::uint64_t>::max() - 3, 0x1100}, {0x1200, 0x1300}})
+                  .status()
+                  .message(),
+              HasSubstr("wraps around"));
 }
 
 }  // namespace

@@ -27,9 +27,8 @@ std::vector<std::int32_t> MakeBlock(std::int64_t heads, int tp, int rank, BlockL
   for (std::int64_t hl = 0; hl < hr.count; ++hl) {
     for (std::int64_t t = 0; t < kTokens; ++t) {
       for (std::int64_t e = 0; e < kDim; ++e) {
-        const std::int64_t idx = layout == BlockLayout::kTokenMajor
-                                     ? (t * hr.count + hl) * kDim + e
-                                     : (hl * kTokens + t) * kDim + e;
+        const std::int64_t idx = layout == BlockLayout::kTokenMajor ? (t * hr.count + hl) * kDim + e
+                                                                    : (hl * kTokens + t) * kDim + e;
         block[static_cast<std::size_t>(idx)] = Value(hr.first + hl, t, e);
       }
     }
@@ -60,7 +59,8 @@ TEST(TpMapTest, ExhaustiveMhaPlansRebuildEveryDecodeBlock) {
             EXPECT_EQ(plan.status().code(), StatusCode::kNotSupported);
             continue;
           }
-          const bool expect_ok = layout == BlockLayout::kHeadMajor || TokenMajorSupported(heads, p, d);
+          const bool expect_ok =
+              layout == BlockLayout::kHeadMajor || TokenMajorSupported(heads, p, d);
           std::map<int, int> uses;
           for (int r = 0; r < d; ++r) {
             Result<std::vector<TpSource>> plan = PlanTpSources(geometry, p, d, r);

@@ -12,7 +12,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string DataPath(const std::string& name) { return std::string(KVFERRY_TEST_DATA_DIR) + "/" + name; }
+std::string DataPath(const std::string& name) {
+  return std::string(KVFERRY_TEST_DATA_DIR) + "/" + name;
+}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -97,9 +99,9 @@ TEST(RankTableTest, MissingFileIsNotFound) {
 
 TEST(RankTableTest, ErrorsNameTheListIndexAndField) {
   EXPECT_THAT(ParseError("[]").message(), HasSubstr("expected a JSON object, found an array"));
-  EXPECT_THAT(ParseError(Replace(ValidText(), "\"decode_device_list\"", "\"decode_devices\""))
-                  .message(),
-              HasSubstr("table.json: decode_device_list: missing"));
+  EXPECT_THAT(
+      ParseError(Replace(ValidText(), "\"decode_device_list\"", "\"decode_devices\"")).message(),
+      HasSubstr("table.json: decode_device_list: missing"));
   EXPECT_THAT(ParseError(R"({"prefill_device_list": {}, "decode_device_list": []})").message(),
               HasSubstr("table.json: prefill_device_list: expected an array, found an object"));
   EXPECT_THAT(ParseError(Replace(ValidText(), "\"device_ip\": \"127.0.0.1\", \"cluster_id\": \"2\"",
@@ -109,14 +111,14 @@ TEST(RankTableTest, ErrorsNameTheListIndexAndField) {
   EXPECT_THAT(ParseError(Replace(ValidText(), "\"cluster_id\": \"1\"", "\"cluster_id\": \"one\""))
                   .message(),
               HasSubstr("prefill_device_list[0].cluster_id: expected a non-negative integer"));
-  EXPECT_THAT(ParseError(Replace(ValidText(), "\"cluster_id\": \"1\"", "\"cluster_id\": -1"))
-                  .message(),
-              HasSubstr("prefill_device_list[0].cluster_id: expected a string or a non-negative "
-                        "integer, found an integer"));
-  EXPECT_THAT(ParseError(Replace(ValidText(), "\"device_id\": \"0\"", "\"device_id\": [0]"))
-                  .message(),
-              HasSubstr("prefill_device_list[0].device_id: expected a string or a non-negative "
-                        "integer, found an array"));
+  EXPECT_THAT(
+      ParseError(Replace(ValidText(), "\"cluster_id\": \"1\"", "\"cluster_id\": -1")).message(),
+      HasSubstr("prefill_device_list[0].cluster_id: expected a string or a non-negative "
+                "integer, found an integer"));
+  EXPECT_THAT(
+      ParseError(Replace(ValidText(), "\"device_id\": \"0\"", "\"device_id\": [0]")).message(),
+      HasSubstr("prefill_device_list[0].device_id: expected a string or a non-negative "
+                "integer, found an array"));
   EXPECT_THAT(ParseError(Replace(ValidText(), "\"server_id\": \"127.0.0.1\"", "\"server_id\": 5"))
                   .message(),
               HasSubstr("prefill_device_list[0].server_id: expected a string, found an integer"));
@@ -129,16 +131,16 @@ TEST(RankTableTest, ErrorsNameTheListIndexAndField) {
                                  "\"server_id\": \"host one\""))
                   .message(),
               HasSubstr("prefill_device_list[0].server_id: expected a host address or name"));
-  EXPECT_THAT(ParseError(Replace(ValidText(), "\"status\": \"completed\"",
-                                 "\"status\": \"initializing\""))
-                  .message(),
-              HasSubstr("status: is \"initializing\"; expected \"completed\""));
+  EXPECT_THAT(
+      ParseError(Replace(ValidText(), "\"status\": \"completed\"", "\"status\": \"initializing\""))
+          .message(),
+      HasSubstr("status: is \"initializing\"; expected \"completed\""));
   EXPECT_THAT(ParseError(Replace(ValidText(), "\"server_count\": \"1\"", "\"server_count\": \"0\""))
                   .message(),
               HasSubstr("server_count: expected a positive integer"));
-  EXPECT_THAT(ParseError(Replace(ValidText(), "\"version\": \"1.2\"", "\"version\": [1]"))
-                  .message(),
-              HasSubstr("version: expected a string, found an array"));
+  EXPECT_THAT(
+      ParseError(Replace(ValidText(), "\"version\": \"1.2\"", "\"version\": [1]")).message(),
+      HasSubstr("version: expected a string, found an array"));
   EXPECT_THAT(ParseError(Replace(ValidText(), "{\"server_id\": \"127.0.0.1\", \"device_id\": \"0\"",
                                  "[], {\"server_id\": \"127.0.0.1\", \"device_id\": \"0\""))
                   .message(),
@@ -146,14 +148,14 @@ TEST(RankTableTest, ErrorsNameTheListIndexAndField) {
 }
 
 TEST(RankTableTest, RejectsDuplicateClusterIdsAndDevices) {
-  EXPECT_THAT(ParseError(Replace(ValidText(), "\"cluster_id\": \"2\"", "\"cluster_id\": 1"))
-                  .message(),
-              HasSubstr("decode_device_list[0].cluster_id: cluster id 1 is already used by "
-                        "prefill_device_list[0]"));
-  EXPECT_THAT(ParseError(Replace(ValidText(), "\"device_id\": \"1\"", "\"device_id\": \"0\""))
-                  .message(),
-              HasSubstr("decode_device_list[0]: device \"0\" of server \"127.0.0.1\" is already "
-                        "listed as prefill_device_list[0]"));
+  EXPECT_THAT(
+      ParseError(Replace(ValidText(), "\"cluster_id\": \"2\"", "\"cluster_id\": 1")).message(),
+      HasSubstr("decode_device_list[0].cluster_id: cluster id 1 is already used by "
+                "prefill_device_list[0]"));
+  EXPECT_THAT(
+      ParseError(Replace(ValidText(), "\"device_id\": \"1\"", "\"device_id\": \"0\"")).message(),
+      HasSubstr("decode_device_list[0]: device \"0\" of server \"127.0.0.1\" is already "
+                "listed as prefill_device_list[0]"));
 }
 
 TEST(RankTableTest, RejectsTwoEmptyLists) {
@@ -179,7 +181,8 @@ TEST(RankTableTest, SelectsByServerVisibleDevicesAndTpRank) {
 TEST(RankTableTest, NotFoundNamesWhatWasSoughtAndWhatTheTableHolds) {
   Result<RankTable> t = RankTable::Load(DataPath("ranktable_a2.json"));
   ASSERT_TRUE(t.ok());
-  Result<DeviceEntry> e = t->SelectLocal(Role::kDecode, "192.0.2.11", ParseVisibleDevices("1, 5"), 1);
+  Result<DeviceEntry> e =
+      t->SelectLocal(Role::kDecode, "192.0.2.11", ParseVisibleDevices("1, 5"), 1);
   ASSERT_EQ(e.status().code(), StatusCode::kNotFound);
   EXPECT_THAT(e.status().message(),
               HasSubstr("no decode_device_list entry for TP rank 1 on server_id \"192.0.2.11\" "

@@ -40,17 +40,18 @@ std::string TempPath(const std::string& name) {
 
 TEST(CliTest, GenThenCheckThenSelect) {
   const std::string path = TempPath("table.json");
-  CliRun gen = Cli("ranktable gen --hosts 127.0.0.1 --devices-per-host 4 --prefill 2 --decode 2 -o " +
-                path);
+  CliRun gen =
+      Cli("ranktable gen --hosts 127.0.0.1 --devices-per-host 4 --prefill 2 --decode 2 -o " + path);
   ASSERT_EQ(gen.exit_code, 0) << gen.output;
   CliRun check = Cli("ranktable check " + path);
   EXPECT_EQ(check.exit_code, 0) << check.output;
   EXPECT_THAT(check.output, HasSubstr("prefill: 2 devices, 127.0.0.1 x2"));
-  CliRun sel = Cli("ranktable check " + path +
-                   " --role kv_consumer --server-id 127.0.0.1 --tp-rank 1");
+  CliRun sel =
+      Cli("ranktable check " + path + " --role kv_consumer --server-id 127.0.0.1 --tp-rank 1");
   EXPECT_EQ(sel.exit_code, 0) << sel.output;
   EXPECT_THAT(sel.output, HasSubstr("device_id 3"));
-  CliRun missing = Cli("ranktable check " + path + " --role decode --server-id 127.0.0.1 --tp-rank 2");
+  CliRun missing =
+      Cli("ranktable check " + path + " --role decode --server-id 127.0.0.1 --tp-rank 2");
   EXPECT_EQ(missing.exit_code, 1);
   EXPECT_THAT(missing.output, HasSubstr("NotFound: no decode_device_list entry for TP rank 2"));
   std::filesystem::remove(path);
@@ -67,8 +68,9 @@ TEST(CliTest, CheckReportsMalformedTables) {
 }
 
 TEST(CliTest, GenWritesTheReferenceFormatToStdout) {
-  CliRun gen = Cli("ranktable gen --hosts 127.0.0.1 --devices-per-host 2 --prefill 1 --decode 1 "
-                "--super-pod");
+  CliRun gen =
+      Cli("ranktable gen --hosts 127.0.0.1 --devices-per-host 2 --prefill 1 --decode 1 "
+          "--super-pod");
   ASSERT_EQ(gen.exit_code, 0) << gen.output;
   EXPECT_THAT(gen.output, HasSubstr("\"super_device_id\": \"1\""));
   EXPECT_THAT(gen.output, HasSubstr("\"status\": \"completed\""));
@@ -78,17 +80,20 @@ TEST(CliTest, GenWritesTheReferenceFormatToStdout) {
 }
 
 TEST(CliTest, PlanShowsReadersAndRuns) {
-  CliRun plan = Cli("plan --kind mla --layers 2 --prefill-tp 2 --decode-tp 4 "
-                 "--remote-blocks 5,6,7,9 --local-blocks 1,2,3");
+  CliRun plan =
+      Cli("plan --kind mla --layers 2 --prefill-tp 2 --decode-tp 4 "
+          "--remote-blocks 5,6,7,9 --local-blocks 1,2,3");
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   EXPECT_THAT(plan.output, HasSubstr("prefill rank 0 frees after 2 readers"));
   EXPECT_THAT(plan.output, HasSubstr("blocks: 3 in 2 runs [6->1 x2] [9->3 x1]"));
   EXPECT_THAT(plan.output, HasSubstr("decode rank 3 reads prefill rank 1"));
-  CliRun refused = Cli("plan --kind mha --kv-heads 8 --prefill-tp 2 --decode-tp 4 --remote-blocks 1");
+  CliRun refused =
+      Cli("plan --kind mha --kv-heads 8 --prefill-tp 2 --decode-tp 4 --remote-blocks 1");
   EXPECT_EQ(refused.exit_code, 1);
   EXPECT_THAT(refused.output, HasSubstr("NotSupported: MHA cache with 8 KV heads"));
-  CliRun sliced = Cli("plan --kind mha --kv-heads 8 --layout head_major --prefill-tp 2 --decode-tp 4 "
-                   "--remote-blocks 1");
+  CliRun sliced =
+      Cli("plan --kind mha --kv-heads 8 --layout head_major --prefill-tp 2 --decode-tp 4 "
+          "--remote-blocks 1");
   EXPECT_EQ(sliced.exit_code, 0) << sliced.output;
 }
 

@@ -14,11 +14,8 @@ using ::testing::HasSubstr;
 AgentMetadata SampleMetadata() {
   CacheSpec cache = *CacheSpec::Mla(61, 512, 64, 4096, 128, DType::kBFloat16, 2, 1);
   AgentIdentity agent{{"prefill-0", 0, 1}, 2, "127.0.0.1", "1", "127.0.0.1", 2, "0", "104857601"};
-  return AgentMetadata{agent,
-                       "tcp://127.0.0.1:30001",
-                       {{"shm", {1, 2, 3}}, {"tcp", {4, 5}}},
-                       cache,
-                       cache.Hash()};
+  return AgentMetadata{
+      agent, "tcp://127.0.0.1:30001", {{"shm", {1, 2, 3}}, {"tcp", {4, 5}}}, cache, cache.Hash()};
 }
 
 std::vector<Message> SampleMessages() {
@@ -110,7 +107,8 @@ TEST(WireDecodeTest, WrongTypes) {
   EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("message.count: expected a non-negative"));
   msgpack::sbuffer b;
   Packer(b).pack(std::vector<int>{1, 2});
-  EXPECT_THAT(DecodeError(Bytes(b)).message(), HasSubstr("message: expected a map, found an array"));
+  EXPECT_THAT(DecodeError(Bytes(b)).message(),
+              HasSubstr("message: expected a map, found an array"));
 }
 
 TEST(WireDecodeTest, MissingFields) {
@@ -256,7 +254,8 @@ TEST(WireDecodeTest, MetadataCacheSpecIsRevalidatedAndHashChecked) {
   ASSERT_EQ(*value, 0xcd);
   value[1] = 0;
   value[2] = 0;
-  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("message.cache: num_blocks must be positive"));
+  EXPECT_THAT(DecodeError(bytes).message(),
+              HasSubstr("message.cache: num_blocks must be positive"));
 }
 
 TEST(WireDecodeTest, MetadataTpRankMustBeBelowTpSize) {
