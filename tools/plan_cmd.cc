@@ -80,6 +80,7 @@ Status RunPlan(const PlanArgs& a) {
     for (const TpSource& s : sources) {
       KVFERRY_ASSIGN_OR_RETURN(CacheSpec remote_spec, BuildSpec(a, a.prefill_tp, s.prefill_rank));
       std::vector<PartBlockBytes> bytes;
+      bytes.reserve(static_cast<std::size_t>(local_spec.num_parts()));
       for (int p = 0; p < local_spec.num_parts(); ++p) {
         bytes.push_back({remote_spec.BlockBytes(p), local_spec.BlockBytes(p)});
       }

@@ -132,7 +132,10 @@ class [[nodiscard]] Result {
 /// (a declaration such as `auto x` or an existing variable).
 #define KVFERRY_ASSIGN_OR_RETURN(lhs, expr) \
   KVFERRY_ASSIGN_OR_RETURN_IMPL_(KVFERRY_CONCAT_(kvferry_result_, __LINE__), lhs, expr)
+// NOLINTBEGIN(bugprone-macro-parentheses): `lhs` may be a declaration, which cannot be
+// parenthesised.
 #define KVFERRY_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                                   \
   if (!tmp.ok()) return tmp.status();                  \
   lhs = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)
