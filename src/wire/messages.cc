@@ -1,5 +1,7 @@
 #include "wire/messages.h"
 
+#include "wire/msgpack_reader.h"
+
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -172,195 +174,6 @@ struct EncodeVisitor {
 
 // ---------------------------------------------------------------------------------------------
 // Decoding
-
-// First pass over untrusted bytes, before msgpack allocates anything: every declared array or map
-// element needs at least one byte of input, so the declared elements may not outnumber the bytes.
-// msgpack allocates an array's storage when it reads the header, so without this pass a few bytes
-// could make it allocate gigabytes. Also bounds the nesting depth.
-class BoundsCheck : public msgpack::null_visitor {
- public:
-  explicit BoundsCheck(std::size_t input_bytes) : budget_(input_bytes) {}
-
-  bool start_array(std::uint32_t n) { return Enter(n); }
-  bool end_array() { return Leave(); }
-  bool start_map(std::uint32_t n) {
-    // A map entry is a key and a value: two elements.
-    return Enter(static_cast<std::uint64_t>(n) * 2);
-  }
-  bool end_map() { return Leave(); }
-
-  const char* failure() const { return failure_; }
-
- private:
-  bool Enter(std::uint64_t elements) {
-    if (++depth_ > kMaxDepth) {
-      failure_ = "nesting deeper than the protocol allows";
-      return false;
-    }
-    if (elements > budget_) {
-      failure_ = "a list or map declares more elements than the message has bytes";
-      return false;
-    }
-    budget_ -= elements;
-    return true;
-  }
-  bool Leave() {
-    --depth_;
-    return true;
-  }
-
-  std::uint64_t budget_;
-  std::size_t depth_ = 0;
-  const char* failure_ = nullptr;
-};
-
-const char* ObjectTypeName(const msgpack::object& o) {
-  switch (o.type) {
-    case msgpack::type::NIL:
-      return "nil";
-    case msgpack::type::BOOLEAN:
-      return "a boolean";
-    case msgpack::type::POSITIVE_INTEGER:
-      return "a non-negative integer";
-    case msgpack::type::NEGATIVE_INTEGER:
-      return "a negative integer";
-    case msgpack::type::FLOAT32:
-    case msgpack::type::FLOAT64:
-      return "a float";
-    case msgpack::type::STR:
-      return "a string";
-    case msgpack::type::BIN:
-      return "binary";
-    case msgpack::type::ARRAY:
-      return "an array";
-    case msgpack::type::MAP:
-      return "a map";
-    case msgpack::type::EXT:
-      return "an extension";
-  }
-  return "an unknown type";
-}
-
-// A map whose keys have been checked to be unique strings, with its path for error messages.
-class MapView {
- public:
-  static Result<MapView> Of(const msgpack::object& o, std::string path) {
-    if (o.type != msgpack::type::MAP) {
-      return Status::InvalidArgument(path + ": expected a map, found " + ObjectTypeName(o));
-    }
-    const msgpack::object_map& m = o.via.map;
-    for (std::uint32_t i = 0; i < m.size; ++i) {
-      const msgpack::object& k = m.ptr[i].key;
-      if (k.type != msgpack::type::STR) {
-        return Status::InvalidArgument(path + ": map key " + std::to_string(i) + " is " +
-                                       ObjectTypeName(k) + ", expected a string");
-      }
-      const std::string_view key(k.via.str.ptr, k.via.str.size);
-      for (std::uint32_t j = 0; j < i; ++j) {
-        const msgpack::object& other = m.ptr[j].key;
-        if (std::string_view(other.via.str.ptr, other.via.str.size) == key) {
-          return Status::InvalidArgument(path + ": key '" + std::string(key.substr(0, 64)) +
-                                         "' appears twice");
-        }
-      }
-    }
-    return MapView(&m, std::move(path));
-  }
-
-  const std::string& path() const { return path_; }
-  std::string At(const char* key) const { return path_ + "." + key; }
-
-  const msgpack::object* Find(const char* key) const {
-    const std::string_view want(key);
-    for (std::uint32_t i = 0; i < map_->size; ++i) {
-      const msgpack::object& k = map_->ptr[i].key;
-      if (std::string_view(k.via.str.ptr, k.via.str.size) == want) return &map_->ptr[i].val;
-    }
-    return nullptr;
-  }
-
-  Result<const msgpack::object*> Require(const char* key) const {
-    const msgpack::object* v = Find(key);
-    if (v == nullptr) return Status::InvalidArgument(At(key) + ": missing");
-    return v;
-  }
-
-  Result<std::string> Str(const char* key, std::size_t max_bytes) const {
-    KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, Require(key));
-    return StrOf(*v, At(key), max_bytes);
-  }
-
-  std::optional<Result<std::string>> OptionalStr(const char* key, std::size_t max_bytes) const {
-    const msgpack::object* v = Find(key);
-    if (v == nullptr) return std::nullopt;
-    return StrOf(*v, At(key), max_bytes);
-  }
-
-  Result<std::uint64_t> Uint(const char* key, std::uint64_t max) const {
-    KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, Require(key));
-    if (v->type != msgpack::type::POSITIVE_INTEGER) {
-      return Status::InvalidArgument(At(key) + ": expected a non-negative integer, found " +
-                                     ObjectTypeName(*v));
-    }
-    if (v->via.u64 > max) {
-      return Status::InvalidArgument(At(key) + ": " + std::to_string(v->via.u64) +
-                                     " exceeds the limit of " + std::to_string(max));
-    }
-    return v->via.u64;
-  }
-
-  Result<std::vector<std::uint8_t>> Bin(const char* key, std::size_t max_bytes) const {
-    KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, Require(key));
-    if (v->type != msgpack::type::BIN) {
-      return Status::InvalidArgument(At(key) + ": expected binary, found " + ObjectTypeName(*v));
-    }
-    if (v->via.bin.size > max_bytes) {
-      return Status::InvalidArgument(At(key) + ": " + std::to_string(v->via.bin.size) +
-                                     " bytes exceed the limit of " + std::to_string(max_bytes));
-    }
-    const auto* p = reinterpret_cast<const std::uint8_t*>(v->via.bin.ptr);
-    return std::vector<std::uint8_t>(p, p + v->via.bin.size);
-  }
-
-  Result<std::vector<std::string>> StrList(const char* key, std::size_t max_items,
-                                           std::size_t max_bytes) const {
-    KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, Require(key));
-    if (v->type != msgpack::type::ARRAY) {
-      return Status::InvalidArgument(At(key) + ": expected an array, found " + ObjectTypeName(*v));
-    }
-    if (v->via.array.size > max_items) {
-      return Status::InvalidArgument(At(key) + ": " + std::to_string(v->via.array.size) +
-                                     " items exceed the limit of " + std::to_string(max_items));
-    }
-    std::vector<std::string> out;
-    out.reserve(v->via.array.size);
-    for (std::uint32_t i = 0; i < v->via.array.size; ++i) {
-      KVFERRY_ASSIGN_OR_RETURN(
-          std::string s,
-          StrOf(v->via.array.ptr[i], At(key) + "[" + std::to_string(i) + "]", max_bytes));
-      out.push_back(std::move(s));
-    }
-    return out;
-  }
-
-  static Result<std::string> StrOf(const msgpack::object& v, const std::string& path,
-                                   std::size_t max_bytes) {
-    if (v.type != msgpack::type::STR) {
-      return Status::InvalidArgument(path + ": expected a string, found " + ObjectTypeName(v));
-    }
-    if (v.via.str.size > max_bytes) {
-      return Status::InvalidArgument(path + ": " + std::to_string(v.via.str.size) +
-                                     " bytes exceed the limit of " + std::to_string(max_bytes));
-    }
-    return std::string(v.via.str.ptr, v.via.str.size);
-  }
-
- private:
-  MapView(const msgpack::object_map* map, std::string path) : map_(map), path_(std::move(path)) {}
-
-  const msgpack::object_map* map_;
-  std::string path_;
-};
 
 constexpr std::uint64_t kMaxU32 = std::numeric_limits<std::uint32_t>::max();
 constexpr std::uint64_t kMaxI32 = std::numeric_limits<std::int32_t>::max();
@@ -542,30 +355,8 @@ Result<Message> Decode(std::span<const std::uint8_t> bytes) {
                                    " bytes exceeds the limit of " +
                                    std::to_string(kMaxMessageBytes));
   }
-  const char* data = reinterpret_cast<const char*>(bytes.data());
-  msgpack::object_handle handle;
-  // msgpack-c reports malformed input by throwing; this is the one place kvferry lets a library
-  // exception reach its code, and it ends here as a Status.
-  try {
-    BoundsCheck bounds(bytes.size());
-    std::size_t off = 0;
-    if (!msgpack::parse(data, bytes.size(), off, bounds)) {
-      return Status::InvalidArgument(
-          std::string("malformed msgpack: ") +
-          (bounds.failure() ? bounds.failure() : "truncated or invalid encoding"));
-    }
-    if (off != bytes.size()) {
-      return Status::InvalidArgument(std::to_string(bytes.size() - off) +
-                                     " trailing bytes after the message: expected exactly one "
-                                     "msgpack map");
-    }
-    off = 0;
-    const msgpack::unpack_limit limits(kMaxRequestIds, 64, kMaxMessageBytes, kMaxMessageBytes, 0,
-                                       kMaxDepth);
-    handle = msgpack::unpack(data, bytes.size(), off, nullptr, nullptr, limits);
-  } catch (const std::exception& e) {
-    return Status::InvalidArgument(std::string("malformed msgpack: ") + e.what());
-  }
+  KVFERRY_ASSIGN_OR_RETURN(msgpack::object_handle handle,
+                           SafeUnpack(bytes, {kMaxRequestIds, 64, kMaxDepth}));
   KVFERRY_ASSIGN_OR_RETURN(MapView m, MapView::Of(handle.get(), "message"));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t version,
                            m.Uint("v", std::numeric_limits<std::uint64_t>::max()));

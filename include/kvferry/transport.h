@@ -1,0 +1,149 @@
+// kvferry: the data plane. One-sided reads of a peer's registered memory into local memory.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+using Clock = std::chrono::steady_clock;
+/// A point in time by which an operation must have ended. Every wait in kvferry has one.
+using Deadline = Clock::time_point;
+
+/// Names a registered memory region. The caller chooses it (the connector uses
+/// layer * parts + part), so both sides agree on names without exchanging tables.
+using RegionId = std::uint32_t;
+/// A connected peer, valid until Disconnect.
+using PeerId = std::uint64_t;
+/// A submitted batch, valid until Release.
+using BatchId = std::uint64_t;
+
+/// One read: `length` bytes at `remote_offset` of the peer's region `remote_region` into `local`.
+/// `local` must lie inside a region this transport registered.
+struct ReadOp {
+  std::byte* local = nullptr;
+  RegionId remote_region = 0;
+  std::uint64_t remote_offset = 0;
+  std::uint64_t length = 0;
+};
+
+enum class BatchState : std::uint8_t {
+  kInProgress = 0,  ///< reads may still be writing into the batch's local memory
+  kDone = 1,        ///< every byte arrived; the local memory holds the peer's bytes
+  kFailed = 2,      ///< ended with an error; no read of it runs any more
+  kCancelled = 3,   ///< Cancel ended it; no read of it runs any more
+};
+const char* BatchStateName(BatchState state);
+
+/// What Poll and Wait report. `status` is OK while in progress and when done.
+struct BatchResult {
+  BatchState state = BatchState::kInProgress;
+  Status status;
+};
+
+/// Which backend carries reads to a peer.
+enum class TransportKind : std::uint8_t {
+  kAuto = 0,  ///< shm when the peer is on this host and the kernel permits it, else tcp
+  kShm = 1,   ///< process_vm_readv; same host only
+  kTcp = 2,   ///< the peer's read server over TCP; any host
+};
+const char* TransportKindName(TransportKind kind);  // "auto", "shm", "tcp"
+Result<TransportKind> ParseTransportKind(std::string_view name);
+
+struct TransportOptions {
+  TransportKind kind = TransportKind::kAuto;
+  /// Where this process's tcp read server listens. Port 0 picks a free port. The address peers
+  /// are told is `tcp_advertise_host` (default: the bind address; required when binding to
+  /// 0.0.0.0 or ::).
+  std::string tcp_bind_host = "127.0.0.1";
+  std::uint16_t tcp_port = 0;
+  std::string tcp_advertise_host;
+  /// Shared secret for tcp connections (challenge-response HMAC-SHA-256 both ways). Empty: the
+  /// server accepts loopback clients only.
+  std::string secret;
+  /// TCP connections per peer; requests are striped across them.
+  int tcp_connections_per_peer = 4;
+  /// Largest read request sent as one unit; larger reads are split.
+  std::uint64_t max_request_bytes = 8u << 20;
+  /// Threads that carry out shm reads.
+  int shm_threads = 2;
+  /// Whether to run a tcp read server (prefill side) at all. A decode-only process may skip it.
+  bool serve = true;
+  /// How long a peer may go without progress on a read before the connection counts as dead
+  /// (TCP_USER_TIMEOUT and keepalive), in addition to each batch's own deadline.
+  std::chrono::milliseconds tcp_user_timeout{5000};
+};
+
+/// Counters for one transport. Monotonic; safe to read at any time.
+struct TransportStats {
+  std::uint64_t batches_submitted = 0;
+  std::uint64_t batches_done = 0;
+  std::uint64_t batches_failed = 0;
+  std::uint64_t batches_cancelled = 0;
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_served = 0;
+  std::uint64_t requests_refused = 0;  ///< reads outside registered memory, bad auth, bad frames
+};
+
+/// The data-plane interface every backend implements. All methods are thread-safe.
+///
+/// Lifetime: a transport must outlive every batch it returned; destroying it cancels them.
+/// Completion: a batch ends exactly once, in kDone, kFailed or kCancelled, never later than its
+/// deadline plus the short interval a backend needs to stop its in-flight I/O (well under a
+/// second). After a batch has ended, nothing writes into its local memory.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  /// Registers [addr, addr + length) under `id`, so peers may read it and local reads may land
+  /// in it. The memory must stay valid until DeregisterMemory returns. InvalidArgument for a
+  /// duplicate id, a null or empty range, or a range overlapping another region.
+  virtual Status RegisterMemory(RegionId id, void* addr, std::size_t length) = 0;
+  /// Removes a region. Returns once no read served from it or landing in it is running; reads
+  /// already started against it fail. NotFound for an unknown id.
+  virtual Status DeregisterMemory(RegionId id) = 0;
+
+  /// Bytes a peer passes to Connect to read this process's registered regions. Call it after
+  /// registering; it lists the regions registered at the time of the call.
+  virtual Result<std::vector<std::uint8_t>> Descriptor() = 0;
+
+  /// Connects to a peer described by `descriptor`, checking the descriptor first. Unavailable when
+  /// the peer cannot be reached (or, for a forced shm transport, is not on this host),
+  /// Unauthenticated when the secrets differ, InvalidArgument for a malformed descriptor.
+  virtual Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) = 0;
+  /// Forgets a peer. Its running batches are cancelled first. Unknown peers are ignored.
+  virtual void Disconnect(PeerId peer) = 0;
+  /// Which backend carries reads to `peer` ("shm", "tcp").
+  virtual Result<std::string> PeerBackend(PeerId peer) = 0;
+
+  /// Starts reading `ops` from `peer`. Every op is checked before any byte moves: its local range
+  /// must lie inside one local registered region and its remote range inside the named remote
+  /// region (InvalidArgument otherwise). The batch ends by `deadline` (Timeout).
+  virtual Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops,
+                                      Deadline deadline) = 0;
+  /// Non-blocking state of a batch. NotFound for an unknown or released batch.
+  virtual BatchResult Poll(BatchId batch) = 0;
+  /// Waits until the batch ends or `deadline` passes; on the latter returns kInProgress (the
+  /// batch itself still ends by its own deadline).
+  virtual BatchResult Wait(BatchId batch, Deadline deadline) = 0;
+  /// Ends a running batch as kCancelled. Returns once no read of it runs any more. A batch that
+  /// had already ended keeps its state.
+  virtual void Cancel(BatchId batch) = 0;
+  /// Forgets an ended batch (cancelling it first if it still runs).
+  virtual void Release(BatchId batch) = 0;
+
+  virtual TransportStats Stats() = 0;
+};
+
+/// Creates the transport `options` describe (kAuto: both backends, chosen per peer). Starts the
+/// tcp read server when options.serve is set; a busy port is Unavailable naming it.
+Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options);
+
+}  // namespace kvferry

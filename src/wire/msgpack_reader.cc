@@ -1,0 +1,109 @@
+#include "wire/msgpack_reader.h"
+
+#include <exception>
+#include <string>
+
+namespace kvferry::wire {
+namespace {
+
+// First pass over untrusted bytes, before msgpack allocates anything: every declared array or map
+// element needs at least one byte of input, so the declared elements may not outnumber the bytes.
+// msgpack allocates an array's storage when it reads the header, so without this pass a few bytes
+// could make it allocate gigabytes. Also bounds the nesting depth.
+class BoundsCheck : public msgpack::null_visitor {
+ public:
+  BoundsCheck(std::size_t input_bytes, std::size_t max_depth)
+      : budget_(input_bytes), max_depth_(max_depth) {}
+
+  bool start_array(std::uint32_t n) { return Enter(n); }
+  bool end_array() { return Leave(); }
+  bool start_map(std::uint32_t n) {
+    // A map entry is a key and a value: two elements.
+    return Enter(static_cast<std::uint64_t>(n) * 2);
+  }
+  bool end_map() { return Leave(); }
+
+  const char* failure() const { return failure_; }
+
+ private:
+  bool Enter(std::uint64_t elements) {
+    if (++depth_ > max_depth_) {
+      failure_ = "nesting deeper than the protocol allows";
+      return false;
+    }
+    if (elements > budget_) {
+      failure_ = "a list or map declares more elements than the message has bytes";
+      return false;
+    }
+    budget_ -= elements;
+    return true;
+  }
+  bool Leave() {
+    --depth_;
+    return true;
+  }
+
+  std::uint64_t budget_;
+  std::size_t max_depth_;
+  std::size_t depth_ = 0;
+  const char* failure_ = nullptr;
+};
+
+}  // namespace
+
+const char* ObjectTypeName(const msgpack::object& o) {
+  switch (o.type) {
+    case msgpack::type::NIL:
+      return "nil";
+    case msgpack::type::BOOLEAN:
+      return "a boolean";
+    case msgpack::type::POSITIVE_INTEGER:
+      return "a non-negative integer";
+    case msgpack::type::NEGATIVE_INTEGER:
+      return "a negative integer";
+    case msgpack::type::FLOAT32:
+    case msgpack::type::FLOAT64:
+      return "a float";
+    case msgpack::type::STR:
+      return "a string";
+    case msgpack::type::BIN:
+      return "binary";
+    case msgpack::type::ARRAY:
+      return "an array";
+    case msgpack::type::MAP:
+      return "a map";
+    case msgpack::type::EXT:
+      return "an extension";
+  }
+  return "an unknown type";
+}
+
+Result<msgpack::object_handle> SafeUnpack(std::span<const std::uint8_t> bytes,
+                                          const UnpackLimits& limits) {
+  if (bytes.empty()) return Status::InvalidArgument("empty message: expected a msgpack map");
+  const char* data = reinterpret_cast<const char*>(bytes.data());
+  // msgpack-c reports malformed input by throwing; this is the one place kvferry lets a library
+  // exception reach its code, and it ends here as a Status.
+  try {
+    BoundsCheck bounds(bytes.size(), limits.max_depth);
+    std::size_t off = 0;
+    if (!msgpack::parse(data, bytes.size(), off, bounds)) {
+      return Status::InvalidArgument(std::string("malformed msgpack: ") +
+                                     (bounds.failure() != nullptr ? bounds.failure()
+                                                                  : "truncated or invalid encoding"));
+    }
+    if (off != bytes.size()) {
+      return Status::InvalidArgument(std::to_string(bytes.size() - off) +
+                                     " trailing bytes after the message: expected exactly one "
+                                     "msgpack map");
+    }
+    off = 0;
+    const msgpack::unpack_limit unpack_limits(limits.max_array_elements, limits.max_map_entries,
+                                              bytes.size(), bytes.size(), 0, limits.max_depth);
+    return msgpack::unpack(data, bytes.size(), off, nullptr, nullptr, unpack_limits);
+  } catch (const std::exception& e) {
+    return Status::InvalidArgument(std::string("malformed msgpack: ") + e.what());
+  }
+}
+
+}  // namespace kvferry::wire
