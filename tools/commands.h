@@ -8,5 +8,6 @@ namespace kvferry::cli {
 
 void AddRanktableCommands(CLI::App& app, int& exit_code);
 void AddPlanCommand(CLI::App& app, int& exit_code);
+void AddBenchCommands(CLI::App& app, int& exit_code);
 
 }  // namespace kvferry::cli

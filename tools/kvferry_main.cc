@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   kvferry::cli::AddRanktableCommands(app, exit_code);
   kvferry::cli::AddPlanCommand(app, exit_code);
+  kvferry::cli::AddBenchCommands(app, exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

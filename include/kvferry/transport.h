@@ -126,8 +126,7 @@ class Transport {
   /// Starts reading `ops` from `peer`. Every op is checked before any byte moves: its local range
   /// must lie inside one local registered region and its remote range inside the named remote
   /// region (InvalidArgument otherwise). The batch ends by `deadline` (Timeout).
-  virtual Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops,
-                                      Deadline deadline) = 0;
+  virtual Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) = 0;
   /// Non-blocking state of a batch. NotFound for an unknown or released batch.
   virtual BatchResult Poll(BatchId batch) = 0;
   /// Waits until the batch ends or `deadline` passes; on the latter returns kInProgress (the

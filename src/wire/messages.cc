@@ -1,7 +1,5 @@
 #include "wire/messages.h"
 
-#include "wire/msgpack_reader.h"
-
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -9,6 +7,8 @@
 #include <msgpack.hpp>
 #include <string_view>
 #include <utility>
+
+#include "wire/msgpack_reader.h"
 
 namespace kvferry::wire {
 namespace {

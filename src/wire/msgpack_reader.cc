@@ -88,9 +88,9 @@ Result<msgpack::object_handle> SafeUnpack(std::span<const std::uint8_t> bytes,
     BoundsCheck bounds(bytes.size(), limits.max_depth);
     std::size_t off = 0;
     if (!msgpack::parse(data, bytes.size(), off, bounds)) {
-      return Status::InvalidArgument(std::string("malformed msgpack: ") +
-                                     (bounds.failure() != nullptr ? bounds.failure()
-                                                                  : "truncated or invalid encoding"));
+      return Status::InvalidArgument(
+          std::string("malformed msgpack: ") +
+          (bounds.failure() != nullptr ? bounds.failure() : "truncated or invalid encoding"));
     }
     if (off != bytes.size()) {
       return Status::InvalidArgument(std::to_string(bytes.size() - off) +

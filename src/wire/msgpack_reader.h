@@ -2,9 +2,8 @@
 // Shared by the side-channel messages and the transport descriptors.
 #pragma once
 
-#include <msgpack.hpp>
-
 #include <cstdint>
+#include <msgpack.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -150,6 +149,5 @@ class MapView {
   const msgpack::object_map* map_;
   std::string path_;
 };
-
 
 }  // namespace kvferry::wire

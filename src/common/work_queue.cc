@@ -1,0 +1,48 @@
+#include "common/work_queue.h"
+
+#include <pthread.h>
+
+#include <utility>
+
+namespace kvferry {
+
+WorkQueue::WorkQueue(int threads, std::string name) {
+  for (int i = 0; i < std::max(threads, 1); ++i) {
+    threads_.emplace_back([this] { Run(); });
+    // Thread names show in top and gdb; Linux allows 15 characters.
+    pthread_setname_np(threads_.back().native_handle(), name.substr(0, 15).c_str());
+  }
+}
+
+WorkQueue::~WorkQueue() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void WorkQueue::Post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void WorkQueue::Run() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+}  // namespace kvferry

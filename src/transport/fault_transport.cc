@@ -1,0 +1,123 @@
+#include "transport/fault_transport.h"
+
+#include <algorithm>
+#include <thread>
+
+namespace kvferry {
+
+void FaultInjectingTransport::AddRule(FaultRule rule) {
+  std::lock_guard<std::mutex> lock(mu_);
+  rules_.push_back(std::make_unique<FaultRule>(std::move(rule)));
+}
+
+std::uint64_t FaultInjectingTransport::faults_injected() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return injected_;
+}
+
+Result<BatchId> FaultInjectingTransport::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
+                                                     Deadline deadline) {
+  const FaultRule* rule = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::uint64_t seq = seq_++;
+    for (const auto& r : rules_) {
+      if (r->match && r->match(seq, peer)) {
+        rule = r.get();
+        ++injected_;
+        break;
+      }
+    }
+  }
+  Entry e{std::nullopt, rule, Clock::now(), deadline};
+  if (rule == nullptr || rule->action != FaultRule::Action::kFail) {
+    if (rule != nullptr && rule->action == FaultRule::Action::kCut) ops.resize(ops.size() / 2);
+    if (rule != nullptr && rule->action == FaultRule::Action::kDelay) {
+      e.ready_at = Clock::now() + rule->delay;
+    }
+    KVFERRY_ASSIGN_OR_RETURN(BatchId inner, inner_->SubmitReads(peer, std::move(ops), deadline));
+    e.inner = inner;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const BatchId id = next_++;
+  batches_[id] = e;
+  return id;
+}
+
+BatchResult FaultInjectingTransport::Shape(const Entry& e, BatchResult r) const {
+  if (e.rule == nullptr || r.state == BatchState::kInProgress) return r;
+  switch (e.rule->action) {
+    case FaultRule::Action::kFail:
+      return {BatchState::kFailed, e.rule->status};
+    case FaultRule::Action::kCut:
+      if (r.state == BatchState::kDone) return {BatchState::kFailed, e.rule->status};
+      return r;
+    case FaultRule::Action::kDelay:
+      if (Clock::now() < e.ready_at) {
+        if (Clock::now() >= e.deadline) {
+          return {BatchState::kFailed, Status::Timeout("injected delay outlasted the deadline")};
+        }
+        return {};
+      }
+      return r;
+  }
+  return r;
+}
+
+BatchResult FaultInjectingTransport::Poll(BatchId batch) {
+  Entry e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = batches_.find(batch);
+    if (it == batches_.end()) {
+      return {BatchState::kFailed, Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
+    }
+    e = it->second;
+  }
+  if (!e.inner) return Shape(e, {BatchState::kFailed, Status::Ok()});
+  return Shape(e, inner_->Poll(*e.inner));
+}
+
+BatchResult FaultInjectingTransport::Wait(BatchId batch, Deadline deadline) {
+  Entry e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = batches_.find(batch);
+    if (it == batches_.end()) {
+      return {BatchState::kFailed, Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
+    }
+    e = it->second;
+  }
+  if (!e.inner) return Shape(e, {BatchState::kFailed, Status::Ok()});
+  BatchResult r = inner_->Wait(*e.inner, deadline);
+  if (r.state == BatchState::kInProgress) return r;
+  // A delayed batch reports its end at ready_at, or fails at its deadline, whichever is first.
+  const Clock::time_point until = std::min({e.ready_at, e.deadline, deadline});
+  if (Clock::now() < until) std::this_thread::sleep_until(until);
+  return Shape(e, r);
+}
+
+void FaultInjectingTransport::Cancel(BatchId batch) {
+  std::optional<BatchId> inner;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = batches_.find(batch);
+    if (it == batches_.end()) return;
+    inner = it->second.inner;
+  }
+  if (inner) inner_->Cancel(*inner);
+}
+
+void FaultInjectingTransport::Release(BatchId batch) {
+  std::optional<BatchId> inner;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = batches_.find(batch);
+    if (it == batches_.end()) return;
+    inner = it->second.inner;
+    batches_.erase(it);
+  }
+  if (inner) inner_->Release(*inner);
+}
+
+}  // namespace kvferry

@@ -1,0 +1,75 @@
+// A Transport that wraps a real one and injects faults into chosen batches, for tests of the
+// layers above. It forwards everything else unchanged, so the bytes still move through the real
+// backend.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "kvferry/transport.h"
+
+namespace kvferry {
+
+struct FaultRule {
+  enum class Action {
+    kDelay,  ///< the batch runs, but reports its end only `delay` after submission
+    kFail,   ///< nothing moves; the batch fails at once with `status`
+    kCut,    ///< only the first half of the reads run; the batch then fails with `status`
+  };
+  Action action = Action::kFail;
+  /// Which batches: called with the submission's sequence number (0, 1, ...) and peer.
+  std::function<bool(std::uint64_t seq, PeerId peer)> match;
+  std::chrono::milliseconds delay{0};
+  Status status = Status::PeerDisconnected("injected fault");
+};
+
+/// Thread-safe. Rules are tried in the order added; the first that matches applies.
+class FaultInjectingTransport final : public Transport {
+ public:
+  explicit FaultInjectingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
+
+  void AddRule(FaultRule rule);
+  /// How many batches a rule has been applied to.
+  std::uint64_t faults_injected() const;
+
+  Status RegisterMemory(RegionId id, void* addr, std::size_t length) override {
+    return inner_->RegisterMemory(id, addr, length);
+  }
+  Status DeregisterMemory(RegionId id) override { return inner_->DeregisterMemory(id); }
+  Result<std::vector<std::uint8_t>> Descriptor() override { return inner_->Descriptor(); }
+  Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) override {
+    return inner_->Connect(descriptor, deadline);
+  }
+  void Disconnect(PeerId peer) override { inner_->Disconnect(peer); }
+  Result<std::string> PeerBackend(PeerId peer) override { return inner_->PeerBackend(peer); }
+  Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) override;
+  BatchResult Poll(BatchId batch) override;
+  BatchResult Wait(BatchId batch, Deadline deadline) override;
+  void Cancel(BatchId batch) override;
+  void Release(BatchId batch) override;
+  TransportStats Stats() override { return inner_->Stats(); }
+
+ private:
+  struct Entry {
+    std::optional<BatchId> inner;  // absent for kFail
+    const FaultRule* rule = nullptr;
+    Clock::time_point ready_at{};
+    Deadline deadline{};
+  };
+  BatchResult Shape(const Entry& e, BatchResult inner_result) const;
+
+  std::unique_ptr<Transport> inner_;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<FaultRule>> rules_;  // guarded by mu_
+  std::map<BatchId, Entry> batches_;               // guarded by mu_
+  BatchId next_ = 1;                               // guarded by mu_
+  std::uint64_t seq_ = 0;                          // guarded by mu_
+  std::uint64_t injected_ = 0;                     // guarded by mu_
+};
+
+}  // namespace kvferry

@@ -1,0 +1,119 @@
+#include "transport/region_registry.h"
+
+#include <string>
+
+namespace kvferry {
+
+RegionPin& RegionPin::operator=(RegionPin&& other) noexcept {
+  if (this != &other) {
+    if (registry_ != nullptr) registry_->Unpin(id_);
+    registry_ = other.registry_;
+    id_ = other.id_;
+    other.registry_ = nullptr;
+  }
+  return *this;
+}
+
+RegionPin::~RegionPin() {
+  if (registry_ != nullptr) registry_->Unpin(id_);
+}
+
+Status RegionRegistry::Add(RegionId id, void* addr, std::size_t length) {
+  if (addr == nullptr || length == 0) {
+    return Status::InvalidArgument("region " + std::to_string(id) +
+                                   ": expected a non-null address and a positive length");
+  }
+  const auto begin = reinterpret_cast<std::uintptr_t>(addr);
+  if (begin + length < begin) {
+    return Status::InvalidArgument("region " + std::to_string(id) + " wraps the address space");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (regions_.count(id) != 0) {
+    return Status::InvalidArgument("region id " + std::to_string(id) +
+                                   " is already registered; deregister it first");
+  }
+  // Overlap with the neighbours on either side.
+  auto next = by_addr_.lower_bound(begin);
+  if (next != by_addr_.end() && next->first < begin + length) {
+    return Status::InvalidArgument("region " + std::to_string(id) + " overlaps region " +
+                                   std::to_string(next->second));
+  }
+  if (next != by_addr_.begin()) {
+    auto prev = std::prev(next);
+    const RegionInfo& p = regions_.at(prev->second).info;
+    if (prev->first + p.length > begin) {
+      return Status::InvalidArgument("region " + std::to_string(id) + " overlaps region " +
+                                     std::to_string(prev->second));
+    }
+  }
+  regions_[id] = Entry{{id, static_cast<std::byte*>(addr), length}, 0, false};
+  by_addr_[begin] = id;
+  return Status::Ok();
+}
+
+Status RegionRegistry::Remove(RegionId id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end() || it->second.removing) {
+    return Status::NotFound("region " + std::to_string(id) + " is not registered");
+  }
+  it->second.removing = true;
+  by_addr_.erase(reinterpret_cast<std::uintptr_t>(it->second.info.addr));
+  // Pins are held by reads, and every read ends by its batch's deadline, so this wait ends.
+  unpinned_.wait(lock, [&] { return regions_.at(id).pins == 0; });
+  regions_.erase(id);
+  return Status::Ok();
+}
+
+std::vector<RegionInfo> RegionRegistry::List() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<RegionInfo> out;
+  for (const auto& [id, e] : regions_) {
+    if (!e.removing) out.push_back(e.info);
+  }
+  return out;
+}
+
+Result<RegionPin> RegionRegistry::PinLocal(const std::byte* p, std::uint64_t length) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_addr_.upper_bound(begin);
+  if (it != by_addr_.begin()) {
+    --it;
+    Entry& e = regions_.at(it->second);
+    if (begin - it->first <= e.info.length && length <= e.info.length - (begin - it->first)) {
+      ++e.pins;
+      return RegionPin(this, e.info.id);
+    }
+  }
+  return Status::InvalidArgument("local destination of " + std::to_string(length) +
+                                 " bytes is not inside a registered region; register the "
+                                 "destination memory before reading into it");
+}
+
+Result<std::byte*> RegionRegistry::PinRange(RegionId id, std::uint64_t offset,
+                                            std::uint64_t length, RegionPin* pin) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end() || it->second.removing) {
+    return Status::InvalidArgument("region " + std::to_string(id) + " is not registered here");
+  }
+  Entry& e = it->second;
+  if (offset > e.info.length || length > e.info.length - offset) {
+    return Status::InvalidArgument("read of " + std::to_string(length) + " bytes at offset " +
+                                   std::to_string(offset) + " is outside region " +
+                                   std::to_string(id) + " of " + std::to_string(e.info.length) +
+                                   " bytes");
+  }
+  ++e.pins;
+  *pin = RegionPin(this, id);
+  return e.info.addr + offset;
+}
+
+void RegionRegistry::Unpin(RegionId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(id);
+  if (it != regions_.end() && --it->second.pins == 0) unpinned_.notify_all();
+}
+
+}  // namespace kvferry

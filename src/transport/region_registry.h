@@ -1,0 +1,74 @@
+// The memory regions one transport registered: lookup, range checks, and pins that keep a region
+// registered while a read serves from it or lands in it.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kvferry/status.h"
+#include "kvferry/transport.h"
+
+namespace kvferry {
+
+struct RegionInfo {
+  RegionId id = 0;
+  std::byte* addr = nullptr;
+  std::uint64_t length = 0;
+};
+
+class RegionRegistry;
+
+/// Keeps one region registered while alive. Move-only.
+class RegionPin {
+ public:
+  RegionPin() = default;
+  RegionPin(RegionPin&& other) noexcept : registry_(other.registry_), id_(other.id_) {
+    other.registry_ = nullptr;
+  }
+  RegionPin& operator=(RegionPin&& other) noexcept;
+  RegionPin(const RegionPin&) = delete;
+  RegionPin& operator=(const RegionPin&) = delete;
+  ~RegionPin();
+
+ private:
+  friend class RegionRegistry;
+  RegionPin(RegionRegistry* registry, RegionId id) : registry_(registry), id_(id) {}
+  RegionRegistry* registry_ = nullptr;
+  RegionId id_ = 0;
+};
+
+/// Thread-safe.
+class RegionRegistry {
+ public:
+  Status Add(RegionId id, void* addr, std::size_t length);
+  /// Unlists the region at once (new pins fail), then waits until its pins are gone.
+  Status Remove(RegionId id);
+  std::vector<RegionInfo> List() const;
+
+  /// Pins the region that contains [p, p + length) entirely; InvalidArgument if none does.
+  Result<RegionPin> PinLocal(const std::byte* p, std::uint64_t length);
+  /// Pins region `id` for a read of [offset, offset + length); returns where those bytes are.
+  Result<std::byte*> PinRange(RegionId id, std::uint64_t offset, std::uint64_t length,
+                              RegionPin* pin);
+
+ private:
+  friend class RegionPin;
+  struct Entry {
+    RegionInfo info;
+    int pins = 0;
+    bool removing = false;
+  };
+  void Unpin(RegionId id);
+
+  mutable std::mutex mu_;
+  std::condition_variable unpinned_;
+  std::map<RegionId, Entry> regions_;            // guarded by mu_
+  std::map<std::uintptr_t, RegionId> by_addr_;   // guarded by mu_; listed regions only
+};
+
+}  // namespace kvferry

@@ -1,0 +1,409 @@
+#include "transport/tcp/tcp_backend.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "common/clock.h"
+#include "transport/tcp/frames.h"
+#include "transport/tcp/socket.h"
+
+namespace kvferry::tcp {
+namespace {
+
+constexpr int kPipelineDepth = 4;  // requests in flight per connection
+constexpr int kMaxAttempts = 2;    // a request survives one broken connection
+constexpr std::string_view kAbandon = "connection dropped to abandon a stopped batch";
+
+struct Request {
+  std::shared_ptr<Batch> batch;
+  std::vector<ReadOp> ops;
+  std::uint64_t bytes = 0;
+  int attempts = 0;
+};
+
+// Runs the client half of the handshake on a fresh socket.
+Status Handshake(int fd, const std::string& secret, Deadline deadline) {
+  const StopCheck stop = [deadline]() -> Status {
+    if (Expired(deadline)) return Status::Timeout("the tcp handshake did not finish in time");
+    return Status::Ok();
+  };
+  std::uint8_t hello[kHelloBytes];
+  iovec iov{hello, sizeof(hello)};
+  std::uint64_t got = 0;
+  KVFERRY_RETURN_IF_ERROR(RecvAll(fd, &iov, 1, stop, &got));
+  if (GetU32(hello) != kHelloMagic || GetU32(hello + 4) != kVersion) {
+    return Status::Unavailable("the peer's tcp server does not speak kvferry tcp v1");
+  }
+  Nonce server{};
+  std::memcpy(server.data(), hello + 8, kNonceBytes);
+  const Nonce client = RandomNonce();
+  std::uint8_t auth[kAuthBytes];
+  PutU32(auth, kAuthMagic);
+  PutU32(auth + 4, kVersion);
+  std::memcpy(auth + 8, client.data(), kNonceBytes);
+  const Sha256Digest mac = ClientMac(secret, server, client);
+  std::memcpy(auth + 8 + kNonceBytes, mac.data(), mac.size());
+  iovec out{auth, sizeof(auth)};
+  KVFERRY_RETURN_IF_ERROR(SendAll(fd, &out, 1, stop));
+  std::uint8_t result[kResultBytes];
+  iovec in{result, sizeof(result)};
+  Status s = RecvAll(fd, &in, 1, stop, &got);
+  if (!s.ok() || GetU32(result) != kResultMagic || GetU32(result + 4) != 0) {
+    return Status::Unauthenticated(
+        "the peer's tcp server refused this client: the shared secrets differ (set the same "
+        "secret on both sides; without one, only loopback clients are served)");
+  }
+  Sha256Digest proof{};
+  std::memcpy(proof.data(), result + 8, proof.size());
+  if (!DigestEquals(proof, ServerMac(secret, server, client))) {
+    return Status::Unauthenticated("the peer's tcp server could not prove it holds the secret");
+  }
+  return Status::Ok();
+}
+
+// One connection and the thread that drives it. Requests queue here; the thread sends up to
+// kPipelineDepth of them, then receives the oldest response into its destination memory.
+class Connection {
+ public:
+  Connection(TcpEndpoint endpoint, const ClientOptions& options, Fd fd)
+      : endpoint_(std::move(endpoint)), options_(options), fd_(std::move(fd)) {
+    thread_ = std::thread([this] { Run(); });
+    pthread_setname_np(thread_.native_handle(), "kvferry-tcpcli");
+  }
+  ~Connection() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shutting_down_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  void Enqueue(Request r) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!shutting_down_) {
+        queue_.push_back(std::move(r));
+        cv_.notify_all();
+        return;
+      }
+    }
+    r.batch->UnitDone(Status::Cancelled("the tcp peer was disconnected"), 0);
+  }
+
+  std::size_t Load() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return queue_.size() + in_flight_.size();
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return shutting_down_ || !queue_.empty() || !in_flight_.empty(); });
+        if (shutting_down_) break;
+      }
+      Step();
+    }
+    // Everything still here ends now, so that its batches can end.
+    std::deque<Request> rest;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      rest.swap(queue_);
+      for (Request& r : in_flight_) rest.push_back(std::move(r));
+      in_flight_.clear();
+    }
+    for (Request& r : rest) r.batch->UnitDone(Status::Cancelled("the tcp peer was disconnected"), 0);
+  }
+
+  // Sends what the pipeline allows, then receives one response.
+  void Step() {
+    if (!fd_.valid()) {
+      Status s = Reconnect();
+      if (!s.ok()) {
+        FailAll(s);
+        return;
+      }
+    }
+    for (;;) {
+      Request r;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (queue_.empty() || in_flight_.size() >= kPipelineDepth) break;
+        r = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (r.batch->ShouldStop()) {
+        r.batch->UnitDone(r.batch->StopStatus(), 0);
+        continue;
+      }
+      Status s = Send(r);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        in_flight_.push_back(std::move(r));
+      }
+      if (!s.ok()) {
+        Broken(s);
+        return;
+      }
+    }
+    Request current;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (in_flight_.empty()) return;
+      current = std::move(in_flight_.front());
+      in_flight_.pop_front();
+    }
+    std::uint64_t received = 0;
+    Status s = Receive(current, &received);
+    if (s.ok()) {
+      current.batch->UnitDone(Status::Ok(), received);
+      return;
+    }
+    if (current.batch->ShouldStop()) {
+      // Its batch was cancelled, failed elsewhere or timed out, mid-response. The rest of the
+      // response must not land in memory the caller may now reuse: drop the connection.
+      current.batch->UnitDone(current.batch->StopStatus(), received);
+      Broken(Status::Cancelled(std::string(kAbandon)));
+      return;
+    }
+    if (s.code() == StatusCode::kPeerDisconnected ||
+        (s.code() == StatusCode::kCancelled && s.message() == kAbandon)) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        in_flight_.push_front(std::move(current));
+      }
+      Broken(s);
+      return;
+    }
+    // The server refused the read (an error response) or sent a malformed frame.
+    current.batch->UnitDone(s, received);
+    if (s.code() == StatusCode::kInternal) Broken(s);
+  }
+
+  Status Send(Request& r) {
+    std::vector<std::uint8_t> frame(kRequestHeaderBytes + r.ops.size() * kOpBytes);
+    const std::uint64_t id = next_id_++;
+    EncodeRequestHeader({static_cast<std::uint32_t>(r.ops.size()), id}, frame.data());
+    for (std::size_t i = 0; i < r.ops.size(); ++i) {
+      EncodeOp({r.ops[i].remote_region, r.ops[i].remote_offset, r.ops[i].length},
+               frame.data() + kRequestHeaderBytes + i * kOpBytes);
+    }
+    sent_ids_.push_back(id);
+    iovec iov{frame.data(), frame.size()};
+    const Deadline deadline = r.batch->deadline();
+    return SendAll(fd_.get(), &iov, 1, [&]() -> Status {
+      if (ShuttingDown()) return Status::Cancelled("shutting down");
+      if (Expired(deadline)) return Status::Timeout("sending a read request timed out");
+      return Status::Ok();
+    });
+  }
+
+  Status Receive(Request& r, std::uint64_t* received) {
+    const std::uint64_t want_id = sent_ids_.front();
+    sent_ids_.pop_front();
+    const StopCheck stop = [&]() -> Status {
+      if (ShuttingDown()) return Status::Cancelled("the tcp peer was disconnected");
+      if (r.batch->ShouldStop()) return r.batch->StopStatus();
+      // A stopped batch queued or pipelined behind this response must not wait for it.
+      if (SweepStopped()) return Status::Cancelled(std::string(kAbandon));
+      return Status::Ok();
+    };
+    std::uint8_t head[kResponseHeaderBytes];
+    iovec hv{head, sizeof(head)};
+    std::uint64_t header_bytes = 0;
+    KVFERRY_RETURN_IF_ERROR(RecvAll(fd_.get(), &hv, 1, stop, &header_bytes));
+    Result<ResponseHeader> h = ParseResponseHeader(std::span<const std::uint8_t, kResponseHeaderBytes>(head));
+    if (!h.ok() || h->request_id != want_id) {
+      return Status::Internal("the peer's tcp server sent a malformed response; dropping the "
+                              "connection");
+    }
+    if (h->status != 0) {
+      std::string text(h->payload_length, '\0');
+      iovec tv{text.data(), text.size()};
+      std::uint64_t n = 0;
+      KVFERRY_RETURN_IF_ERROR(RecvAll(fd_.get(), &tv, 1, stop, &n));
+      return Status(StatusCodeFromWire(h->status), "the peer refused the read: " + text);
+    }
+    if (h->payload_length != r.bytes) {
+      return Status::Internal("the peer's tcp server answered with " +
+                              std::to_string(h->payload_length) + " bytes, expected " +
+                              std::to_string(r.bytes));
+    }
+    std::vector<iovec> iov;
+    iov.reserve(r.ops.size());
+    for (const ReadOp& op : r.ops) iov.push_back({op.local, op.length});
+    return RecvAll(fd_.get(), iov.data(), static_cast<int>(iov.size()), stop, received);
+  }
+
+  // Ends queued requests of stopped batches. Returns true if a pipelined (sent, not yet
+  // received) request belongs to a stopped batch, which only dropping the connection can end.
+  bool SweepStopped() {
+    std::vector<Request> stopped;
+    bool pipelined = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        if (it->batch->ShouldStop()) {
+          stopped.push_back(std::move(*it));
+          it = queue_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (const Request& r : in_flight_) pipelined = pipelined || r.batch->ShouldStop();
+    }
+    for (Request& r : stopped) r.batch->UnitDone(r.batch->StopStatus(), 0);
+    return pipelined;
+  }
+
+  // The connection is unusable: close it, retry in-flight requests once on a new one. Requests
+  // dropped only to abandon another batch are retried without counting an attempt.
+  void Broken(const Status& why) {
+    const bool abandon = why.code() == StatusCode::kCancelled;
+    fd_.Reset();
+    sent_ids_.clear();
+    std::deque<Request> retry;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      retry.swap(in_flight_);
+    }
+    for (auto it = retry.rbegin(); it != retry.rend(); ++it) {
+      Request& r = *it;
+      if (r.batch->ShouldStop()) {
+        r.batch->UnitDone(r.batch->StopStatus(), 0);
+      } else if (!abandon && ++r.attempts >= kMaxAttempts) {
+        r.batch->UnitDone(why.code() == StatusCode::kCancelled
+                              ? Status::PeerDisconnected("the connection to the peer broke")
+                              : why,
+                          0);
+      } else {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_front(std::move(r));
+      }
+    }
+  }
+
+  Status Reconnect() {
+    Deadline deadline = DeadlineAfter(std::chrono::milliseconds(2000));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const Request& r : queue_) deadline = std::min(deadline, r.batch->deadline());
+    }
+    Result<Fd> fd = tcp::Connect(endpoint_.host, endpoint_.port, deadline, options_.user_timeout);
+    if (!fd.ok()) {
+      return Status::PeerDisconnected("lost the connection to " + endpoint_.host + ":" +
+                                      std::to_string(endpoint_.port) +
+                                      " and could not reconnect: " +
+                                      std::string(fd.status().message()));
+    }
+    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), options_.secret, deadline));
+    fd_ = std::move(fd).value();
+    return Status::Ok();
+  }
+
+  void FailAll(const Status& s) {
+    std::deque<Request> all;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      all.swap(queue_);
+    }
+    for (Request& r : all) r.batch->UnitDone(s, 0);
+  }
+
+  bool ShuttingDown() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return shutting_down_;
+  }
+
+  const TcpEndpoint endpoint_;
+  const ClientOptions& options_;
+  Fd fd_;                              // used by the thread only
+  std::deque<std::uint64_t> sent_ids_;  // thread only
+  std::uint64_t next_id_ = 1;          // thread only
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Request> queue_;      // guarded by mu_
+  std::deque<Request> in_flight_;  // guarded by mu_
+  bool shutting_down_ = false;     // guarded by mu_
+  std::thread thread_;
+};
+
+class TcpPeer final : public BackendPeer {
+ public:
+  TcpPeer(const ClientOptions& options, std::vector<std::unique_ptr<Connection>> conns)
+      : options_(options), conns_(std::move(conns)) {}
+  ~TcpPeer() override { Shutdown(); }
+
+  void Start(const std::shared_ptr<Batch>& batch, std::vector<ReadOp> ops) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Request r{batch, {}, 0, 0};
+    auto flush = [&] {
+      if (r.ops.empty()) return;
+      batch->AddUnit();
+      // Least-loaded connection; ties go round-robin.
+      std::size_t best = next_++ % conns_.size();
+      std::size_t best_load = conns_[best]->Load();
+      for (std::size_t i = 0; i < conns_.size(); ++i) {
+        const std::size_t load = conns_[i]->Load();
+        if (load < best_load) {
+          best = i;
+          best_load = load;
+        }
+      }
+      conns_[best]->Enqueue(std::move(r));
+      r = Request{batch, {}, 0, 0};
+    };
+    const std::uint64_t cap = std::min(options_.max_request_bytes, kMaxRequestBytes);
+    for (const ReadOp& op : ops) {
+      for (std::uint64_t off = 0; off < op.length;) {
+        const std::uint64_t len = std::min(op.length - off, cap - r.bytes);
+        r.ops.push_back({op.local + off, op.remote_region, op.remote_offset + off, len});
+        r.bytes += len;
+        off += len;
+        if (r.bytes >= cap || r.ops.size() >= kMaxOpsPerRequest) flush();
+      }
+    }
+    flush();
+  }
+
+  void Shutdown() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    conns_.clear();  // each connection ends its requests and joins its thread
+  }
+
+ private:
+  const ClientOptions& options_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Connection>> conns_;  // guarded by mu_
+  std::size_t next_ = 0;                            // guarded by mu_
+};
+
+}  // namespace
+
+Result<std::unique_ptr<BackendPeer>> TcpBackend::Connect(const PeerDescriptor& peer,
+                                                         Deadline deadline) {
+  if (!peer.tcp) {
+    return Status::Unavailable("the peer runs no tcp read server; start it with serving enabled");
+  }
+  std::vector<std::unique_ptr<Connection>> conns;
+  for (int i = 0; i < std::max(options_.connections_per_peer, 1); ++i) {
+    Result<Fd> fd = tcp::Connect(peer.tcp->host, peer.tcp->port, deadline, options_.user_timeout);
+    if (!fd.ok()) return fd.status();
+    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), options_.secret, deadline));
+    conns.push_back(std::make_unique<Connection>(*peer.tcp, options_, std::move(fd).value()));
+  }
+  return std::unique_ptr<BackendPeer>(std::make_unique<TcpPeer>(options_, std::move(conns)));
+}
+
+}  // namespace kvferry::tcp

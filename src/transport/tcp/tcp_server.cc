@@ -1,0 +1,358 @@
+#include "transport/tcp/tcp_server.h"
+
+#include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <vector>
+
+#include "common/log.h"
+#include "transport/tcp/frames.h"
+
+namespace kvferry::tcp {
+namespace {
+
+constexpr std::size_t kMaxQueuedResponses = 16;  // per connection, before reading pauses
+constexpr std::size_t kReadChunk = 64 * 1024;
+
+// One queued response: a header (and error text) followed by bytes from registered memory.
+struct Response {
+  std::vector<std::uint8_t> head;
+  std::vector<iovec> body;
+  std::vector<RegionPin> pins;  // keep the regions registered while their bytes are sent
+  std::size_t head_sent = 0;
+  std::size_t body_index = 0;
+  std::size_t body_offset = 0;
+};
+
+enum class Phase { kAwaitAuth, kServing, kClosing };
+
+struct Connection {
+  Fd fd;
+  Phase phase = Phase::kAwaitAuth;
+  Nonce server_nonce{};
+  std::vector<std::uint8_t> in;
+  std::deque<Response> out;
+  bool want_write = false;
+  bool reading = true;
+};
+
+class Loop {
+ public:
+  Loop(RegionRegistry* registry, const std::string& secret, ServerCounters* counters, int epoll)
+      : registry_(registry), secret_(secret), counters_(counters), epoll_(epoll) {}
+
+  void Accept(int listener) {
+    for (;;) {
+      sockaddr_storage addr{};
+      socklen_t len = sizeof(addr);
+      const int fd = accept4(listener, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC);
+      if (fd < 0) return;
+      if (secret_.empty() && !IsLoopback(addr)) {
+        // Without a shared secret anyone who can reach the port could read the cache.
+        counters_->refused.fetch_add(1);
+        Log().warn("tcp server: refused a non-loopback client: no secret is configured");
+        close(fd);
+        continue;
+      }
+      ConfigureStream(fd, std::chrono::milliseconds(5000));
+      auto conn = std::make_unique<Connection>();
+      conn->fd = Fd(fd);
+      conn->server_nonce = RandomNonce();
+      Response hello;
+      hello.head.resize(kHelloBytes);
+      PutU32(hello.head.data(), kHelloMagic);
+      PutU32(hello.head.data() + 4, kVersion);
+      std::memcpy(hello.head.data() + 8, conn->server_nonce.data(), kNonceBytes);
+      conn->out.push_back(std::move(hello));
+      epoll_event ev{};
+      ev.events = EPOLLIN | EPOLLOUT;
+      ev.data.fd = fd;
+      epoll_ctl(epoll_, EPOLL_CTL_ADD, fd, &ev);
+      conn->want_write = true;
+      conns_[fd] = std::move(conn);
+    }
+  }
+
+  void Handle(int fd, std::uint32_t events) {
+    auto it = conns_.find(fd);
+    if (it == conns_.end()) return;
+    Connection& c = *it->second;
+    bool ok = true;
+    if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0 && c.reading) ok = ReadSome(c);
+    if (ok) ok = Parse(c);
+    if (ok) ok = Flush(c);
+    if (!ok || (c.phase == Phase::kClosing && c.out.empty())) {
+      Close(fd);
+      return;
+    }
+    UpdateInterest(c);
+  }
+
+  void CloseAll() {
+    while (!conns_.empty()) Close(conns_.begin()->first);
+  }
+
+ private:
+  bool ReadSome(Connection& c) {
+    const std::size_t old = c.in.size();
+    c.in.resize(old + kReadChunk);
+    const ssize_t n = recv(c.fd.get(), c.in.data() + old, kReadChunk, 0);
+    if (n > 0) {
+      c.in.resize(old + static_cast<std::size_t>(n));
+      return true;
+    }
+    c.in.resize(old);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+    return false;  // EOF or error: the client went away
+  }
+
+  bool Parse(Connection& c) {
+    std::size_t used = 0;
+    bool ok = true;
+    while (ok && c.phase != Phase::kClosing) {
+      const std::span<const std::uint8_t> rest(c.in.data() + used, c.in.size() - used);
+      std::size_t consumed = 0;
+      if (c.phase == Phase::kAwaitAuth) {
+        if (rest.size() < kAuthBytes) break;
+        ok = Authenticate(c, rest.first<kAuthBytes>());
+        consumed = kAuthBytes;
+      } else {
+        if (c.out.size() >= kMaxQueuedResponses) {
+          c.reading = false;  // backpressure: resume once responses drain
+          break;
+        }
+        if (rest.size() < kRequestHeaderBytes) break;
+        Result<RequestHeader> h = ParseRequestHeader(rest.first<kRequestHeaderBytes>());
+        if (!h.ok()) {
+          Refuse(h.status());
+          return false;
+        }
+        const std::size_t frame = kRequestHeaderBytes + h->op_count * kOpBytes;
+        if (rest.size() < frame) break;
+        ok = Serve(c, *h, rest.subspan(kRequestHeaderBytes, h->op_count * kOpBytes));
+        consumed = frame;
+      }
+      used += consumed;
+    }
+    c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(used));
+    if (c.out.size() < kMaxQueuedResponses) c.reading = true;
+    // A client that sends more than one maximal frame without us consuming it is broken.
+    if (c.in.size() > kRequestHeaderBytes + kMaxOpsPerRequest * kOpBytes + kReadChunk) {
+      Refuse(Status::InvalidArgument("client sent more unread request bytes than allowed"));
+      return false;
+    }
+    return ok;
+  }
+
+  bool Authenticate(Connection& c, std::span<const std::uint8_t, kAuthBytes> in) {
+    if (GetU32(in.data()) != kAuthMagic || GetU32(in.data() + 4) != kVersion) {
+      Refuse(Status::InvalidArgument("handshake from a client that does not speak kvferry tcp v1"));
+      return false;
+    }
+    Nonce client{};
+    std::memcpy(client.data(), in.data() + 8, kNonceBytes);
+    Sha256Digest mac{};
+    std::memcpy(mac.data(), in.data() + 8 + kNonceBytes, mac.size());
+    const bool good = DigestEquals(mac, ClientMac(secret_, c.server_nonce, client));
+    Response result;
+    result.head.resize(kResultBytes);
+    PutU32(result.head.data(), kResultMagic);
+    PutU32(result.head.data() + 4,
+           good ? 0u : static_cast<std::uint32_t>(StatusCode::kUnauthenticated));
+    if (good) {
+      const Sha256Digest proof = ServerMac(secret_, c.server_nonce, client);
+      std::memcpy(result.head.data() + 8, proof.data(), proof.size());
+      c.phase = Phase::kServing;
+    } else {
+      Refuse(Status::Unauthenticated("a client failed authentication: the shared secrets differ"));
+      c.phase = Phase::kClosing;
+    }
+    c.out.push_back(std::move(result));
+    return true;
+  }
+
+  bool Serve(Connection& c, const RequestHeader& h, std::span<const std::uint8_t> ops) {
+    Response r;
+    std::uint64_t total = 0;
+    Status status;
+    for (std::uint32_t i = 0; i < h.op_count && status.ok(); ++i) {
+      Result<WireOp> op = ParseOp(ops.subspan(i * kOpBytes).first<kOpBytes>());
+      if (!op.ok()) {
+        Refuse(op.status());
+        return false;  // malformed frame: close this connection only
+      }
+      RegionPin pin;
+      Result<std::byte*> where = registry_->PinRange(op->region, op->offset, op->length, &pin);
+      if (!where.ok()) {
+        status = where.status();
+        break;
+      }
+      total += op->length;
+      if (total > kMaxRequestBytes) {
+        status = Status::InvalidArgument("read request asks for more than " +
+                                         std::to_string(kMaxRequestBytes) + " bytes");
+        break;
+      }
+      r.body.push_back({*where, op->length});
+      r.pins.push_back(std::move(pin));
+    }
+    r.head.resize(kResponseHeaderBytes);
+    if (!status.ok()) {
+      // Refused before any byte moves; the connection stays usable.
+      Refuse(status);
+      r.body.clear();
+      r.pins.clear();
+      const std::string text(status.message().substr(0, kMaxErrorBytes));
+      EncodeResponseHeader({static_cast<std::uint32_t>(status.code()), h.request_id, text.size()},
+                           r.head.data());
+      r.head.insert(r.head.end(), text.begin(), text.end());
+    } else {
+      EncodeResponseHeader({0, h.request_id, total}, r.head.data());
+      counters_->bytes_served.fetch_add(total);
+    }
+    c.out.push_back(std::move(r));
+    return true;
+  }
+
+  bool Flush(Connection& c) {
+    while (!c.out.empty()) {
+      Response& r = c.out.front();
+      std::vector<iovec> iov;
+      if (r.head_sent < r.head.size()) {
+        iov.push_back({r.head.data() + r.head_sent, r.head.size() - r.head_sent});
+      }
+      for (std::size_t i = r.body_index; i < r.body.size() && iov.size() < IOV_MAX; ++i) {
+        const std::size_t skip = i == r.body_index ? r.body_offset : 0;
+        iov.push_back({static_cast<char*>(r.body[i].iov_base) + skip, r.body[i].iov_len - skip});
+      }
+      if (iov.empty()) {
+        c.out.pop_front();
+        continue;
+      }
+      msghdr msg{};
+      msg.msg_iov = iov.data();
+      msg.msg_iovlen = iov.size();
+      const ssize_t n = sendmsg(c.fd.get(), &msg, MSG_NOSIGNAL);
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+          c.want_write = true;
+          return true;
+        }
+        return false;
+      }
+      auto left = static_cast<std::size_t>(n);
+      const std::size_t from_head = std::min(left, r.head.size() - r.head_sent);
+      r.head_sent += from_head;
+      left -= from_head;
+      while (left > 0) {
+        const std::size_t rest = r.body[r.body_index].iov_len - r.body_offset;
+        if (left >= rest) {
+          left -= rest;
+          ++r.body_index;
+          r.body_offset = 0;
+        } else {
+          r.body_offset += left;
+          left = 0;
+        }
+      }
+      if (r.head_sent == r.head.size() && r.body_index == r.body.size()) c.out.pop_front();
+    }
+    c.want_write = false;
+    return true;
+  }
+
+  void UpdateInterest(Connection& c) {
+    epoll_event ev{};
+    ev.events = (c.reading ? EPOLLIN : 0u) | (c.want_write ? EPOLLOUT : 0u);
+    ev.data.fd = c.fd.get();
+    epoll_ctl(epoll_, EPOLL_CTL_MOD, c.fd.get(), &ev);
+  }
+
+  void Close(int fd) {
+    epoll_ctl(epoll_, EPOLL_CTL_DEL, fd, nullptr);
+    conns_.erase(fd);  // releases the pins of unsent responses
+  }
+
+  void Refuse(const Status& s) {
+    const std::uint64_t n = counters_->refused.fetch_add(1) + 1;
+    // Rate-limited: the first ten, then every thousandth.
+    if (n <= 10 || n % 1000 == 0) Log().warn("tcp server: refused request #{}: {}", n, s.ToString());
+  }
+
+  RegionRegistry* registry_;
+  const std::string& secret_;
+  ServerCounters* counters_;
+  int epoll_;
+  std::map<int, std::unique_ptr<Connection>> conns_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<TcpServer>> TcpServer::Start(RegionRegistry* registry,
+                                                    const std::string& host, std::uint16_t port,
+                                                    std::string secret, ServerCounters* counters) {
+  std::uint16_t bound = 0;
+  KVFERRY_ASSIGN_OR_RETURN(Fd listener, Listen(host, port, &bound));
+  Fd epoll(epoll_create1(EPOLL_CLOEXEC));
+  Fd wake(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!epoll.valid() || !wake.valid()) {
+    return Status::Unavailable(std::string("epoll/eventfd: ") + std::strerror(errno));
+  }
+  return std::unique_ptr<TcpServer>(new TcpServer(registry, std::move(listener), bound,
+                                                  std::move(secret), counters, std::move(epoll),
+                                                  std::move(wake)));
+}
+
+TcpServer::TcpServer(RegionRegistry* registry, Fd listener, std::uint16_t port, std::string secret,
+                     ServerCounters* counters, Fd epoll, Fd wake)
+    : registry_(registry),
+      listener_(std::move(listener)),
+      port_(port),
+      secret_(std::move(secret)),
+      counters_(counters),
+      epoll_(std::move(epoll)),
+      wake_(std::move(wake)) {
+  for (int fd : {listener_.get(), wake_.get()}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev);
+  }
+  thread_ = std::thread([this] { Run(); });
+  pthread_setname_np(thread_.native_handle(), "kvferry-tcpsrv");
+}
+
+TcpServer::~TcpServer() {
+  const std::uint64_t one = 1;
+  (void)!write(wake_.get(), &one, sizeof(one));
+  thread_.join();
+}
+
+void TcpServer::Run() {
+  Loop loop(registry_, secret_, counters_, epoll_.get());
+  std::vector<epoll_event> events(64);
+  for (;;) {
+    const int n = epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()), -1);
+    for (int i = 0; i < n; ++i) {
+      const int fd = events[static_cast<std::size_t>(i)].data.fd;
+      if (fd == wake_.get()) {
+        loop.CloseAll();
+        return;
+      }
+      if (fd == listener_.get()) {
+        loop.Accept(fd);
+      } else {
+        loop.Handle(fd, events[static_cast<std::size_t>(i)].events);
+      }
+    }
+  }
+}
+
+}  // namespace kvferry::tcp

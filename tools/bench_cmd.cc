@@ -1,0 +1,364 @@
+// kvferry bench transport: scattered block reads from a second process, per backend, with
+// same-run baselines. kvferry bench peer: that second process (also used by the tests).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/digest.h"
+#include "common/pattern.h"
+#include "common/subprocess.h"
+#include "kvferry/transport.h"
+#include "tools/commands.h"
+
+namespace kvferry::cli {
+namespace {
+
+constexpr std::uint64_t kPatternSeed = 0x6b76666572727900ull;  // "kvferry"
+
+// Page-aligned anonymous memory, unmapped on destruction.
+class Buffer {
+ public:
+  explicit Buffer(std::uint64_t bytes) : bytes_(bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
+    data_ = p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
+  }
+  ~Buffer() {
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  std::byte* data() const { return data_; }
+  std::uint64_t size() const { return bytes_; }
+
+ private:
+  std::uint64_t bytes_;
+  std::byte* data_;
+};
+
+std::string Hex(const std::vector<std::uint8_t>& bytes) { return ToHex(bytes); }
+
+std::vector<std::uint8_t> FromHex(const std::string& hex) {
+  std::vector<std::uint8_t> out;
+  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
+    out.push_back(static_cast<std::uint8_t>(std::stoul(hex.substr(i, 2), nullptr, 16)));
+  }
+  return out;
+}
+
+std::string SelfExe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "kvferry";
+}
+
+// ---------------------------------------------------------------------------------------------
+// bench peer
+
+struct PeerArgs {
+  std::string backend = "auto";
+  std::uint64_t bytes = 64u << 20;
+  int regions = 1;
+  std::uint64_t seed = kPatternSeed;
+  std::string host = "127.0.0.1";
+  std::uint16_t port = 0;
+  int connections = 4;
+};
+
+int RunPeer(const PeerArgs& a) {
+  Result<TransportKind> kind = ParseTransportKind(a.backend);
+  if (!kind.ok() || a.regions < 1 || a.bytes % static_cast<std::uint64_t>(a.regions) != 0) {
+    std::cerr << "kvferry bench peer: bad arguments\n";
+    return 2;
+  }
+  TransportOptions options;
+  options.kind = *kind;
+  options.tcp_bind_host = a.host;
+  options.tcp_port = a.port;
+  options.tcp_connections_per_peer = a.connections;
+  if (const char* s = std::getenv("KVFERRY_SECRET")) options.secret = s;  // NOLINT(concurrency-mt-unsafe)
+  Result<std::unique_ptr<Transport>> t = CreateTransport(options);
+  if (!t.ok()) {
+    std::cerr << "kvferry bench peer: " << t.status().ToString() << "\n";
+    return 1;
+  }
+  Buffer memory(a.bytes);
+  if (memory.data() == nullptr) {
+    std::cerr << "kvferry bench peer: cannot allocate " << a.bytes << " bytes\n";
+    return 1;
+  }
+  const std::uint64_t per = a.bytes / static_cast<std::uint64_t>(a.regions);
+  for (int r = 0; r < a.regions; ++r) {
+    std::byte* base = memory.data() + per * static_cast<std::uint64_t>(r);
+    FillPattern(base, per, a.seed, static_cast<std::uint32_t>(r), 0);
+    Status s = (*t)->RegisterMemory(static_cast<RegionId>(r), base, per);
+    if (!s.ok()) {
+      std::cerr << "kvferry bench peer: " << s.ToString() << "\n";
+      return 1;
+    }
+  }
+  Result<std::vector<std::uint8_t>> d = (*t)->Descriptor();
+  if (!d.ok()) return 1;
+  std::cout << "READY " << Hex(*d) << std::endl;
+  // Serve until the parent closes our stdin.
+  char c = 0;
+  while (read(STDIN_FILENO, &c, 1) > 0) {
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// bench transport
+
+struct BenchArgs {
+  std::vector<std::string> backends = {"shm", "tcp"};
+  std::vector<std::uint64_t> sizes = {4096, 65536, 1u << 20, 16u << 20};
+  std::uint64_t pool_mib = 256;
+  double min_seconds = 1.0;
+  int connections = 4;
+  bool json = false;
+};
+
+struct Measurement {
+  std::string backend;
+  std::uint64_t block = 0;
+  double gbps = 0;
+  std::string baseline;
+  double baseline_gbps = 0;
+};
+
+// Random scattered block pairs for one batch: remote blocks anywhere, local blocks distinct.
+std::vector<std::pair<std::uint64_t, std::uint64_t>> ScatterPlan(std::uint64_t blocks,
+                                                                 std::uint64_t count,
+                                                                 std::mt19937_64& rng) {
+  std::vector<std::uint64_t> local(blocks);
+  std::iota(local.begin(), local.end(), 0);
+  std::shuffle(local.begin(), local.end(), rng);
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> plan;
+  for (std::uint64_t i = 0; i < count; ++i) plan.emplace_back(rng() % blocks, local[i]);
+  return plan;
+}
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// memcpy of the same scattered gather inside one process: what shm is compared against.
+double MemcpyGather(const Buffer& src, const Buffer& dst, std::uint64_t block, double min_seconds,
+                    std::uint64_t per_batch, std::mt19937_64& rng) {
+  const std::uint64_t blocks = src.size() / block;
+  std::uint64_t bytes = 0;
+  const auto start = Clock::now();
+  auto now = start;
+  do {
+    for (const auto& [r, l] : ScatterPlan(blocks, per_batch, rng)) {
+      std::memcpy(dst.data() + l * block, src.data() + r * block, block);
+    }
+    bytes += per_batch * block;
+    now = Clock::now();
+  } while (Seconds(start, now) < min_seconds);
+  return static_cast<double>(bytes) / Seconds(start, now) / 1e9;
+}
+
+// One plain TCP stream over loopback between two threads: what tcp is compared against.
+double PlainTcpStream(double min_seconds) {
+  int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  listen(listener, 1);
+  const std::size_t chunk = 4u << 20;
+  std::uint64_t received = 0;
+  double seconds = 0;
+  std::thread receiver([&] {
+    const int fd = accept(listener, nullptr, nullptr);
+    std::vector<char> buf(chunk);
+    const auto start = Clock::now();
+    ssize_t n = 0;
+    while ((n = recv(fd, buf.data(), buf.size(), 0)) > 0) received += static_cast<std::uint64_t>(n);
+    seconds = Seconds(start, Clock::now());
+    close(fd);
+  });
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  std::vector<char> buf(chunk, 'x');
+  const auto start = Clock::now();
+  while (Seconds(start, Clock::now()) < min_seconds) {
+    for (std::size_t off = 0; off < chunk;) {
+      const ssize_t n = send(fd, buf.data() + off, chunk - off, MSG_NOSIGNAL);
+      if (n <= 0) break;
+      off += static_cast<std::size_t>(n);
+    }
+  }
+  close(fd);
+  receiver.join();
+  close(listener);
+  return seconds > 0 ? static_cast<double>(received) / seconds / 1e9 : 0;
+}
+
+Status MeasureBackend(const BenchArgs& a, const std::string& backend,
+                      std::vector<Measurement>* out) {
+  const std::uint64_t pool = a.pool_mib << 20;
+  KVFERRY_ASSIGN_OR_RETURN(
+      Subprocess peer,
+      Subprocess::Spawn({SelfExe(), "bench", "peer", "--backend", backend, "--bytes",
+                         std::to_string(pool), "--connections", std::to_string(a.connections)}));
+  KVFERRY_ASSIGN_OR_RETURN(std::string line, peer.ReadLine(std::chrono::seconds(60)));
+  if (line.rfind("READY ", 0) != 0) return Status::Internal("unexpected peer output: " + line);
+  const std::vector<std::uint8_t> descriptor = FromHex(line.substr(6));
+
+  TransportOptions options;
+  KVFERRY_ASSIGN_OR_RETURN(options.kind, ParseTransportKind(backend));
+  options.serve = false;
+  options.tcp_connections_per_peer = a.connections;
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, CreateTransport(options));
+  Buffer local(pool);
+  Buffer source(pool);
+  if (local.data() == nullptr || source.data() == nullptr) {
+    return Status::ResourceExhausted("cannot allocate the benchmark buffers");
+  }
+  FillPattern(source.data(), pool, kPatternSeed, 0, 0);
+  KVFERRY_RETURN_IF_ERROR(t->RegisterMemory(0, local.data(), pool));
+  KVFERRY_ASSIGN_OR_RETURN(PeerId p, t->Connect(descriptor, DeadlineAfter(std::chrono::seconds(10))));
+  const double tcp_baseline = backend == "tcp" ? PlainTcpStream(a.min_seconds) : 0;
+
+  std::mt19937_64 rng(42);
+  for (std::uint64_t block : a.sizes) {
+    const std::uint64_t blocks = pool / block;
+    if (blocks == 0) continue;
+    // About 64 MiB per batch, as one request's blocks would be.
+    const std::uint64_t per_batch = std::clamp<std::uint64_t>((64u << 20) / block, 1, blocks);
+    std::uint64_t bytes = 0;
+    bool verified = false;
+    const auto start = Clock::now();
+    auto now = start;
+    do {
+      const auto plan = ScatterPlan(blocks, per_batch, rng);
+      std::vector<ReadOp> ops;
+      ops.reserve(plan.size());
+      for (const auto& [r, l] : plan) ops.push_back({local.data() + l * block, 0, r * block, block});
+      KVFERRY_ASSIGN_OR_RETURN(BatchId b,
+                               t->SubmitReads(p, std::move(ops), DeadlineAfter(std::chrono::seconds(60))));
+      BatchResult res = t->Wait(b, DeadlineAfter(std::chrono::seconds(61)));
+      t->Release(b);
+      if (res.state != BatchState::kDone) return res.status;
+      if (!verified) {
+        for (const auto& [r, l] : plan) {
+          if (FirstPatternMismatch(local.data() + l * block, block, kPatternSeed, 0, r * block) >= 0) {
+            return Status::Internal("benchmark read returned wrong bytes");
+          }
+        }
+        verified = true;
+      }
+      bytes += per_batch * block;
+      now = Clock::now();
+    } while (Seconds(start, now) < a.min_seconds);
+    Measurement m{backend, block, static_cast<double>(bytes) / Seconds(start, now) / 1e9, "", 0};
+    if (backend == "shm") {
+      m.baseline = "memcpy_gather";
+      m.baseline_gbps = MemcpyGather(source, local, block, a.min_seconds, per_batch, rng);
+    } else {
+      m.baseline = "tcp_stream";
+      m.baseline_gbps = tcp_baseline;
+    }
+    out->push_back(m);
+  }
+  t->Disconnect(p);
+  return Status::Ok();
+}
+
+std::string SizeName(std::uint64_t b) {
+  if (b >= (1u << 20) && b % (1u << 20) == 0) return std::to_string(b >> 20) + " MiB";
+  if (b >= 1024 && b % 1024 == 0) return std::to_string(b >> 10) + " KiB";
+  return std::to_string(b) + " B";
+}
+
+int RunBench(const BenchArgs& a) {
+  std::vector<Measurement> results;
+  for (const std::string& backend : a.backends) {
+    Status s = MeasureBackend(a, backend, &results);
+    if (!s.ok()) {
+      std::cerr << "kvferry bench transport (" << backend << "): " << s.ToString() << "\n";
+      return 1;
+    }
+  }
+  char line[256];
+  if (a.json) {
+    std::cout << "{\"results\": [";
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const Measurement& m = results[i];
+      std::snprintf(line, sizeof(line),
+                    "%s{\"backend\": \"%s\", \"block_bytes\": %llu, \"gbps\": %.3f, "
+                    "\"baseline\": \"%s\", \"baseline_gbps\": %.3f, \"ratio\": %.3f}",
+                    i ? ", " : "", m.backend.c_str(), static_cast<unsigned long long>(m.block),
+                    m.gbps, m.baseline.c_str(), m.baseline_gbps,
+                    m.baseline_gbps > 0 ? m.gbps / m.baseline_gbps : 0.0);
+      std::cout << line;
+    }
+    std::cout << "]}\n";
+    return 0;
+  }
+  std::cout << "backend  block      GB/s  baseline         GB/s  ratio\n";
+  for (const Measurement& m : results) {
+    std::snprintf(line, sizeof(line), "%-8s %-9s %6.2f  %-14s %6.2f  %5.2f\n", m.backend.c_str(),
+                  SizeName(m.block).c_str(), m.gbps, m.baseline.c_str(), m.baseline_gbps,
+                  m.baseline_gbps > 0 ? m.gbps / m.baseline_gbps : 0.0);
+    std::cout << line;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddBenchCommands(CLI::App& app, int& exit_code) {
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+
+  auto targs = std::make_shared<BenchArgs>();
+  CLI::App* transport = bench->add_subcommand(
+      "transport", "Scattered block reads from a second process, per backend, against baselines");
+  transport->add_option("--backends", targs->backends, "Backends to measure")->delimiter(',');
+  transport->add_option("--sizes", targs->sizes, "Block sizes in bytes")->delimiter(',');
+  transport->add_option("--pool-mib", targs->pool_mib, "Memory the peer exposes, MiB")
+      ->capture_default_str();
+  transport->add_option("--min-seconds", targs->min_seconds, "Time per measurement")
+      ->capture_default_str();
+  transport->add_option("--connections", targs->connections, "tcp connections per peer")
+      ->capture_default_str();
+  transport->add_flag("--json", targs->json, "Machine-readable output");
+  transport->callback([targs, &exit_code] { exit_code = RunBench(*targs); });
+
+  auto pargs = std::make_shared<PeerArgs>();
+  CLI::App* peer = bench->add_subcommand(
+      "peer", "Serve patterned memory to a benchmark or test until stdin closes (internal)");
+  peer->add_option("--backend", pargs->backend, "auto|shm|tcp");
+  peer->add_option("--bytes", pargs->bytes, "Bytes to register");
+  peer->add_option("--regions", pargs->regions, "Split into this many regions (ids 0..n-1)");
+  peer->add_option("--seed", pargs->seed, "Pattern seed");
+  peer->add_option("--host", pargs->host, "tcp bind address");
+  peer->add_option("--port", pargs->port, "tcp port (0: any)");
+  peer->add_option("--connections", pargs->connections, "tcp connections per peer");
+  peer->callback([pargs, &exit_code] { exit_code = RunPeer(*pargs); });
+}
+
+}  // namespace kvferry::cli
