@@ -36,8 +36,8 @@ constexpr std::uint64_t kPatternSeed = 0x6b76666572727900ull;  // "kvferry"
 class Buffer {
  public:
   explicit Buffer(std::uint64_t bytes) : bytes_(bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                   -1, 0);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     data_ = p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
   }
   ~Buffer() {
@@ -93,7 +93,8 @@ int RunPeer(const PeerArgs& a) {
   options.tcp_bind_host = a.host;
   options.tcp_port = a.port;
   options.tcp_connections_per_peer = a.connections;
-  if (const char* s = std::getenv("KVFERRY_SECRET")) options.secret = s;  // NOLINT(concurrency-mt-unsafe)
+  if (const char* s = std::getenv("KVFERRY_SECRET"))
+    options.secret = s;  // NOLINT(concurrency-mt-unsafe)
   Result<std::unique_ptr<Transport>> t = CreateTransport(options);
   if (!t.ok()) {
     std::cerr << "kvferry bench peer: " << t.status().ToString() << "\n";
@@ -239,7 +240,8 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
   }
   FillPattern(source.data(), pool, kPatternSeed, 0, 0);
   KVFERRY_RETURN_IF_ERROR(t->RegisterMemory(0, local.data(), pool));
-  KVFERRY_ASSIGN_OR_RETURN(PeerId p, t->Connect(descriptor, DeadlineAfter(std::chrono::seconds(10))));
+  KVFERRY_ASSIGN_OR_RETURN(PeerId p,
+                           t->Connect(descriptor, DeadlineAfter(std::chrono::seconds(10))));
   const double tcp_baseline = backend == "tcp" ? PlainTcpStream(a.min_seconds) : 0;
 
   std::mt19937_64 rng(42);
@@ -256,15 +258,17 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
       const auto plan = ScatterPlan(blocks, per_batch, rng);
       std::vector<ReadOp> ops;
       ops.reserve(plan.size());
-      for (const auto& [r, l] : plan) ops.push_back({local.data() + l * block, 0, r * block, block});
-      KVFERRY_ASSIGN_OR_RETURN(BatchId b,
-                               t->SubmitReads(p, std::move(ops), DeadlineAfter(std::chrono::seconds(60))));
+      for (const auto& [r, l] : plan)
+        ops.push_back({local.data() + l * block, 0, r * block, block});
+      KVFERRY_ASSIGN_OR_RETURN(
+          BatchId b, t->SubmitReads(p, std::move(ops), DeadlineAfter(std::chrono::seconds(60))));
       BatchResult res = t->Wait(b, DeadlineAfter(std::chrono::seconds(61)));
       t->Release(b);
       if (res.state != BatchState::kDone) return res.status;
       if (!verified) {
         for (const auto& [r, l] : plan) {
-          if (FirstPatternMismatch(local.data() + l * block, block, kPatternSeed, 0, r * block) >= 0) {
+          if (FirstPatternMismatch(local.data() + l * block, block, kPatternSeed, 0, r * block) >=
+              0) {
             return Status::Internal("benchmark read returned wrong bytes");
           }
         }

@@ -2,9 +2,9 @@
 // 8-byte word at index i of a region is a hash of (seed, region, i).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 
 namespace kvferry {

@@ -19,7 +19,8 @@ Result<Subprocess> Subprocess::Spawn(const std::vector<std::string>& argv,
                                      const std::vector<std::string>& env) {
   int in[2];
   int out[2];
-  if (pipe2(in, O_CLOEXEC) != 0) return Status::Unavailable("pipe: " + std::string(strerror(errno)));
+  if (pipe2(in, O_CLOEXEC) != 0)
+    return Status::Unavailable("pipe: " + std::string(strerror(errno)));
   if (pipe2(out, O_CLOEXEC) != 0) {
     close(in[0]);
     close(in[1]);

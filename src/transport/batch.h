@@ -55,15 +55,15 @@ class Batch {
   mutable std::mutex mu_;
   mutable std::condition_variable ended_cv_;
   std::atomic<bool> stop_{false};
-  int outstanding_ = 0;         // guarded by mu_
-  bool sealed_ = false;         // guarded by mu_
-  bool ended_ = false;          // outcome decided; guarded by mu_
-  bool announced_ = false;      // outcome visible to waiters, after on_end_; guarded by mu_
-  bool cancelled_ = false;      // guarded by mu_
-  Status first_error_;          // guarded by mu_
-  std::uint64_t bytes_ = 0;     // guarded by mu_
-  BatchResult result_;          // guarded by mu_
-  std::vector<RegionPin> pins_; // released when the batch ends; guarded by mu_
+  int outstanding_ = 0;          // guarded by mu_
+  bool sealed_ = false;          // guarded by mu_
+  bool ended_ = false;           // outcome decided; guarded by mu_
+  bool announced_ = false;       // outcome visible to waiters, after on_end_; guarded by mu_
+  bool cancelled_ = false;       // guarded by mu_
+  Status first_error_;           // guarded by mu_
+  std::uint64_t bytes_ = 0;      // guarded by mu_
+  BatchResult result_;           // guarded by mu_
+  std::vector<RegionPin> pins_;  // released when the batch ends; guarded by mu_
 };
 
 }  // namespace kvferry

@@ -67,7 +67,8 @@ Result<PeerDescriptor> DecodeDescriptor(std::span<const std::uint8_t> bytes) {
   KVFERRY_ASSIGN_OR_RETURN(d.host.boot_id, m.Str("boot_id", 64));
   KVFERRY_ASSIGN_OR_RETURN(d.host.pid_namespace,
                            m.Uint("pidns", std::numeric_limits<std::uint64_t>::max()));
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pid, m.Uint("pid", std::numeric_limits<std::int32_t>::max()));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pid,
+                           m.Uint("pid", std::numeric_limits<std::int32_t>::max()));
   d.host.pid = static_cast<std::int64_t>(pid);
   if (const msgpack::object* tcp = m.Find("tcp")) {
     KVFERRY_ASSIGN_OR_RETURN(wire::MapView tm, wire::MapView::Of(*tcp, m.At("tcp")));

@@ -75,9 +75,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const TransportOptions& options) 
             "; set tcp_advertise_host to the address peers should connect to");
       }
       KVFERRY_ASSIGN_OR_RETURN(
-          e->server_, tcp::TcpServer::Start(&e->registry_, options.tcp_bind_host,
-                                            options.tcp_port, options.secret,
-                                            &e->server_counters_));
+          e->server_, tcp::TcpServer::Start(&e->registry_, options.tcp_bind_host, options.tcp_port,
+                                            options.secret, &e->server_counters_));
     }
   }
   return e;
@@ -174,8 +173,8 @@ Result<BatchId> Engine::SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadli
     // Every op is checked on this side before any byte moves.
     for (std::size_t i = 0; i < ops.size(); ++i) {
       const ReadOp& op = ops[i];
-      Status s = CheckRemoteRange(it->second.regions, op.remote_region, op.remote_offset,
-                                  op.length);
+      Status s =
+          CheckRemoteRange(it->second.regions, op.remote_region, op.remote_offset, op.length);
       if (!s.ok()) {
         refused_.fetch_add(1);
         return s.WithContext("read " + std::to_string(i));

@@ -70,7 +70,8 @@ BatchResult FaultInjectingTransport::Poll(BatchId batch) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = batches_.find(batch);
     if (it == batches_.end()) {
-      return {BatchState::kFailed, Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
+      return {BatchState::kFailed,
+              Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
     }
     e = it->second;
   }
@@ -84,7 +85,8 @@ BatchResult FaultInjectingTransport::Wait(BatchId batch, Deadline deadline) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = batches_.find(batch);
     if (it == batches_.end()) {
-      return {BatchState::kFailed, Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
+      return {BatchState::kFailed,
+              Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
     }
     e = it->second;
   }

@@ -91,8 +91,8 @@ Result<RegionPin> RegionRegistry::PinLocal(const std::byte* p, std::uint64_t len
                                  "destination memory before reading into it");
 }
 
-Result<std::byte*> RegionRegistry::PinRange(RegionId id, std::uint64_t offset,
-                                            std::uint64_t length, RegionPin* pin) {
+Result<std::byte*> RegionRegistry::PinRange(RegionId id, std::uint64_t offset, std::uint64_t length,
+                                            RegionPin* pin) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(id);
   if (it == regions_.end() || it->second.removing) {

@@ -67,8 +67,8 @@ class RegionRegistry {
 
   mutable std::mutex mu_;
   std::condition_variable unpinned_;
-  std::map<RegionId, Entry> regions_;            // guarded by mu_
-  std::map<std::uintptr_t, RegionId> by_addr_;   // guarded by mu_; listed regions only
+  std::map<RegionId, Entry> regions_;           // guarded by mu_
+  std::map<std::uintptr_t, RegionId> by_addr_;  // guarded by mu_; listed regions only
 };
 
 }  // namespace kvferry

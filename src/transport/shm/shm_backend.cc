@@ -86,11 +86,11 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
     for (std::size_t i = next; i < pieces.size() && local.size() < kMaxIovPerCall; ++i) {
       const std::uint64_t skip = i == next ? done_in_piece : 0;
       local.push_back({pieces[i].local + skip, pieces[i].length - skip});
-      remote.push_back({reinterpret_cast<void*>(pieces[i].remote_addr + skip),
-                        pieces[i].length - skip});
+      remote.push_back(
+          {reinterpret_cast<void*>(pieces[i].remote_addr + skip), pieces[i].length - skip});
     }
-    const ssize_t n = process_vm_readv(peer.pid(), local.data(), local.size(), remote.data(),
-                                       remote.size(), 0);
+    const ssize_t n =
+        process_vm_readv(peer.pid(), local.data(), local.size(), remote.data(), remote.size(), 0);
     if (n < 0) {
       const int err = errno;
       if (err == ESRCH || !peer.Alive()) return PeerGone(peer.pid());
@@ -202,9 +202,8 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& p
     if (err == ESRCH) {
       return Status::Unavailable("peer process " + std::to_string(pid) + " does not exist");
     }
-    return Status::Unavailable("pidfd_open(" + std::to_string(pid) +
-                               ") failed: " + std::strerror(err) +
-                               "; shm needs Linux 5.3 or later");
+    return Status::Unavailable("pidfd_open(" + std::to_string(pid) + ") failed: " +
+                               std::strerror(err) + "; shm needs Linux 5.3 or later");
   }
   auto state = std::make_shared<ShmPeerState>(pid, pidfd);
   // Probe one byte, so that a kernel that refuses (EPERM) is found now, not mid-transfer.

@@ -90,16 +90,14 @@ Result<WireOp> ParseOp(std::span<const std::uint8_t, kOpBytes> in) {
   return op;
 }
 
-Result<ResponseHeader> ParseResponseHeader(
-    std::span<const std::uint8_t, kResponseHeaderBytes> in) {
+Result<ResponseHeader> ParseResponseHeader(std::span<const std::uint8_t, kResponseHeaderBytes> in) {
   if (GetU32(in.data()) != kResponseMagic) {
     return Status::InvalidArgument("read response does not start with the response magic");
   }
   ResponseHeader h{GetU32(in.data() + 4), GetU64(in.data() + 8), GetU64(in.data() + 16)};
   if (h.status != 0 && h.payload_length > kMaxErrorBytes) {
     return Status::InvalidArgument("error response claims a " + std::to_string(h.payload_length) +
-                                   "-byte message; the limit is " +
-                                   std::to_string(kMaxErrorBytes));
+                                   "-byte message; the limit is " + std::to_string(kMaxErrorBytes));
   }
   return h;
 }

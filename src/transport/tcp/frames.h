@@ -22,12 +22,12 @@ inline constexpr std::uint32_t kResponseMagic = 0x5352564Bu;  // "KVRS"
 inline constexpr std::uint32_t kVersion = 1;
 
 inline constexpr std::size_t kNonceBytes = 32;
-inline constexpr std::size_t kHelloBytes = 8 + kNonceBytes;               // magic, version, nonce
-inline constexpr std::size_t kAuthBytes = 8 + kNonceBytes + 32;           // + client nonce, mac
-inline constexpr std::size_t kResultBytes = 8 + 32;                       // magic, status, mac
-inline constexpr std::size_t kRequestHeaderBytes = 16;                    // magic, count, id
-inline constexpr std::size_t kOpBytes = 24;                               // region, 0, off, len
-inline constexpr std::size_t kResponseHeaderBytes = 24;                   // magic, status, id, len
+inline constexpr std::size_t kHelloBytes = 8 + kNonceBytes;      // magic, version, nonce
+inline constexpr std::size_t kAuthBytes = 8 + kNonceBytes + 32;  // + client nonce, mac
+inline constexpr std::size_t kResultBytes = 8 + 32;              // magic, status, mac
+inline constexpr std::size_t kRequestHeaderBytes = 16;           // magic, count, id
+inline constexpr std::size_t kOpBytes = 24;                      // region, 0, off, len
+inline constexpr std::size_t kResponseHeaderBytes = 24;          // magic, status, id, len
 inline constexpr std::uint32_t kMaxOpsPerRequest = 1024;
 inline constexpr std::uint64_t kMaxRequestBytes = 64u << 20;
 inline constexpr std::uint64_t kMaxErrorBytes = 4096;
@@ -42,7 +42,8 @@ std::uint64_t GetU64(const std::uint8_t* p);
 Nonce RandomNonce();
 /// What the client proves: HMAC(secret, "kvferry-tcp-v1 client" || server_nonce || client_nonce).
 Sha256Digest ClientMac(std::string_view secret, const Nonce& server, const Nonce& client);
-/// What the server proves back: HMAC(secret, "kvferry-tcp-v1 server" || client_nonce || server_nonce).
+/// What the server proves back: HMAC(secret, "kvferry-tcp-v1 server" || client_nonce ||
+/// server_nonce).
 Sha256Digest ServerMac(std::string_view secret, const Nonce& server, const Nonce& client);
 
 struct RequestHeader {

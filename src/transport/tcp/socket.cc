@@ -98,9 +98,9 @@ Result<Fd> Listen(const std::string& host, std::uint16_t port, std::uint16_t* bo
   sockaddr_storage bound{};
   socklen_t len = sizeof(bound);
   getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);
-  *bound_port = ntohs(bound.ss_family == AF_INET6
-                          ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                          : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  *bound_port =
+      ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   SetNonBlocking(fd.get());
   return fd;
 }

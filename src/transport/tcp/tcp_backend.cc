@@ -123,7 +123,8 @@ class Connection {
       for (Request& r : in_flight_) rest.push_back(std::move(r));
       in_flight_.clear();
     }
-    for (Request& r : rest) r.batch->UnitDone(Status::Cancelled("the tcp peer was disconnected"), 0);
+    for (Request& r : rest)
+      r.batch->UnitDone(Status::Cancelled("the tcp peer was disconnected"), 0);
   }
 
   // Sends what the pipeline allows, then receives one response.
@@ -223,10 +224,12 @@ class Connection {
     iovec hv{head, sizeof(head)};
     std::uint64_t header_bytes = 0;
     KVFERRY_RETURN_IF_ERROR(RecvAll(fd_.get(), &hv, 1, stop, &header_bytes));
-    Result<ResponseHeader> h = ParseResponseHeader(std::span<const std::uint8_t, kResponseHeaderBytes>(head));
+    Result<ResponseHeader> h =
+        ParseResponseHeader(std::span<const std::uint8_t, kResponseHeaderBytes>(head));
     if (!h.ok() || h->request_id != want_id) {
-      return Status::Internal("the peer's tcp server sent a malformed response; dropping the "
-                              "connection");
+      return Status::Internal(
+          "the peer's tcp server sent a malformed response; dropping the "
+          "connection");
     }
     if (h->status != 0) {
       std::string text(h->payload_length, '\0');
@@ -302,10 +305,9 @@ class Connection {
     }
     Result<Fd> fd = tcp::Connect(endpoint_.host, endpoint_.port, deadline, options_.user_timeout);
     if (!fd.ok()) {
-      return Status::PeerDisconnected("lost the connection to " + endpoint_.host + ":" +
-                                      std::to_string(endpoint_.port) +
-                                      " and could not reconnect: " +
-                                      std::string(fd.status().message()));
+      return Status::PeerDisconnected(
+          "lost the connection to " + endpoint_.host + ":" + std::to_string(endpoint_.port) +
+          " and could not reconnect: " + std::string(fd.status().message()));
     }
     KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), options_.secret, deadline));
     fd_ = std::move(fd).value();
@@ -328,9 +330,9 @@ class Connection {
 
   const TcpEndpoint endpoint_;
   const ClientOptions& options_;
-  Fd fd_;                              // used by the thread only
+  Fd fd_;                               // used by the thread only
   std::deque<std::uint64_t> sent_ids_;  // thread only
-  std::uint64_t next_id_ = 1;          // thread only
+  std::uint64_t next_id_ = 1;           // thread only
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Request> queue_;      // guarded by mu_

@@ -283,7 +283,8 @@ class Loop {
   void Refuse(const Status& s) {
     const std::uint64_t n = counters_->refused.fetch_add(1) + 1;
     // Rate-limited: the first ten, then every thousandth.
-    if (n <= 10 || n % 1000 == 0) Log().warn("tcp server: refused request #{}: {}", n, s.ToString());
+    if (n <= 10 || n % 1000 == 0)
+      Log().warn("tcp server: refused request #{}: {}", n, s.ToString());
   }
 
   RegionRegistry* registry_;

@@ -1,0 +1,500 @@
+// Multi-process tests of both transport backends: a peer process (kvferry bench peer) registers
+// patterned memory; this process reads it and checks every byte.
+#include "kvferry/transport.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+
+#include <atomic>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "common/clock.h"
+#include "common/pattern.h"
+#include "common/subprocess.h"
+#include "transport/descriptor.h"
+#include "transport/fault_transport.h"
+#include "transport/tcp/frames.h"
+#include "transport/tcp/socket.h"
+
+namespace kvferry {
+namespace {
+
+using ::testing::HasSubstr;
+using std::chrono::milliseconds;
+
+constexpr std::uint64_t kSeed = 0x6b76666572727900ull;  // the peer's default pattern seed
+constexpr std::uint64_t kPeerBytes = 32u << 20;
+constexpr int kPeerRegions = 4;
+constexpr std::uint64_t kRegionBytes = kPeerBytes / kPeerRegions;
+
+std::vector<std::uint8_t> FromHex(const std::string& hex) {
+  std::vector<std::uint8_t> out;
+  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
+    out.push_back(static_cast<std::uint8_t>(std::stoul(hex.substr(i, 2), nullptr, 16)));
+  }
+  return out;
+}
+
+struct Peer {
+  Subprocess process;
+  std::vector<std::uint8_t> descriptor;
+};
+
+Peer StartPeer(const std::string& backend, const std::string& secret = "") {
+  std::vector<std::string> env;
+  if (!secret.empty()) env.push_back("KVFERRY_SECRET=" + secret);
+  Result<Subprocess> p = Subprocess::Spawn(
+      {KVFERRY_CLI_PATH, "bench", "peer", "--backend", backend, "--bytes",
+       std::to_string(kPeerBytes), "--regions", std::to_string(kPeerRegions)},
+      env);
+  EXPECT_TRUE(p.ok()) << p.status().ToString();
+  Result<std::string> line = p->ReadLine(std::chrono::seconds(30));
+  EXPECT_TRUE(line.ok()) << line.status().ToString();
+  EXPECT_EQ(line->rfind("READY ", 0), 0u) << *line;
+  return Peer{std::move(p).value(), FromHex(line->substr(6))};
+}
+
+// Local memory, registered as region 100.
+class LocalMemory {
+ public:
+  explicit LocalMemory(std::uint64_t bytes) : bytes_(bytes) {
+    data_ = static_cast<std::byte*>(
+        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  }
+  ~LocalMemory() { munmap(data_, bytes_); }
+  std::byte* data() const { return data_; }
+  std::uint64_t size() const { return bytes_; }
+
+ private:
+  std::uint64_t bytes_;
+  std::byte* data_;
+};
+
+std::unique_ptr<Transport> MakeClient(TransportKind kind, const std::string& secret = "") {
+  TransportOptions o;
+  o.kind = kind;
+  o.serve = false;
+  o.secret = secret;
+  o.tcp_connections_per_peer = 3;
+  o.max_request_bytes = 1u << 20;  // many requests per batch, so striping is exercised
+  Result<std::unique_ptr<Transport>> t = CreateTransport(o);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return std::move(t).value();
+}
+
+struct Op {
+  RegionId region;
+  std::uint64_t remote_offset;
+  std::uint64_t local_offset;
+  std::uint64_t length;
+};
+
+// Random non-overlapping local destinations for random remote ranges.
+std::vector<Op> RandomOps(std::mt19937_64& rng, int count, std::uint64_t local_bytes) {
+  std::vector<Op> ops;
+  std::uint64_t local = 0;
+  for (int i = 0; i < count; ++i) {
+    const std::uint64_t len = 1 + rng() % (rng() % 4 == 0 ? (256u << 10) : 8192u);
+    if (local + len > local_bytes) break;
+    const auto region = static_cast<RegionId>(rng() % kPeerRegions);
+    ops.push_back({region, rng() % (kRegionBytes - len + 1), local, len});
+    local += len + rng() % 64;
+  }
+  return ops;
+}
+
+std::vector<ReadOp> ToReadOps(const std::vector<Op>& ops, std::byte* base) {
+  std::vector<ReadOp> out;
+  for (const Op& o : ops) out.push_back({base + o.local_offset, o.region, o.remote_offset, o.length});
+  return out;
+}
+
+void ExpectPattern(const std::vector<Op>& ops, const std::byte* base) {
+  for (const Op& o : ops) {
+    ASSERT_EQ(FirstPatternMismatch(base + o.local_offset, o.length, kSeed, o.region, o.remote_offset),
+              -1)
+        << "region " << o.region << " offset " << o.remote_offset << " length " << o.length;
+  }
+}
+
+class TransportTest : public ::testing::TestWithParam<TransportKind> {
+ protected:
+  void SetUp() override {
+    peer_ = StartPeer(TransportKindName(GetParam()));
+    client_ = MakeClient(GetParam());
+    ASSERT_TRUE(client_->RegisterMemory(100, local_.data(), local_.size()).ok());
+    Result<PeerId> p = client_->Connect(peer_->descriptor, DeadlineAfter(milliseconds(5000)));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    peer_id_ = *p;
+  }
+
+  // A batch that takes a while: many small reads, each remote range read repeatedly.
+  std::vector<ReadOp> LongBatch(int ops) {
+    std::vector<ReadOp> out;
+    for (int i = 0; i < ops; ++i) {
+      out.push_back({local_.data() + (static_cast<std::uint64_t>(i) % 4096) * 4096, 0,
+                     (static_cast<std::uint64_t>(i) * 4096) % kRegionBytes, 4096});
+    }
+    return out;
+  }
+
+  std::optional<Peer> peer_;
+  LocalMemory local_{64u << 20};
+  std::unique_ptr<Transport> client_;
+  PeerId peer_id_ = 0;
+};
+
+TEST_P(TransportTest, ChoosesTheRequestedBackend) {
+  Result<std::string> backend = client_->PeerBackend(peer_id_);
+  ASSERT_TRUE(backend.ok());
+  EXPECT_EQ(*backend, TransportKindName(GetParam()));
+}
+
+TEST_P(TransportTest, RandomScatteredReadsAreVerifiedByteForByte) {
+  std::mt19937_64 rng(1234);
+  for (int round = 0; round < 5; ++round) {
+    const std::vector<Op> ops = RandomOps(rng, 400, local_.size());
+    Result<BatchId> b =
+        client_->SubmitReads(peer_id_, ToReadOps(ops, local_.data()), DeadlineAfter(milliseconds(20000)));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    BatchResult r = client_->Wait(*b, DeadlineAfter(milliseconds(21000)));
+    ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+    EXPECT_EQ(client_->Poll(*b).state, BatchState::kDone);
+    client_->Release(*b);
+    ExpectPattern(ops, local_.data());
+  }
+  TransportStats s = client_->Stats();
+  EXPECT_EQ(s.batches_done, 5u);
+  EXPECT_GT(s.bytes_read, 0u);
+}
+
+TEST_P(TransportTest, EmptyBatchIsDoneAtOnce) {
+  Result<BatchId> b = client_->SubmitReads(peer_id_, {}, DeadlineAfter(milliseconds(1000)));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(client_->Poll(*b).state, BatchState::kDone);
+}
+
+TEST_P(TransportTest, OutOfRangeReadsAreRefusedBeforeAnyByteMoves) {
+  std::memset(local_.data(), 0x5a, 4096);
+  auto submit = [&](std::vector<ReadOp> ops) {
+    return client_->SubmitReads(peer_id_, std::move(ops), DeadlineAfter(milliseconds(2000)));
+  };
+  // Remote range past the end of its region, in a later op: the first op must not run either.
+  Result<BatchId> b = submit({{local_.data(), 0, 0, 16}, {local_.data() + 16, 0, kRegionBytes - 8, 16}});
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(b.status().message(), HasSubstr("read 1: read of 16 bytes at offset"));
+  EXPECT_EQ(submit({{local_.data(), 77, 0, 16}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(submit({{local_.data(), 0, 0, 0}}).status().code(), StatusCode::kInvalidArgument);
+  // Local destination outside any registered region.
+  std::vector<std::byte> unregistered(64);
+  Result<BatchId> c = submit({{unregistered.data(), 0, 0, 64}});
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("not inside a registered region"));
+  // Straddling the end of the local region.
+  EXPECT_EQ(submit({{local_.data() + local_.size() - 8, 0, 0, 16}}).status().code(),
+            StatusCode::kInvalidArgument);
+  for (int i = 0; i < 4096; ++i) ASSERT_EQ(local_.data()[i], std::byte{0x5a});
+  EXPECT_GE(client_->Stats().requests_refused, 5u);
+}
+
+TEST_P(TransportTest, PeerKilledMidBatchIsPeerDisconnectedWithinTwoSeconds) {
+  Result<BatchId> b =
+      client_->SubmitReads(peer_id_, LongBatch(1 << 20), DeadlineAfter(milliseconds(60000)));
+  ASSERT_TRUE(b.ok());
+  std::this_thread::sleep_for(milliseconds(20));
+  ASSERT_EQ(client_->Poll(*b).state, BatchState::kInProgress) << "the batch ended too early";
+  const auto killed = Clock::now();
+  peer_->process.Signal(SIGKILL);
+  BatchResult r = client_->Wait(*b, killed + milliseconds(2000));
+  EXPECT_EQ(r.state, BatchState::kFailed);
+  EXPECT_EQ(r.status.code(), StatusCode::kPeerDisconnected) << r.status.ToString();
+  EXPECT_LT(Clock::now() - killed, milliseconds(2000));
+}
+
+TEST_P(TransportTest, CancelStopsEveryWriteBeforeItReturns) {
+  Result<BatchId> b =
+      client_->SubmitReads(peer_id_, LongBatch(1 << 20), DeadlineAfter(milliseconds(60000)));
+  ASSERT_TRUE(b.ok());
+  std::this_thread::sleep_for(milliseconds(20));
+  const auto start = Clock::now();
+  client_->Cancel(*b);
+  EXPECT_LT(Clock::now() - start, milliseconds(1000));
+  EXPECT_EQ(client_->Poll(*b).state, BatchState::kCancelled);
+  EXPECT_EQ(client_->Poll(*b).status.code(), StatusCode::kCancelled);
+  // After Cancel returned the memory is the caller's again: nothing may write into it.
+  std::memset(local_.data(), 0x11, 4096 * 4096);
+  std::this_thread::sleep_for(milliseconds(300));
+  for (std::uint64_t i = 0; i < 4096 * 4096; i += 509) ASSERT_EQ(local_.data()[i], std::byte{0x11});
+  // The peer connection still works.
+  std::mt19937_64 rng(5);
+  const std::vector<Op> ops = RandomOps(rng, 50, local_.size());
+  Result<BatchId> c =
+      client_->SubmitReads(peer_id_, ToReadOps(ops, local_.data()), DeadlineAfter(milliseconds(10000)));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(client_->Wait(*c, DeadlineAfter(milliseconds(11000))).state, BatchState::kDone);
+  ExpectPattern(ops, local_.data());
+}
+
+TEST_P(TransportTest, ManyConcurrentBatchesFromSeveralThreads) {
+  constexpr int kThreads = 4;
+  constexpr int kBatches = 25;
+  const std::uint64_t slice = local_.size() / kThreads;
+  std::atomic<int> done{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 100);
+      std::byte* base = local_.data() + slice * static_cast<std::uint64_t>(t);
+      for (int i = 0; i < kBatches; ++i) {
+        const std::vector<Op> ops = RandomOps(rng, 60, slice);
+        Result<BatchId> b =
+            client_->SubmitReads(peer_id_, ToReadOps(ops, base), DeadlineAfter(milliseconds(20000)));
+        ASSERT_TRUE(b.ok());
+        BatchResult r = client_->Wait(*b, DeadlineAfter(milliseconds(21000)));
+        ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+        client_->Release(*b);
+        ExpectPattern(ops, base);
+        done.fetch_add(1);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(done.load(), kThreads * kBatches);
+}
+
+TEST_P(TransportTest, DeadlineIsTimeout) {
+  // A deadline already in the past: the batch ends as Timeout without hanging.
+  Result<BatchId> b = client_->SubmitReads(peer_id_, LongBatch(1 << 16), Clock::now());
+  ASSERT_TRUE(b.ok());
+  BatchResult r = client_->Wait(*b, DeadlineAfter(milliseconds(2000)));
+  EXPECT_EQ(r.state, BatchState::kFailed);
+  EXPECT_EQ(r.status.code(), StatusCode::kTimeout);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TransportTest,
+                         ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
+                         [](const auto& param_info) { return TransportKindName(param_info.param); });
+
+TEST(TcpTransportTest, FrozenPeerIsTimeoutAtTheDeadline) {
+  Peer peer = StartPeer("tcp");
+  std::unique_ptr<Transport> client = MakeClient(TransportKind::kTcp);
+  LocalMemory local(16u << 20);
+  ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
+  Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok());
+  peer.process.Signal(SIGSTOP);
+  std::vector<ReadOp> ops;
+  for (int i = 0; i < 512; ++i) ops.push_back({local.data() + i * 16384, 0, static_cast<std::uint64_t>(i) * 16384, 16384});
+  const Deadline deadline = DeadlineAfter(milliseconds(800));
+  Result<BatchId> b = client->SubmitReads(*p, std::move(ops), deadline);
+  ASSERT_TRUE(b.ok());
+  BatchResult r = client->Wait(*b, deadline + milliseconds(2000));
+  EXPECT_EQ(r.state, BatchState::kFailed);
+  EXPECT_EQ(r.status.code(), StatusCode::kTimeout) << r.status.ToString();
+  EXPECT_GE(Clock::now(), deadline);
+  EXPECT_LT(Clock::now(), deadline + milliseconds(1000)) << "Timeout came well after the deadline";
+  peer.process.Signal(SIGCONT);
+}
+
+// shm reads need no CPU from the peer, so a stopped peer's memory is still read, at full speed.
+TEST(ShmTransportTest, FrozenPeerIsStillReadable) {
+  Peer peer = StartPeer("shm");
+  std::unique_ptr<Transport> client = MakeClient(TransportKind::kShm);
+  LocalMemory local(8u << 20);
+  ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
+  Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok());
+  peer.process.Signal(SIGSTOP);
+  Result<BatchId> b =
+      client->SubmitReads(*p, {{local.data(), 2, 4096, 1u << 20}}, DeadlineAfter(milliseconds(2000)));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(client->Wait(*b, DeadlineAfter(milliseconds(3000))).state, BatchState::kDone);
+  EXPECT_EQ(FirstPatternMismatch(local.data(), 1u << 20, kSeed, 2, 4096), -1);
+  peer.process.Signal(SIGCONT);
+}
+
+TEST(TcpTransportTest, WrongOrMissingSecretIsRefused) {
+  Peer peer = StartPeer("tcp", "the-right-secret");
+  for (const std::string secret : {"a-wrong-secret", ""}) {
+    std::unique_ptr<Transport> client = MakeClient(TransportKind::kTcp, secret);
+    Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+    EXPECT_EQ(p.status().code(), StatusCode::kUnauthenticated) << secret;
+  }
+  std::unique_ptr<Transport> client = MakeClient(TransportKind::kTcp, "the-right-secret");
+  LocalMemory local(1u << 20);
+  ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
+  Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  Result<BatchId> b = client->SubmitReads(*p, {{local.data(), 1, 100, 5000}}, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(client->Wait(*b, DeadlineAfter(milliseconds(6000))).state, BatchState::kDone);
+  EXPECT_EQ(FirstPatternMismatch(local.data(), 5000, kSeed, 1, 100), -1);
+}
+
+// Speaks the tcp frames directly, as a hostile or buggy client would.
+class RawClient {
+ public:
+  explicit RawClient(const TcpEndpoint& ep) {
+    Result<tcp::Fd> fd = tcp::Connect(ep.host, ep.port, DeadlineAfter(milliseconds(2000)), milliseconds(2000));
+    EXPECT_TRUE(fd.ok());
+    fd_ = std::move(fd).value();
+  }
+  Status Handshake() {
+    std::uint8_t hello[tcp::kHelloBytes];
+    KVFERRY_RETURN_IF_ERROR(Recv(hello, sizeof(hello)));
+    tcp::Nonce server{};
+    std::memcpy(server.data(), hello + 8, server.size());
+    const tcp::Nonce client = tcp::RandomNonce();
+    std::uint8_t auth[tcp::kAuthBytes];
+    tcp::PutU32(auth, tcp::kAuthMagic);
+    tcp::PutU32(auth + 4, tcp::kVersion);
+    std::memcpy(auth + 8, client.data(), client.size());
+    const Sha256Digest mac = tcp::ClientMac("", server, client);
+    std::memcpy(auth + 8 + client.size(), mac.data(), mac.size());
+    KVFERRY_RETURN_IF_ERROR(Send(auth, sizeof(auth)));
+    std::uint8_t result[tcp::kResultBytes];
+    return Recv(result, sizeof(result));
+  }
+  Status Send(const void* p, std::size_t n) {
+    iovec iov{const_cast<void*>(p), n};
+    return tcp::SendAll(fd_.get(), &iov, 1, Stop());
+  }
+  Status Recv(void* p, std::size_t n) {
+    iovec iov{p, n};
+    std::uint64_t got = 0;
+    return tcp::RecvAll(fd_.get(), &iov, 1, Stop(), &got);
+  }
+
+ private:
+  static tcp::StopCheck Stop() {
+    const Deadline d = DeadlineAfter(milliseconds(3000));
+    return [d]() -> Status { return Expired(d) ? Status::Timeout("raw client") : Status::Ok(); };
+  }
+  tcp::Fd fd_;
+};
+
+TEST(TcpTransportTest, ServerRefusesOutOfRangeAndDropsOnlyMalformedConnections) {
+  Peer peer = StartPeer("tcp");
+  Result<PeerDescriptor> d = DecodeDescriptor(peer.descriptor);
+  ASSERT_TRUE(d.ok() && d->tcp.has_value());
+
+  // An out-of-range read is answered with an error, and the connection stays usable.
+  RawClient good(*d->tcp);
+  ASSERT_TRUE(good.Handshake().ok());
+  std::uint8_t req[tcp::kRequestHeaderBytes + tcp::kOpBytes];
+  tcp::EncodeRequestHeader({1, 7}, req);
+  tcp::EncodeOp({0, kRegionBytes - 4, 8}, req + tcp::kRequestHeaderBytes);
+  ASSERT_TRUE(good.Send(req, sizeof(req)).ok());
+  std::uint8_t head[tcp::kResponseHeaderBytes];
+  ASSERT_TRUE(good.Recv(head, sizeof(head)).ok());
+  Result<tcp::ResponseHeader> h =
+      tcp::ParseResponseHeader(std::span<const std::uint8_t, tcp::kResponseHeaderBytes>(head));
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->status, static_cast<std::uint32_t>(StatusCode::kInvalidArgument));
+  std::string text(h->payload_length, '\0');
+  ASSERT_TRUE(good.Recv(text.data(), text.size()).ok());
+  EXPECT_THAT(text, HasSubstr("outside region 0"));
+
+  // A malformed frame (bad magic) closes that connection only.
+  RawClient bad(*d->tcp);
+  ASSERT_TRUE(bad.Handshake().ok());
+  std::uint8_t junk[tcp::kRequestHeaderBytes] = {1, 2, 3, 4};
+  ASSERT_TRUE(bad.Send(junk, sizeof(junk)).ok());
+  std::uint8_t byte = 0;
+  EXPECT_EQ(bad.Recv(&byte, 1).code(), StatusCode::kPeerDisconnected);
+
+  // The first connection still gets served.
+  tcp::EncodeRequestHeader({1, 8}, req);
+  tcp::EncodeOp({3, 64, 32}, req + tcp::kRequestHeaderBytes);
+  ASSERT_TRUE(good.Send(req, sizeof(req)).ok());
+  ASSERT_TRUE(good.Recv(head, sizeof(head)).ok());
+  h = tcp::ParseResponseHeader(std::span<const std::uint8_t, tcp::kResponseHeaderBytes>(head));
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->status, 0u);
+  EXPECT_EQ(h->request_id, 8u);
+  std::vector<std::byte> data(32);
+  ASSERT_TRUE(good.Recv(data.data(), data.size()).ok());
+  EXPECT_EQ(FirstPatternMismatch(data.data(), 32, kSeed, 3, 64), -1);
+}
+
+TEST(TransportSelectionTest, AutoPicksShmOnThisHostAndForcedShmRefusesOtherHosts) {
+  Peer peer = StartPeer("auto");
+  std::unique_ptr<Transport> client = MakeClient(TransportKind::kAuto);
+  Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(*client->PeerBackend(*p), "shm");
+
+  Result<PeerDescriptor> d = DecodeDescriptor(peer.descriptor);
+  ASSERT_TRUE(d.ok());
+  d->host.boot_id = "00000000-0000-0000-0000-000000000000";  // as if on another machine
+  const std::vector<std::uint8_t> elsewhere = EncodeDescriptor(*d);
+  std::unique_ptr<Transport> shm_only = MakeClient(TransportKind::kShm);
+  Result<PeerId> refused = shm_only->Connect(elsewhere, DeadlineAfter(milliseconds(5000)));
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(refused.status().message(), HasSubstr("shm needs the peer on this kernel"));
+  // auto falls back to tcp for it.
+  Result<PeerId> fallback = client->Connect(elsewhere, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(fallback.ok()) << fallback.status().ToString();
+  EXPECT_EQ(*client->PeerBackend(*fallback), "tcp");
+}
+
+TEST(TransportRegistrationTest, OverlapsDuplicatesAndUnknownIdsAreRefused) {
+  std::unique_ptr<Transport> t = MakeClient(TransportKind::kAuto);
+  std::vector<std::byte> mem(8192);
+  EXPECT_TRUE(t->RegisterMemory(1, mem.data(), 4096).ok());
+  EXPECT_EQ(t->RegisterMemory(1, mem.data() + 4096, 4096).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->RegisterMemory(2, mem.data() + 100, 4096).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->RegisterMemory(3, nullptr, 16).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->RegisterMemory(4, mem.data(), 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(t->RegisterMemory(2, mem.data() + 4096, 4096).ok());
+  EXPECT_TRUE(t->DeregisterMemory(1).ok());
+  EXPECT_EQ(t->DeregisterMemory(1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(t->Connect(std::vector<std::uint8_t>{1, 2, 3}, DeadlineAfter(milliseconds(100)))
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(FaultInjectionTest, DelaysFailsAndCutsChosenBatchesOfARealBackend) {
+  Peer peer = StartPeer("tcp");
+  auto faulty = std::make_unique<FaultInjectingTransport>(MakeClient(TransportKind::kTcp));
+  LocalMemory local(4u << 20);
+  ASSERT_TRUE(faulty->RegisterMemory(1, local.data(), local.size()).ok());
+  Result<PeerId> p = faulty->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok());
+  faulty->AddRule({FaultRule::Action::kFail, [](std::uint64_t seq, PeerId) { return seq == 0; },
+                   milliseconds(0), Status::PeerDisconnected("injected: link down")});
+  faulty->AddRule({FaultRule::Action::kDelay, [](std::uint64_t seq, PeerId) { return seq == 1; },
+                   milliseconds(300), Status::Ok()});
+  faulty->AddRule({FaultRule::Action::kCut, [](std::uint64_t seq, PeerId) { return seq == 2; },
+                   milliseconds(0), Status::PeerDisconnected("injected: cut")});
+  auto ops = [&] {
+    return std::vector<ReadOp>{{local.data(), 0, 0, 4096}, {local.data() + 4096, 0, 8192, 4096}};
+  };
+  std::memset(local.data(), 0, 8192);
+  Result<BatchId> failed = faulty->SubmitReads(*p, ops(), DeadlineAfter(milliseconds(5000)));
+  BatchResult r = faulty->Wait(*failed, DeadlineAfter(milliseconds(5000)));
+  EXPECT_EQ(r.state, BatchState::kFailed);
+  EXPECT_THAT(r.status.message(), HasSubstr("link down"));
+  EXPECT_EQ(local.data()[0], std::byte{0}) << "a failed-at-once batch moves nothing";
+
+  const auto start = Clock::now();
+  Result<BatchId> delayed = faulty->SubmitReads(*p, ops(), DeadlineAfter(milliseconds(5000)));
+  EXPECT_EQ(faulty->Wait(*delayed, DeadlineAfter(milliseconds(5000))).state, BatchState::kDone);
+  EXPECT_GE(Clock::now() - start, milliseconds(300));
+
+  std::memset(local.data(), 0, 8192);
+  Result<BatchId> cut = faulty->SubmitReads(*p, ops(), DeadlineAfter(milliseconds(5000)));
+  r = faulty->Wait(*cut, DeadlineAfter(milliseconds(5000)));
+  EXPECT_EQ(r.state, BatchState::kFailed);
+  EXPECT_EQ(FirstPatternMismatch(local.data(), 4096, kSeed, 0, 0), -1) << "the first half ran";
+  EXPECT_EQ(local.data()[4096], std::byte{0}) << "the second half did not";
+  EXPECT_EQ(faulty->faults_injected(), 3u);
+}
+
+}  // namespace
+}  // namespace kvferry
