@@ -1,5 +1,6 @@
 #include "transport/engine.h"
 
+#include <algorithm>
 #include <string>
 
 #include "common/log.h"
@@ -181,6 +182,23 @@ Result<BatchId> Engine::SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadli
       }
     }
     backend_peer = it->second.peer;
+  }
+  // Two reads into the same local bytes would race: refuse the batch.
+  {
+    std::vector<std::size_t> order(ops.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](std::size_t a, std::size_t b) { return ops[a].local < ops[b].local; });
+    for (std::size_t k = 1; k < order.size(); ++k) {
+      const ReadOp& prev = ops[order[k - 1]];
+      if (prev.local + prev.length > ops[order[k]].local) {
+        refused_.fetch_add(1);
+        return Status::InvalidArgument("reads " + std::to_string(order[k - 1]) + " and " +
+                                       std::to_string(order[k]) +
+                                       " write overlapping local bytes; every read of a batch "
+                                       "needs its own destination");
+      }
+    }
   }
   pins.reserve(ops.size());
   for (std::size_t i = 0; i < ops.size(); ++i) {

@@ -32,7 +32,8 @@ TEST(DescriptorTest, RefusesDuplicateAndWrappingRegions) {
   EXPECT_THAT(DecodeDescriptor(EncodeDescriptor(d)).status().message(), HasSubstr("appears twice"));
   d = Sample();
   d.regions[1].addr = ~0ull - 10;
-  EXPECT_THAT(DecodeDescriptor(EncodeDescriptor(d)).status().message(), HasSubstr("non-empty range"));
+  EXPECT_THAT(DecodeDescriptor(EncodeDescriptor(d)).status().message(),
+              HasSubstr("non-empty range"));
 }
 
 TEST(DescriptorTest, RangeChecks) {
