@@ -8,6 +8,7 @@ ASAN_BUILD  ?= build-asan
 TSAN_BUILD  ?= build-tsan
 FUZZ_BUILD  ?= build-fuzz
 FUZZ_SECONDS ?= 60
+FUZZ_TARGETS = wire_decode ranktable_parse tcp_frames descriptor_decode
 PREFIX      ?= /usr/local
 CTEST_ARGS  ?=
 SOURCES      = $(shell git ls-files '*.cc' '*.h' 2>/dev/null || find include src tools tests fuzz -name '*.cc' -o -name '*.h')
@@ -49,7 +50,7 @@ tsan: deps
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_FUZZ=ON
 	cmake --build $(FUZZ_BUILD) -j $(JOBS)
-	@for t in wire_decode ranktable_parse; do \
+	@for t in $(FUZZ_TARGETS); do \
 	  mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/findings; \
 	  echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
 	  $(FUZZ_BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=2048 \
