@@ -11,7 +11,8 @@ using namespace kvferry::tcp;
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size < kRequestHeaderBytes) return 0;
-  auto h = ParseRequestHeader(std::span<const std::uint8_t, kRequestHeaderBytes>(data, kRequestHeaderBytes));
+  auto h = ParseRequestHeader(
+      std::span<const std::uint8_t, kRequestHeaderBytes>(data, kRequestHeaderBytes));
   if (!h.ok()) return 0;
   std::uint8_t again[kOpBytes];
   for (std::size_t i = 0; i < h->op_count; ++i) {
@@ -23,7 +24,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (std::memcmp(again, data + at, kOpBytes) != 0) std::abort();
   }
   if (size >= kResponseHeaderBytes) {
-    (void)ParseResponseHeader(std::span<const std::uint8_t, kResponseHeaderBytes>(data, kResponseHeaderBytes));
+    (void)ParseResponseHeader(
+        std::span<const std::uint8_t, kResponseHeaderBytes>(data, kResponseHeaderBytes));
   }
   return 0;
 }

@@ -1,0 +1,107 @@
+#include "sidechannel/auth.h"
+
+#include <openssl/rand.h>
+
+#include <cstring>
+
+#include "common/digest.h"
+
+namespace kvferry::sidechannel {
+namespace {
+
+constexpr std::string_view kLabel = "kvferry-sc-v1";
+constexpr std::size_t kSignedBytes = 4 + 8 + kAuthNonceBytes;  // the header before its MAC
+
+Sha256Digest Mac(std::string_view secret, std::span<const std::uint8_t> signed_part,
+                 const AuthNonce& bound, std::span<const std::uint8_t> body) {
+  std::vector<std::uint8_t> msg;
+  msg.reserve(kLabel.size() + signed_part.size() + bound.size() + body.size());
+  msg.insert(msg.end(), kLabel.begin(), kLabel.end());
+  msg.insert(msg.end(), signed_part.begin(), signed_part.end());
+  msg.insert(msg.end(), bound.begin(), bound.end());
+  msg.insert(msg.end(), body.begin(), body.end());
+  return HmacSha256(secret, msg);
+}
+
+}  // namespace
+
+std::uint64_t UnixMillis() {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                        std::chrono::system_clock::now().time_since_epoch())
+                                        .count());
+}
+
+std::vector<std::uint8_t> SignMessageAt(std::string_view secret, AuthKind kind,
+                                        std::span<const std::uint8_t> body,
+                                        const AuthNonce& request_nonce, std::uint64_t timestamp_ms,
+                                        const AuthNonce& nonce) {
+  std::vector<std::uint8_t> h(kAuthHeaderBytes, 0);
+  h[0] = kAuthVersion;
+  h[1] = static_cast<std::uint8_t>(kind);
+  for (int i = 0; i < 8; ++i) h[4 + i] = static_cast<std::uint8_t>(timestamp_ms >> (8 * i));
+  std::memcpy(h.data() + 12, nonce.data(), nonce.size());
+  const AuthNonce bound = kind == AuthKind::kReply ? request_nonce : AuthNonce{};
+  const Sha256Digest mac = Mac(secret, std::span(h.data(), kSignedBytes), bound, body);
+  std::memcpy(h.data() + kSignedBytes, mac.data(), mac.size());
+  return h;
+}
+
+std::vector<std::uint8_t> SignMessage(std::string_view secret, AuthKind kind,
+                                      std::span<const std::uint8_t> body,
+                                      const AuthNonce& request_nonce, AuthNonce* nonce_out) {
+  AuthNonce nonce{};
+  RAND_bytes(nonce.data(), static_cast<int>(nonce.size()));
+  if (nonce_out != nullptr) *nonce_out = nonce;
+  return SignMessageAt(secret, kind, body, request_nonce, UnixMillis(), nonce);
+}
+
+Result<AuthHeader> VerifyMessage(std::string_view secret, AuthKind kind,
+                                 std::span<const std::uint8_t> header,
+                                 std::span<const std::uint8_t> body, const AuthNonce& request_nonce,
+                                 std::chrono::milliseconds max_skew) {
+  if (header.size() != kAuthHeaderBytes) {
+    return Status::Unauthenticated("authentication header of " + std::to_string(header.size()) +
+                                   " bytes; expected " + std::to_string(kAuthHeaderBytes));
+  }
+  if (header[0] != kAuthVersion || header[1] != static_cast<std::uint8_t>(kind)) {
+    return Status::Unauthenticated("authentication header of an unknown version or kind");
+  }
+  AuthHeader h;
+  h.kind = kind;
+  for (int i = 7; i >= 0; --i) h.timestamp_ms = (h.timestamp_ms << 8) | header[4 + i];
+  std::memcpy(h.nonce.data(), header.data() + 12, h.nonce.size());
+  const AuthNonce bound = kind == AuthKind::kReply ? request_nonce : AuthNonce{};
+  Sha256Digest mac{};
+  std::memcpy(mac.data(), header.data() + kSignedBytes, mac.size());
+  if (!DigestEquals(mac, Mac(secret, header.first(kSignedBytes), bound, body))) {
+    return Status::Unauthenticated(
+        "message authentication failed: the sender does not hold this side channel's secret, or "
+        "the message was altered");
+  }
+  const auto now = static_cast<std::int64_t>(UnixMillis());
+  const auto skew = now - static_cast<std::int64_t>(h.timestamp_ms);
+  if (skew > max_skew.count() || -skew > max_skew.count()) {
+    return Status::Unauthenticated("message timestamp is " + std::to_string(skew) +
+                                   " ms from this host's clock, beyond the allowed " +
+                                   std::to_string(max_skew.count()) +
+                                   " ms: a stale or replayed message, or unsynchronised clocks");
+  }
+  return h;
+}
+
+bool ReplayGuard::Accept(const AuthHeader& header) {
+  std::string key(reinterpret_cast<const char*>(header.nonce.data()), header.nonce.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::uint64_t now = UnixMillis();
+  const auto window = static_cast<std::uint64_t>(window_.count());
+  while (!order_.empty() &&
+         (order_.size() >= capacity_ || order_.front().timestamp_ms + 2 * window < now)) {
+    nonces_.erase(order_.front().nonce);
+    order_.pop_front();
+  }
+  if (!nonces_.insert(key).second) return false;
+  order_.push_back({header.timestamp_ms, std::move(key)});
+  return true;
+}
+
+}  // namespace kvferry::sidechannel

@@ -1,0 +1,61 @@
+// Side-channel requests to peers' listeners: pooled sockets per endpoint, bounded timeouts and
+// retries, authenticated replies.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kvferry/transport.h"
+#include "sidechannel/zmq_util.h"
+#include "wire/messages.h"
+
+namespace kvferry::sidechannel {
+
+struct ClientOptions {
+  std::string secret;
+  /// Longest wait for one attempt (send and reply), within the call's deadline.
+  std::chrono::milliseconds attempt_timeout{3000};
+  /// Attempts per call; an attempt that failed to send or got no reply is retried after a backoff
+  /// that doubles from `backoff`. Every message kvferry sends is idempotent at the receiver.
+  int max_attempts = 3;
+  std::chrono::milliseconds backoff{50};
+  std::size_t max_idle_sockets_per_endpoint = 8;
+  std::chrono::milliseconds max_clock_skew{30000};
+};
+
+struct ClientStats {
+  std::uint64_t calls = 0;
+  std::uint64_t retries = 0;
+  std::uint64_t failures = 0;
+};
+
+/// Thread-safe: calls to different endpoints, or to the same one, run in parallel and never wait
+/// on each other (each call holds its own socket).
+class Client {
+ public:
+  explicit Client(ClientOptions options) : options_(std::move(options)) {}
+
+  /// Sends `request` to the listener at `endpoint` ("tcp://host:port") and returns its reply. An
+  /// error reply from the peer becomes that error's Status; no reply by `deadline` is Timeout; a
+  /// peer that cannot be reached is Unavailable.
+  Result<wire::Message> Call(const std::string& endpoint, const wire::Message& request,
+                             Deadline deadline);
+  ClientStats Stats() const;
+
+ private:
+  Result<ZmqSocket> Acquire(const std::string& endpoint);
+  void Return(const std::string& endpoint, ZmqSocket socket);
+
+  const ClientOptions options_;
+  std::mutex mu_;
+  std::map<std::string, std::vector<ZmqSocket>> idle_;  // guarded by mu_
+  std::atomic<std::uint64_t> calls_{0};
+  std::atomic<std::uint64_t> retries_{0};
+  std::atomic<std::uint64_t> failures_{0};
+};
+
+}  // namespace kvferry::sidechannel

@@ -1,0 +1,74 @@
+// Finished notices, batched per peer: a decode worker reports many requests to the same prefill
+// worker in one message.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/work_queue.h"
+#include "sidechannel/client.h"
+
+namespace kvferry::sidechannel {
+
+struct NotifierOptions {
+  /// How long a notice may wait for others to the same peer before it is sent.
+  std::chrono::milliseconds linger{2};
+  std::size_t max_batch = 4096;
+  /// Peers notified in parallel, so a dead peer does not delay notices to the others.
+  int threads = 4;
+};
+
+/// Thread-safe.
+class FinishedNotifier {
+ public:
+  /// Called once per sent batch, on a notifier thread, with the ids it carried and the outcome.
+  using Callback = std::function<void(const std::string& endpoint,
+                                      const std::vector<std::string>& request_ids,
+                                      const Status& result)>;
+
+  FinishedNotifier(Client* client, wire::PeerRef self, NotifierOptions options, Callback done);
+  /// Sends what is pending (each within its deadline), then stops.
+  ~FinishedNotifier();
+  FinishedNotifier(const FinishedNotifier&) = delete;
+  FinishedNotifier& operator=(const FinishedNotifier&) = delete;
+
+  /// Queues a notice that this worker finished reading `request_id` from `endpoint`.
+  void Finished(const std::string& endpoint, std::string request_id, Deadline deadline);
+  /// Sends everything queued now and returns once all of it has been answered or has failed.
+  void Flush();
+
+  std::uint64_t batches_sent() const;
+
+ private:
+  struct Pending {
+    std::vector<std::string> ids;
+    Deadline deadline = Deadline::max();
+    Clock::time_point first = Clock::now();
+  };
+  void Run();
+  void SendAll(std::map<std::string, Pending> batch);
+
+  Client* client_;
+  const wire::PeerRef self_;
+  const NotifierOptions options_;
+  Callback done_;
+  std::unique_ptr<WorkQueue> senders_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, Pending> pending_;  // guarded by mu_
+  int in_flight_ = 0;                       // guarded by mu_
+  bool flush_ = false;                      // guarded by mu_
+  bool stopping_ = false;                   // guarded by mu_
+  std::uint64_t batches_ = 0;               // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace kvferry::sidechannel
