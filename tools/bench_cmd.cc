@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -132,7 +133,9 @@ struct BenchArgs {
   std::vector<std::string> backends = {"shm", "tcp"};
   std::vector<std::uint64_t> sizes = {4096, 65536, 1u << 20, 16u << 20};
   std::uint64_t pool_mib = 256;
-  double min_seconds = 1.0;
+  double min_seconds = 0.5;
+  int repeat = 3;
+  int inflight = 2;
   int connections = 4;
   bool json = false;
 };
@@ -155,6 +158,11 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> ScatterPlan(std::uint64_t b
   std::vector<std::pair<std::uint64_t, std::uint64_t>> plan;
   for (std::uint64_t i = 0; i < count; ++i) plan.emplace_back(rng() % blocks, local[i]);
   return plan;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
@@ -242,50 +250,75 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
   KVFERRY_RETURN_IF_ERROR(t->RegisterMemory(0, local.data(), pool));
   KVFERRY_ASSIGN_OR_RETURN(PeerId p,
                            t->Connect(descriptor, DeadlineAfter(std::chrono::seconds(10))));
-  const double tcp_baseline = backend == "tcp" ? PlainTcpStream(a.min_seconds) : 0;
-
   std::mt19937_64 rng(42);
   for (std::uint64_t block : a.sizes) {
     const std::uint64_t blocks = pool / block;
     if (blocks == 0) continue;
     // About 64 MiB per batch, as one request's blocks would be.
     const std::uint64_t per_batch = std::clamp<std::uint64_t>((64u << 20) / block, 1, blocks);
-    std::uint64_t bytes = 0;
+    // kvferry and its baseline alternate, `repeat` times; the medians are reported, so that a
+    // burst of noise on this shared machine does not decide the ratio.
+    std::vector<double> ours;
+    std::vector<double> base;
     bool verified = false;
-    const auto start = Clock::now();
-    auto now = start;
-    do {
-      const auto plan = ScatterPlan(blocks, per_batch, rng);
-      std::vector<ReadOp> ops;
-      ops.reserve(plan.size());
-      for (const auto& [r, l] : plan)
-        ops.push_back({local.data() + l * block, 0, r * block, block});
-      KVFERRY_ASSIGN_OR_RETURN(
-          BatchId b, t->SubmitReads(p, std::move(ops), DeadlineAfter(std::chrono::seconds(60))));
-      BatchResult res = t->Wait(b, DeadlineAfter(std::chrono::seconds(61)));
-      t->Release(b);
-      if (res.state != BatchState::kDone) return res.status;
-      if (!verified) {
-        for (const auto& [r, l] : plan) {
-          if (FirstPatternMismatch(local.data() + l * block, block, kPatternSeed, 0, r * block) >=
-              0) {
-            return Status::Internal("benchmark read returned wrong bytes");
+    for (int rep = 0; rep < std::max(a.repeat, 1); ++rep) {
+      std::uint64_t bytes = 0;
+      const auto start = Clock::now();
+      auto now = start;
+      // Keep `inflight` batches outstanding, as a decode worker with several requests does; each
+      // writes into its own share of the local blocks.
+      struct InFlight {
+        BatchId id;
+        std::vector<std::pair<std::uint64_t, std::uint64_t>> plan;
+      };
+      std::deque<InFlight> inflight;
+      const auto slots = static_cast<std::uint64_t>(std::max(a.inflight, 1));
+      const std::uint64_t share = blocks / slots;
+      const std::uint64_t count = std::min(per_batch, std::max<std::uint64_t>(share, 1));
+      std::uint64_t submitted = 0;
+      auto finish_oldest = [&]() -> Status {
+        InFlight f = std::move(inflight.front());
+        inflight.pop_front();
+        BatchResult res = t->Wait(f.id, DeadlineAfter(std::chrono::seconds(61)));
+        t->Release(f.id);
+        if (res.state != BatchState::kDone) return res.status;
+        if (!verified) {
+          for (const auto& [r, l] : f.plan) {
+            if (FirstPatternMismatch(local.data() + l * block, block, kPatternSeed, 0, r * block) >=
+                0) {
+              return Status::Internal("benchmark read returned wrong bytes");
+            }
           }
+          verified = true;
         }
-        verified = true;
-      }
-      bytes += per_batch * block;
+        bytes += f.plan.size() * block;
+        return Status::Ok();
+      };
+      do {
+        auto plan = ScatterPlan(std::max<std::uint64_t>(share, 1), count, rng);
+        const std::uint64_t base_block = (submitted++ % slots) * share;
+        for (auto& pr : plan) pr.second += base_block;
+        std::vector<ReadOp> ops;
+        ops.reserve(plan.size());
+        for (const auto& [r, l] : plan) {
+          ops.push_back({local.data() + l * block, 0, (r % blocks) * block, block});
+        }
+        for (auto& pr : plan) pr.first %= blocks;
+        KVFERRY_ASSIGN_OR_RETURN(
+            BatchId b, t->SubmitReads(p, std::move(ops), DeadlineAfter(std::chrono::seconds(60))));
+        inflight.push_back({b, std::move(plan)});
+        if (inflight.size() >= slots) KVFERRY_RETURN_IF_ERROR(finish_oldest());
+        now = Clock::now();
+      } while (Seconds(start, now) < a.min_seconds);
+      while (!inflight.empty()) KVFERRY_RETURN_IF_ERROR(finish_oldest());
       now = Clock::now();
-    } while (Seconds(start, now) < a.min_seconds);
-    Measurement m{backend, block, static_cast<double>(bytes) / Seconds(start, now) / 1e9, "", 0};
-    if (backend == "shm") {
-      m.baseline = "memcpy_gather";
-      m.baseline_gbps = MemcpyGather(source, local, block, a.min_seconds, per_batch, rng);
-    } else {
-      m.baseline = "tcp_stream";
-      m.baseline_gbps = tcp_baseline;
+      ours.push_back(static_cast<double>(bytes) / Seconds(start, now) / 1e9);
+      base.push_back(backend == "shm"
+                         ? MemcpyGather(source, local, block, a.min_seconds, per_batch, rng)
+                         : PlainTcpStream(a.min_seconds));
     }
-    out->push_back(m);
+    out->push_back({backend, block, Median(ours), backend == "shm" ? "memcpy_gather" : "tcp_stream",
+                    Median(base)});
   }
   t->Disconnect(p);
   return Status::Ok();
@@ -346,6 +379,10 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   transport->add_option("--pool-mib", targs->pool_mib, "Memory the peer exposes, MiB")
       ->capture_default_str();
   transport->add_option("--min-seconds", targs->min_seconds, "Time per measurement")
+      ->capture_default_str();
+  transport->add_option("--repeat", targs->repeat, "Alternating measurements; medians reported")
+      ->capture_default_str();
+  transport->add_option("--inflight", targs->inflight, "Batches kept outstanding")
       ->capture_default_str();
   transport->add_option("--connections", targs->connections, "tcp connections per peer")
       ->capture_default_str();

@@ -69,7 +69,7 @@ class ReplayGuard {
   std::chrono::milliseconds window_;
   std::size_t capacity_;
   std::mutex mu_;
-  std::deque<Seen> order_;                 // guarded by mu_
+  std::deque<Seen> order_;                  // guarded by mu_
   std::unordered_set<std::string> nonces_;  // guarded by mu_
 };
 

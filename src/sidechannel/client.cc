@@ -51,7 +51,8 @@ Result<wire::Message> Client::Call(const std::string& endpoint, const wire::Mess
       std::this_thread::sleep_for(backoff);
       backoff *= 2;
     }
-    const int timeout_ms = PollTimeoutMs(deadline, static_cast<int>(options_.attempt_timeout.count()));
+    const int timeout_ms =
+        PollTimeoutMs(deadline, static_cast<int>(options_.attempt_timeout.count()));
     if (timeout_ms <= 0) break;
     Result<ZmqSocket> socket = Acquire(endpoint);
     if (!socket.ok()) {
@@ -65,13 +66,14 @@ Result<wire::Message> Client::Call(const std::string& endpoint, const wire::Mess
     const auto sent_at = Clock::now();
     Status s = SendFrames(socket->get(), {header, body});
     if (!s.ok()) {
-      last = Status::Unavailable("side-channel peer " + endpoint + " is unreachable: " +
-                                 std::string(s.message()));
+      last = Status::Unavailable("side-channel peer " + endpoint +
+                                 " is unreachable: " + std::string(s.message()));
       continue;  // the socket is dropped: its connection state is unknown
     }
-    const int left = timeout_ms - static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                       Clock::now() - sent_at)
-                                                       .count());
+    const int left =
+        timeout_ms -
+        static_cast<int>(
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - sent_at).count());
     KVFERRY_RETURN_IF_ERROR(socket->SetInt(ZMQ_RCVTIMEO, std::max(left, 1)));
     std::vector<std::vector<std::uint8_t>> frames;
     bool truncated = false;

@@ -27,7 +27,9 @@ std::string Bracketed(const std::string& host) {
 
 }  // namespace
 
-int ListenerPort(const ListenerOptions& o) { return o.base_port + o.dp_rank * o.tp_size + o.tp_rank; }
+int ListenerPort(const ListenerOptions& o) {
+  return o.base_port + o.dp_rank * o.tp_size + o.tp_rank;
+}
 
 Result<std::unique_ptr<Listener>> Listener::Start(const ListenerOptions& options,
                                                   RequestHandler handler) {
@@ -204,8 +206,8 @@ void Listener::Refuse(const std::vector<std::uint8_t>& identity, const AuthNonce
     Log().warn("side-channel listener {}: refused message #{}: {}", endpoint_, n,
                status.ToString());
   }
-  const std::vector<std::uint8_t> body = wire::Encode(
-      wire::ErrorReply{status.code(), std::string(status.message().substr(0, wire::kMaxTextBytes))});
+  const std::vector<std::uint8_t> body = wire::Encode(wire::ErrorReply{
+      status.code(), std::string(status.message().substr(0, wire::kMaxTextBytes))});
   Send({identity, SignMessage(options_.secret, AuthKind::kReply, body, nonce, nullptr), body});
 }
 

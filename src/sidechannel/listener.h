@@ -51,7 +51,7 @@ using RequestHandler = std::function<wire::Message(const wire::Message& request)
 
 struct ListenerStats {
   std::uint64_t handled = 0;
-  std::uint64_t malformed = 0;        ///< bad framing or undecodable body
+  std::uint64_t malformed = 0;  ///< bad framing or undecodable body
   std::uint64_t oversized = 0;
   std::uint64_t unauthenticated = 0;  ///< bad MAC, stale timestamp, replayed nonce
   std::uint64_t overloaded = 0;       ///< refused because max_pending were waiting

@@ -29,9 +29,9 @@ struct NotifierOptions {
 class FinishedNotifier {
  public:
   /// Called once per sent batch, on a notifier thread, with the ids it carried and the outcome.
-  using Callback = std::function<void(const std::string& endpoint,
-                                      const std::vector<std::string>& request_ids,
-                                      const Status& result)>;
+  using Callback =
+      std::function<void(const std::string& endpoint, const std::vector<std::string>& request_ids,
+                         const Status& result)>;
 
   FinishedNotifier(Client* client, wire::PeerRef self, NotifierOptions options, Callback done);
   /// Sends what is pending (each within its deadline), then stops.

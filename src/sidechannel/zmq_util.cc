@@ -55,8 +55,9 @@ Status SendFrames(void* socket, const std::vector<std::span<const std::uint8_t>>
     const int flags = i + 1 < frames.size() ? ZMQ_SNDMORE : 0;
     if (zmq_send(socket, frames[i].data(), frames[i].size(), flags) < 0) {
       if (zmq_errno() == EAGAIN) {
-        return Status::Unavailable("the peer did not accept the message in time: it is not "
-                                   "listening or not reachable");
+        return Status::Unavailable(
+            "the peer did not accept the message in time: it is not "
+            "listening or not reachable");
       }
       return Status::Unavailable("zmq_send: " + ZmqError());
     }

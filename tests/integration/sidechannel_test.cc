@@ -19,8 +19,8 @@
 namespace kvferry::sidechannel {
 namespace {
 
-using ::testing::HasSubstr;
 using std::chrono::milliseconds;
+using ::testing::HasSubstr;
 
 // A port that was free a moment ago.
 int FreePort() {
@@ -34,7 +34,6 @@ int FreePort() {
   close(fd);
   return ntohs(addr.sin_port);
 }
-
 
 wire::AgentMetadata SampleMetadata() {
   CacheSpec cache = *CacheSpec::Mha(2, 8, 128, 64, 16, DType::kBFloat16, 2, 1);
@@ -92,8 +91,9 @@ struct Fixture {
 
 TEST(SideChannelTest, HandshakeRoundTrip) {
   Fixture f("s3cret");
-  Result<wire::Message> r = f.client->Call(f.listener->endpoint(), wire::MetadataRequest{{"decode-0", 0, 0}},
-                                           DeadlineAfter(milliseconds(3000)));
+  Result<wire::Message> r =
+      f.client->Call(f.listener->endpoint(), wire::MetadataRequest{{"decode-0", 0, 0}},
+                     DeadlineAfter(milliseconds(3000)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_TRUE(std::holds_alternative<wire::AgentMetadata>(*r));
   EXPECT_EQ(std::get<wire::AgentMetadata>(*r), SampleMetadata());
@@ -114,14 +114,16 @@ TEST(SideChannelTest, FinishedNoticesToOnePeerAreBatched) {
   std::mutex mu;
   std::multiset<std::string> acked;
   int failures = 0;
-  FinishedNotifier notifier(f.client.get(), {"decode-0", 0, 1}, {milliseconds(20), 4096, 2},
-                            [&](const std::string&, const std::vector<std::string>& ids, const Status& s) {
-                              std::lock_guard<std::mutex> lock(mu);
-                              if (!s.ok()) ++failures;
-                              acked.insert(ids.begin(), ids.end());
-                            });
+  FinishedNotifier notifier(
+      f.client.get(), {"decode-0", 0, 1}, {milliseconds(20), 4096, 2},
+      [&](const std::string&, const std::vector<std::string>& ids, const Status& s) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!s.ok()) ++failures;
+        acked.insert(ids.begin(), ids.end());
+      });
   for (int i = 0; i < 200; ++i) {
-    notifier.Finished(f.listener->endpoint(), "req-" + std::to_string(i), DeadlineAfter(milliseconds(3000)));
+    notifier.Finished(f.listener->endpoint(), "req-" + std::to_string(i),
+                      DeadlineAfter(milliseconds(3000)));
   }
   notifier.Flush();
   EXPECT_EQ(failures, 0);
@@ -146,7 +148,8 @@ class RawPeer {
     std::vector<std::vector<std::uint8_t>> reply;
     bool truncated = false;
     KVFERRY_RETURN_IF_ERROR(RecvFrames(socket_.get(), &reply, 4, 1 << 20, &truncated));
-    if (reply.size() != 2) return Status::Internal("reply has " + std::to_string(reply.size()) + " frames");
+    if (reply.size() != 2)
+      return Status::Internal("reply has " + std::to_string(reply.size()) + " frames");
     return wire::Decode(reply[1]);
   }
 
@@ -210,18 +213,22 @@ TEST(SideChannelTest, WrongSecretStaleTimestampAndReplayAreRefusedAndChangeNothi
   ClientOptions wrong;
   wrong.secret = "wrong";
   Client intruder(wrong);
-  Result<wire::Message> r = intruder.Call(f.listener->endpoint(), notice, DeadlineAfter(milliseconds(3000)));
+  Result<wire::Message> r =
+      intruder.Call(f.listener->endpoint(), notice, DeadlineAfter(milliseconds(3000)));
   EXPECT_EQ(r.status().code(), StatusCode::kUnauthenticated) << r.status().ToString();
   // No secret at all.
   Client anonymous(ClientOptions{});
-  EXPECT_EQ(anonymous.Call(f.listener->endpoint(), notice, DeadlineAfter(milliseconds(3000))).status().code(),
+  EXPECT_EQ(anonymous.Call(f.listener->endpoint(), notice, DeadlineAfter(milliseconds(3000)))
+                .status()
+                .code(),
             StatusCode::kUnauthenticated);
 
   RawPeer raw(f.listener->endpoint());
   const std::vector<std::uint8_t> body = wire::Encode(notice);
   AuthNonce n1{};
   n1[0] = 1;
-  const auto stale = SignMessageAt("right", AuthKind::kRequest, body, {}, UnixMillis() - 120000, n1);
+  const auto stale =
+      SignMessageAt("right", AuthKind::kRequest, body, {}, UnixMillis() - 120000, n1);
   EXPECT_EQ(ErrorCode(raw.Exchange({stale, body})), StatusCode::kUnauthenticated);
   // A captured good message works once; its replay is refused.
   const auto fresh = Signed("right", body);
@@ -244,19 +251,23 @@ TEST(SideChannelTest, DeadPeerFailsInBoundedTimeWithoutDelayingOthers) {
   Status dead_status;
   const auto start = Clock::now();
   std::thread t([&] {
-    dead_status = client.Call(dead, wire::MetadataRequest{{"d", 0, 0}}, DeadlineAfter(milliseconds(5000))).status();
+    dead_status =
+        client.Call(dead, wire::MetadataRequest{{"d", 0, 0}}, DeadlineAfter(milliseconds(5000)))
+            .status();
     dead_done.store(true);
   });
   // Meanwhile, a live peer answers promptly, several times.
   for (int i = 0; i < 5; ++i) {
     const auto call = Clock::now();
-    Result<wire::Message> r = client.Call(f.listener->endpoint(), wire::MetadataRequest{{"d", 0, 0}},
-                                          DeadlineAfter(milliseconds(3000)));
+    Result<wire::Message> r =
+        client.Call(f.listener->endpoint(), wire::MetadataRequest{{"d", 0, 0}},
+                    DeadlineAfter(milliseconds(3000)));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_LT(Clock::now() - call, milliseconds(250));
   }
   t.join();
-  EXPECT_TRUE(dead_status.code() == StatusCode::kUnavailable || dead_status.code() == StatusCode::kTimeout)
+  EXPECT_TRUE(dead_status.code() == StatusCode::kUnavailable ||
+              dead_status.code() == StatusCode::kTimeout)
       << dead_status.ToString();
   EXPECT_LT(Clock::now() - start, milliseconds(2000));
 }
@@ -265,8 +276,8 @@ TEST(SideChannelTest, DeadlineBoundsACallToAFrozenHandler) {
   Fixture f;
   f.recorder.delay_ms.store(1500);
   const auto start = Clock::now();
-  Result<wire::Message> r = f.client->Call(f.listener->endpoint(), wire::MetadataRequest{{"d", 0, 0}},
-                                           DeadlineAfter(milliseconds(400)));
+  Result<wire::Message> r = f.client->Call(
+      f.listener->endpoint(), wire::MetadataRequest{{"d", 0, 0}}, DeadlineAfter(milliseconds(400)));
   EXPECT_EQ(r.status().code(), StatusCode::kTimeout);
   EXPECT_LT(Clock::now() - start, milliseconds(900));
 }
@@ -294,7 +305,8 @@ TEST(SideChannelTest, BusyPortNamesThePortAndTheSetting) {
   Recorder r;
   Result<std::unique_ptr<Listener>> second = Listener::Start(o, r.Handler());
   EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
-  EXPECT_THAT(second.status().message(), HasSubstr("port " + std::to_string(o.base_port) + " is in use"));
+  EXPECT_THAT(second.status().message(),
+              HasSubstr("port " + std::to_string(o.base_port) + " is in use"));
   EXPECT_THAT(second.status().message(), HasSubstr("base port"));
 }
 

@@ -8,29 +8,33 @@
 namespace kvferry::sidechannel {
 namespace {
 
-using ::testing::HasSubstr;
 using std::chrono::milliseconds;
+using ::testing::HasSubstr;
 
 const std::vector<std::uint8_t> kBody = {1, 2, 3, 4};
 
 TEST(AuthTest, SignedRequestVerifies) {
   AuthNonce nonce{};
   auto h = SignMessage("s3cret", AuthKind::kRequest, kBody, {}, &nonce);
-  Result<AuthHeader> r = VerifyMessage("s3cret", AuthKind::kRequest, h, kBody, {}, milliseconds(1000));
+  Result<AuthHeader> r =
+      VerifyMessage("s3cret", AuthKind::kRequest, h, kBody, {}, milliseconds(1000));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->nonce, nonce);
 }
 
 TEST(AuthTest, WrongSecretTamperedBodyAndWrongKindFail) {
   auto h = SignMessage("s3cret", AuthKind::kRequest, kBody, {}, nullptr);
-  EXPECT_EQ(VerifyMessage("other", AuthKind::kRequest, h, kBody, {}, milliseconds(1000)).status().code(),
-            StatusCode::kUnauthenticated);
+  EXPECT_EQ(
+      VerifyMessage("other", AuthKind::kRequest, h, kBody, {}, milliseconds(1000)).status().code(),
+      StatusCode::kUnauthenticated);
   std::vector<std::uint8_t> body = kBody;
   body[0] ^= 1;
   EXPECT_FALSE(VerifyMessage("s3cret", AuthKind::kRequest, h, body, {}, milliseconds(1000)).ok());
   EXPECT_FALSE(VerifyMessage("s3cret", AuthKind::kReply, h, kBody, {}, milliseconds(1000)).ok());
   h.pop_back();
-  EXPECT_THAT(VerifyMessage("s3cret", AuthKind::kRequest, h, kBody, {}, milliseconds(1000)).status().message(),
+  EXPECT_THAT(VerifyMessage("s3cret", AuthKind::kRequest, h, kBody, {}, milliseconds(1000))
+                  .status()
+                  .message(),
               HasSubstr("header of 59 bytes"));
 }
 
