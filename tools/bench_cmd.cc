@@ -94,8 +94,9 @@ int RunPeer(const PeerArgs& a) {
   options.tcp_bind_host = a.host;
   options.tcp_port = a.port;
   options.tcp_connections_per_peer = a.connections;
-  if (const char* s = std::getenv("KVFERRY_SECRET"))
-    options.secret = s;  // NOLINT(concurrency-mt-unsafe)
+  // Read once at startup, before any thread exists.
+  const char* secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe)
+  if (secret != nullptr) options.secret = secret;
   Result<std::unique_ptr<Transport>> t = CreateTransport(options);
   if (!t.ok()) {
     std::cerr << "kvferry bench peer: " << t.status().ToString() << "\n";
@@ -192,10 +193,13 @@ double PlainTcpStream(double min_seconds) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   socklen_t len = sizeof(addr);
-  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  listen(listener, 1);
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+      listen(listener, 1) != 0) {
+    close(listener);
+    return 0;
+  }
   const std::size_t chunk = 4u << 20;
   std::uint64_t received = 0;
   double seconds = 0;
@@ -209,7 +213,9 @@ double PlainTcpStream(double min_seconds) {
     close(fd);
   });
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    shutdown(listener, SHUT_RDWR);  // wakes the receiver's accept
+  }
   std::vector<char> buf(chunk, 'x');
   const auto start = Clock::now();
   while (Seconds(start, Clock::now()) < min_seconds) {

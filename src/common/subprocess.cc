@@ -11,6 +11,8 @@
 #include <cstring>
 #include <thread>
 
+#include "common/errno_text.h"
+
 extern char** environ;
 
 namespace kvferry {
@@ -20,23 +22,25 @@ Result<Subprocess> Subprocess::Spawn(const std::vector<std::string>& argv,
   int in[2];
   int out[2];
   if (pipe2(in, O_CLOEXEC) != 0)
-    return Status::Unavailable("pipe: " + std::string(strerror(errno)));
+    return Status::Unavailable("pipe: " + std::string(ErrnoText(errno)));
   if (pipe2(out, O_CLOEXEC) != 0) {
     close(in[0]);
     close(in[1]);
-    return Status::Unavailable("pipe: " + std::string(strerror(errno)));
+    return Status::Unavailable("pipe: " + std::string(ErrnoText(errno)));
   }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, in[0], STDIN_FILENO);
   posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
   std::vector<char*> args;
+  args.reserve(argv.size() + 1);
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-  for (const std::string& e : env) env_strings.push_back(e);
+  env_strings.insert(env_strings.end(), env.begin(), env.end());
   std::vector<char*> envp;
+  envp.reserve(env_strings.size() + 1);
   for (std::string& e : env_strings) envp.push_back(e.data());
   envp.push_back(nullptr);
   pid_t pid = -1;
@@ -47,7 +51,7 @@ Result<Subprocess> Subprocess::Spawn(const std::vector<std::string>& argv,
   if (rc != 0) {
     close(in[1]);
     close(out[0]);
-    return Status::Unavailable("cannot start " + argv[0] + ": " + strerror(rc));
+    return Status::Unavailable("cannot start " + argv[0] + ": " + ErrnoText(rc));
   }
   return Subprocess(pid, in[1], out[0]);
 }
@@ -140,7 +144,7 @@ Result<int> Subprocess::CloseAndWait(std::chrono::milliseconds timeout) {
     }
     if (r < 0) {
       reaped_ = true;
-      return Status::Internal("waitpid failed: " + std::string(strerror(errno)));
+      return Status::Internal("waitpid failed: " + std::string(ErrnoText(errno)));
     }
     if (std::chrono::steady_clock::now() >= deadline) {
       return Status::Timeout("child " + std::to_string(pid_) + " did not exit in time");

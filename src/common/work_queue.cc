@@ -6,7 +6,7 @@
 
 namespace kvferry {
 
-WorkQueue::WorkQueue(int threads, std::string name) {
+WorkQueue::WorkQueue(int threads, const std::string& name) {
   for (int i = 0; i < std::max(threads, 1); ++i) {
     threads_.emplace_back([this] { Run(); });
     // Thread names show in top and gdb; Linux allows 15 characters.

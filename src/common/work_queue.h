@@ -15,7 +15,7 @@ namespace kvferry {
 /// that must report completion always does.
 class WorkQueue {
  public:
-  WorkQueue(int threads, std::string name);
+  WorkQueue(int threads, const std::string& name);
   ~WorkQueue();
   WorkQueue(const WorkQueue&) = delete;
   WorkQueue& operator=(const WorkQueue&) = delete;

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/errno_text.h"
 #include "common/log.h"
 
 namespace kvferry::sidechannel {
@@ -69,7 +70,7 @@ Result<std::unique_ptr<Listener>> Listener::Start(const ListenerOptions& options
                            : ""));
   }
   const int wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (wake < 0) return Status::Internal(std::string("eventfd: ") + std::strerror(errno));
+  if (wake < 0) return Status::Internal(std::string("eventfd: ") + ErrnoText(errno));
   return std::unique_ptr<Listener>(
       new Listener(options, std::move(handler), std::move(router), wake, endpoint));
 }

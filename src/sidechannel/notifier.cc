@@ -78,7 +78,7 @@ void FinishedNotifier::Run() {
   }
 }
 
-void FinishedNotifier::SendAll(std::map<std::string, Pending> batch) {
+void FinishedNotifier::SendAll(std::map<std::string, Pending>&& batch) {
   for (auto& [endpoint, pending] : batch) {
     senders_->Post([this, endpoint = endpoint, p = std::move(pending)] {
       for (std::size_t start = 0; start < p.ids.size(); start += options_.max_batch) {

@@ -53,7 +53,7 @@ class FinishedNotifier {
     Clock::time_point first = Clock::now();
   };
   void Run();
-  void SendAll(std::map<std::string, Pending> batch);
+  void SendAll(std::map<std::string, Pending>&& batch);
 
   Client* client_;
   const wire::PeerRef self_;

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <mutex>
 
+#include "common/errno_text.h"
+
 namespace kvferry {
 namespace {
 
@@ -87,7 +89,10 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
       const std::uint64_t skip = i == next ? done_in_piece : 0;
       local.push_back({pieces[i].local + skip, pieces[i].length - skip});
       remote.push_back(
-          {reinterpret_cast<void*>(pieces[i].remote_addr + skip), pieces[i].length - skip});
+          // An address in the peer's address space, never dereferenced here.
+          {reinterpret_cast<void*>(  // NOLINT(performance-no-int-to-ptr)
+               pieces[i].remote_addr + skip),
+           pieces[i].length - skip});
     }
     const ssize_t n =
         process_vm_readv(peer.pid(), local.data(), local.size(), remote.data(), remote.size(), 0);
@@ -104,7 +109,7 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
                                 " hit unmapped memory: the peer freed a registered region "
                                 "without deregistering it");
       }
-      return Status::Internal(std::string("process_vm_readv failed: ") + std::strerror(err));
+      return Status::Internal(std::string("process_vm_readv failed: ") + ErrnoText(err));
     }
     if (n == 0) {
       return Status::Internal("process_vm_readv on pid " + std::to_string(peer.pid()) +
@@ -202,19 +207,22 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& p
     if (err == ESRCH) {
       return Status::Unavailable("peer process " + std::to_string(pid) + " does not exist");
     }
-    return Status::Unavailable("pidfd_open(" + std::to_string(pid) + ") failed: " +
-                               std::strerror(err) + "; shm needs Linux 5.3 or later");
+    return Status::Unavailable("pidfd_open(" + std::to_string(pid) + ") failed: " + ErrnoText(err) +
+                               "; shm needs Linux 5.3 or later");
   }
   auto state = std::make_shared<ShmPeerState>(pid, pidfd);
   // Probe one byte, so that a kernel that refuses (EPERM) is found now, not mid-transfer.
   if (!peer.regions.empty()) {
     std::byte probe{};
     iovec local{&probe, 1};
-    iovec remote{reinterpret_cast<void*>(peer.regions.front().addr), 1};
+    // An address in the peer's address space, never dereferenced here.
+    iovec remote{
+        reinterpret_cast<void*>(peer.regions.front().addr),  // NOLINT(performance-no-int-to-ptr)
+        1};
     if (process_vm_readv(pid, &local, 1, &remote, 1, 0) != 1) {
       const int err = errno;
       return Status::Unavailable("process_vm_readv on peer process " + std::to_string(pid) +
-                                 " failed (" + std::strerror(err) +
+                                 " failed (" + ErrnoText(err) +
                                  "): the kernel does not let this process read the peer's "
                                  "memory; run both as the same user or use the tcp transport");
     }

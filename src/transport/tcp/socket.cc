@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "common/clock.h"
+#include "common/errno_text.h"
 
 namespace kvferry::tcp {
 
@@ -81,19 +82,19 @@ void ConfigureStream(int fd, std::chrono::milliseconds user_timeout) {
 Result<Fd> Listen(const std::string& host, std::uint16_t port, std::uint16_t* bound_port) {
   KVFERRY_ASSIGN_OR_RETURN(Resolved r, Resolve(host, port, true));
   Fd fd(socket(r.addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return Status::Unavailable(std::string("socket: ") + std::strerror(errno));
+  if (!fd.valid()) return Status::Unavailable(std::string("socket: ") + ErrnoText(errno));
   int one = 1;
   setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (bind(fd.get(), reinterpret_cast<const sockaddr*>(&r.addr), r.len) != 0) {
     const int err = errno;
     return Status::Unavailable("cannot listen on " + host + ":" + std::to_string(port) + ": " +
-                               std::strerror(err) +
+                               ErrnoText(err) +
                                (err == EADDRINUSE ? "; another process holds the port; choose "
                                                     "another tcp port (0 picks a free one)"
                                                   : ""));
   }
   if (listen(fd.get(), 128) != 0) {
-    return Status::Unavailable(std::string("listen: ") + std::strerror(errno));
+    return Status::Unavailable(std::string("listen: ") + ErrnoText(errno));
   }
   sockaddr_storage bound{};
   socklen_t len = sizeof(bound);
@@ -109,12 +110,12 @@ Result<Fd> Connect(const std::string& host, std::uint16_t port, Deadline deadlin
                    std::chrono::milliseconds user_timeout) {
   KVFERRY_ASSIGN_OR_RETURN(Resolved r, Resolve(host, port, false));
   Fd fd(socket(r.addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return Status::Unavailable(std::string("socket: ") + std::strerror(errno));
+  if (!fd.valid()) return Status::Unavailable(std::string("socket: ") + ErrnoText(errno));
   ConfigureStream(fd.get(), user_timeout);
   const std::string where = host + ":" + std::to_string(port);
   if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&r.addr), r.len) != 0) {
     if (errno != EINPROGRESS) {
-      return Status::Unavailable("cannot connect to " + where + ": " + std::strerror(errno));
+      return Status::Unavailable("cannot connect to " + where + ": " + ErrnoText(errno));
     }
     pollfd p{fd.get(), POLLOUT, 0};
     const int n = poll(&p, 1, PollTimeoutMs(deadline, INT_MAX));
@@ -124,7 +125,7 @@ Result<Fd> Connect(const std::string& host, std::uint16_t port, Deadline deadlin
     getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
     if (n < 0 || err != 0) {
       return Status::Unavailable("cannot connect to " + where + ": " +
-                                 std::strerror(err != 0 ? err : errno));
+                                 ErrnoText(err != 0 ? err : errno));
     }
   }
   return fd;
@@ -182,7 +183,7 @@ Status Transfer(int fd, iovec* iov, int iovcnt, const StopCheck& stop, bool send
     }
     if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       return Status::PeerDisconnected(std::string("connection to the peer failed: ") +
-                                      std::strerror(errno));
+                                      ErrnoText(errno));
     }
     KVFERRY_RETURN_IF_ERROR(stop());
     pollfd p{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};

@@ -12,6 +12,7 @@
 #include <map>
 #include <vector>
 
+#include "common/errno_text.h"
 #include "common/log.h"
 #include "transport/tcp/frames.h"
 
@@ -19,7 +20,7 @@ namespace kvferry::tcp {
 namespace {
 
 constexpr std::size_t kMaxQueuedResponses = 16;  // per connection, before reading pauses
-constexpr std::size_t kReadChunk = 64 * 1024;
+constexpr std::size_t kReadChunk = std::size_t{64} * 1024;
 
 // One queued response: a header (and error text) followed by bytes from registered memory.
 struct Response {
@@ -304,7 +305,7 @@ Result<std::unique_ptr<TcpServer>> TcpServer::Start(RegionRegistry* registry,
   Fd epoll(epoll_create1(EPOLL_CLOEXEC));
   Fd wake(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!epoll.valid() || !wake.valid()) {
-    return Status::Unavailable(std::string("epoll/eventfd: ") + std::strerror(errno));
+    return Status::Unavailable(std::string("epoll/eventfd: ") + ErrnoText(errno));
   }
   return std::unique_ptr<TcpServer>(new TcpServer(registry, std::move(listener), bound,
                                                   std::move(secret), counters, std::move(epoll),
