@@ -176,6 +176,8 @@ Status Transfer(int fd, iovec* iov, int iovcnt, const StopCheck& stop, bool send
     if (n > 0) {
       if (moved != nullptr) *moved += static_cast<std::uint64_t>(n);
       Advance(iov, iovcnt, static_cast<std::size_t>(n));
+      // Checked on progress too, so that a cancel is seen within one call, not one response.
+      if (iovcnt > 0) KVFERRY_RETURN_IF_ERROR(stop());
       continue;
     }
     if (n == 0 && !sending) {
