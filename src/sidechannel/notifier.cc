@@ -6,10 +6,11 @@
 
 namespace kvferry::sidechannel {
 
-FinishedNotifier::FinishedNotifier(Client* client, wire::PeerRef self, NotifierOptions options,
-                                   Callback done)
+FinishedNotifier::FinishedNotifier(Client* client, wire::PeerRef self, std::uint32_t tp_size,
+                                   NotifierOptions options, Callback done)
     : client_(client),
       self_(std::move(self)),
+      tp_size_(tp_size),
       options_(options),
       done_(std::move(done)),
       senders_(std::make_unique<WorkQueue>(options.threads, "kvferry-notify")) {
@@ -86,7 +87,7 @@ void FinishedNotifier::SendAll(std::map<std::string, Pending>&& batch) {
         std::vector<std::string> ids(p.ids.begin() + static_cast<std::ptrdiff_t>(start),
                                      p.ids.begin() + static_cast<std::ptrdiff_t>(end));
         Result<wire::Message> reply =
-            client_->Call(endpoint, wire::FinishedNotice{self_, ids}, p.deadline);
+            client_->Call(endpoint, wire::FinishedNotice{self_, ids, tp_size_}, p.deadline);
         Status s = reply.status();
         if (s.ok() && !std::holds_alternative<wire::Ack>(*reply)) {
           s = Status::Internal("peer " + endpoint + " answered a finished notice with '" +

@@ -33,7 +33,9 @@ class FinishedNotifier {
       std::function<void(const std::string& endpoint, const std::vector<std::string>& request_ids,
                          const Status& result)>;
 
-  FinishedNotifier(Client* client, wire::PeerRef self, NotifierOptions options, Callback done);
+  /// `self` and `tp_size` identify this worker as the reader in every notice.
+  FinishedNotifier(Client* client, wire::PeerRef self, std::uint32_t tp_size,
+                   NotifierOptions options, Callback done);
   /// Sends what is pending (each within its deadline), then stops.
   ~FinishedNotifier();
   FinishedNotifier(const FinishedNotifier&) = delete;
@@ -57,6 +59,7 @@ class FinishedNotifier {
 
   Client* client_;
   const wire::PeerRef self_;
+  const std::uint32_t tp_size_;
   const NotifierOptions options_;
   Callback done_;
   std::unique_ptr<WorkQueue> senders_;

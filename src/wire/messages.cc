@@ -134,11 +134,13 @@ struct EncodeVisitor {
                      static_cast<std::uint32_t>(m.cache_hash.size()));
   }
   void operator()(const FinishedNotice& m) const {
-    PackHeader(pk, "finished", 2);
+    PackHeader(pk, "finished", 3);
     PackKey(pk, "from");
     PackPeer(pk, m.from);
     PackKey(pk, "request_ids");
     PackStrList(pk, m.request_ids);
+    PackKey(pk, "tp_size");
+    pk.pack_uint32(m.tp_size);
   }
   void operator()(const AbortNotice& m) const {
     PackHeader(pk, "abort", 3);
@@ -306,7 +308,16 @@ Result<Message> DecodeBody(const MapView& m, std::string_view type) {
     KVFERRY_ASSIGN_OR_RETURN(PeerRef from, DecodePeer(m, "from"));
     KVFERRY_ASSIGN_OR_RETURN(std::vector<std::string> ids,
                              m.StrList("request_ids", kMaxRequestIds, kMaxIdBytes));
-    if (type == "finished") return Message{FinishedNotice{std::move(from), std::move(ids)}};
+    if (type == "finished") {
+      KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", 1u << 16));
+      if (tp_size == 0 || from.tp_rank >= tp_size) {
+        return Status::InvalidArgument(m.At("tp_size") + ": expected from.tp_rank " +
+                                       std::to_string(from.tp_rank) + " < tp_size, found " +
+                                       std::to_string(tp_size));
+      }
+      return Message{FinishedNotice{std::move(from), std::move(ids),
+                                    static_cast<std::uint32_t>(tp_size)}};
+    }
     if (type == "abort") {
       KVFERRY_ASSIGN_OR_RETURN(std::string reason, m.Str("reason", kMaxTextBytes));
       return Message{AbortNotice{std::move(from), std::move(ids), std::move(reason)}};

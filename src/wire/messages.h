@@ -86,6 +86,8 @@ struct AgentMetadata {
 struct FinishedNotice {
   PeerRef from;
   std::vector<std::string> request_ids;
+  /// The sender's TP size: with the receiver's own, it decides how many readers to wait for.
+  std::uint32_t tp_size = 1;
 
   friend bool operator==(const FinishedNotice&, const FinishedNotice&) = default;
 };

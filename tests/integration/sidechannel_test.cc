@@ -115,7 +115,7 @@ TEST(SideChannelTest, FinishedNoticesToOnePeerAreBatched) {
   std::multiset<std::string> acked;
   int failures = 0;
   FinishedNotifier notifier(
-      f.client.get(), {"decode-0", 0, 1}, {milliseconds(20), 4096, 2},
+      f.client.get(), {"decode-0", 0, 1}, 2, {milliseconds(20), 4096, 2},
       [&](const std::string&, const std::vector<std::string>& ids, const Status& s) {
         std::lock_guard<std::mutex> lock(mu);
         if (!s.ok()) ++failures;
