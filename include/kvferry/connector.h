@@ -1,0 +1,233 @@
+// kvferry: the connector a serving engine calls, shaped like vLLM's KV connector: a Scheduler on
+// the engine's scheduler side and a Worker in every TP worker process. DESIGN.md's behaviour
+// contract (rules 1-13) is its specification.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/cache_spec.h"
+#include "kvferry/rank_table.h"
+#include "kvferry/status.h"
+#include "kvferry/transport.h"
+
+namespace kvferry {
+
+/// vLLM's kv_transfer_params, as the proxy forwards them from the prefill instance's response to
+/// the decode instance's request. Absent fields are std::nullopt.
+struct KvTransferParams {
+  bool do_remote_prefill = false;
+  bool do_remote_decode = false;
+  std::optional<std::vector<std::int64_t>> remote_block_ids;
+  std::optional<std::string> remote_engine_id;
+  std::optional<std::string> remote_host;
+  /// The side-channel port of the remote instance's TP rank 0 in its DP group; TP rank q listens
+  /// on remote_port + q.
+  std::optional<int> remote_port;
+  std::optional<int> remote_tp_size;
+  /// The request id on the prefill side, for engines that rename requests.
+  std::optional<std::string> remote_request_id;
+
+  friend bool operator==(const KvTransferParams&, const KvTransferParams&) = default;
+};
+
+/// How a request ended, as far as the connector cares.
+enum class FinishReason : std::uint8_t {
+  kLengthCapped = 0,  ///< stopped on its max-tokens cap: the prefill of a P/D request
+  kStopped = 1,       ///< stopped on a stop token or string
+  kAborted = 2,       ///< cancelled by the client or the engine
+  kError = 3,
+};
+
+/// One load the decode side's worker must perform: remote blocks into local ones.
+struct LoadSpec {
+  std::string request_id;
+  std::vector<std::int64_t> local_block_ids;
+  std::vector<std::int64_t> remote_block_ids;
+  std::string remote_engine_id;
+  std::string remote_host;
+  int remote_port = 0;
+  int remote_tp_size = 1;
+  std::string remote_request_id;
+
+  friend bool operator==(const LoadSpec&, const LoadSpec&) = default;
+};
+
+/// One prefill-side hold the worker must register: the request's blocks stay allocated until
+/// its readers have reported, it is aborted, or `lease_ms` pass without a renewal.
+struct HoldSpec {
+  std::string request_id;
+  std::int64_t lease_ms = 0;
+
+  friend bool operator==(const HoldSpec&, const HoldSpec&) = default;
+};
+
+/// What the scheduler hands the workers every step (DESIGN rule 3). A plain value; Encode and
+/// Decode let engines ship it to worker processes.
+struct ConnectorMetadata {
+  std::vector<LoadSpec> loads;
+  std::vector<HoldSpec> holds;
+
+  std::vector<std::uint8_t> Encode() const;
+  /// Never trusts its input (bounded msgpack, like the side channel).
+  static Result<ConnectorMetadata> Decode(std::span<const std::uint8_t> bytes);
+  friend bool operator==(const ConnectorMetadata&, const ConnectorMetadata&) = default;
+};
+
+struct SchedulerConfig {
+  Role role = Role::kPrefill;
+  std::string engine_id;
+  /// Where this instance's workers listen: the host peers connect to, the base port, and the
+  /// DP rank and TP size that place rank 0's port at base_port + dp_rank * tp_size.
+  std::string host = "127.0.0.1";
+  int base_port = 5557;
+  int dp_rank = 0;
+  int tp_size = 1;
+  /// How long a prefill hold lasts without renewal (the reference's abort timeout).
+  std::chrono::milliseconds hold_lease{120000};
+};
+
+/// The scheduler side. Pure bookkeeping, no I/O. Single-threaded by contract: call it from the
+/// engine's scheduler thread only.
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerConfig config) : config_(std::move(config)) {}
+
+  /// Rule 1: for a request whose params ask for remote prefill, the tokens to load are
+  /// max(prompt - computed, 0) and the load is asynchronous when that is > 0; otherwise (0, false).
+  std::pair<std::int64_t, bool> GetNumNewMatchedTokens(const KvTransferParams& params,
+                                                       std::int64_t num_prompt_tokens,
+                                                       std::int64_t num_computed_tokens) const;
+
+  /// Rule 2: queues a remote-prefill request for loading into `new_block_ids` (its newly
+  /// allocated, unhashed blocks; possibly none) and clears params.do_remote_prefill so it is not
+  /// loaded twice. Incomplete params are InvalidArgument naming the missing fields; the flag is
+  /// cleared then too, and nothing is queued. Requests without do_remote_prefill are ignored.
+  Status UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
+                               std::span<const std::int64_t> new_block_ids);
+
+  /// Rule 3: the loads and holds queued since the last call; clears them.
+  ConnectorMetadata BuildConnectorMeta();
+
+  struct FinishedResult {
+    bool delay_free = false;  ///< the engine must not free the blocks until GetFinished says so
+    std::optional<KvTransferParams> params;  ///< to return to the proxy for the decode side
+  };
+  /// Rule 4: a prefill request that asked for remote decode and stopped on its length cap has its
+  /// blocks held and gets params telling the decode side where to read them.
+  FinishedResult RequestFinished(const std::string& request_id, const KvTransferParams& params,
+                                 FinishReason reason, std::span<const std::int64_t> block_ids);
+
+ private:
+  SchedulerConfig config_;
+  ConnectorMetadata pending_;
+};
+
+/// What to do with a load that failed.
+enum class LoadFailurePolicy : std::uint8_t {
+  kRecompute = 0,  ///< report its blocks in TakeLoadErrors so the engine recomputes them
+  kFail = 1,       ///< report it; the engine should fail the request
+};
+
+struct WorkerConfig {
+  Role role = Role::kPrefill;
+  std::string engine_id;
+  int dp_rank = 0;
+  int tp_size = 1;
+  int tp_rank = 0;
+  /// Side channel: bind address (also what peers are told), base port, shared secret.
+  std::string host = "127.0.0.1";
+  int base_port = 5557;
+  std::string secret;
+  bool allow_insecure_remote = false;
+  /// Optional rank table: when set, the worker's identity comes from its entry (rule 5).
+  std::optional<RankTable> rank_table;
+  std::string server_id;                     ///< this host, as the rank table names it
+  std::vector<std::string> visible_devices;  ///< empty: all
+  /// Data plane. Its secret and hosts default to the side channel's.
+  TransportOptions transport;
+  std::chrono::milliseconds handshake_timeout{5000};
+  std::chrono::milliseconds transfer_timeout{30000};
+  std::chrono::milliseconds notice_timeout{5000};
+  std::chrono::milliseconds hold_lease{120000};
+  /// Loads carried out at once; more wait in a queue.
+  int transfer_threads = 4;
+  LoadFailurePolicy failure_policy = LoadFailurePolicy::kRecompute;
+};
+
+/// Requests that finished since the last GetFinished (like vLLM's get_finished).
+struct FinishedRequests {
+  std::vector<std::string> sending;    ///< prefill side: holds ended; free these blocks now
+  std::vector<std::string> receiving;  ///< decode side: loads ended, done or failed
+};
+
+struct LoadError {
+  std::string request_id;
+  std::vector<std::int64_t> local_block_ids;
+  Status status;
+};
+
+/// Latency distribution: counts per bucket of upper bound 2^k microseconds.
+struct LatencyHistogram {
+  std::uint64_t count = 0;
+  std::uint64_t total_us = 0;
+  std::vector<std::uint64_t> buckets = std::vector<std::uint64_t>(32, 0);
+  void Add(std::chrono::microseconds d);
+  /// The upper bound of the bucket holding quantile q (0..1), in microseconds.
+  std::uint64_t Quantile(double q) const;
+};
+
+struct WorkerStats {
+  std::uint64_t bytes_read = 0;
+  std::uint64_t reads = 0;        ///< byte ranges read
+  std::uint64_t merged_runs = 0;  ///< block runs after merging contiguous blocks
+  std::uint64_t loads_done = 0;
+  std::uint64_t loads_failed = 0;
+  std::uint64_t handshakes = 0;
+  std::map<std::string, std::uint64_t> failures;  ///< by status code name
+  std::uint64_t holds_outstanding = 0;
+  std::uint64_t holds_released_by_readers = 0;
+  std::uint64_t holds_released_by_abort = 0;
+  std::uint64_t holds_expired = 0;
+  std::uint64_t loads_outstanding = 0;
+  LatencyHistogram transfer_latency;
+  LatencyHistogram handshake_latency;
+};
+
+class WorkerImpl;
+
+/// The worker side: one per TP worker process. Thread-safe.
+class Worker {
+ public:
+  /// Rule 5 (role, rank-table entry) and rule 7 (listener at base_port + dp * tp + tp_rank).
+  static Result<std::unique_ptr<Worker>> Create(WorkerConfig config);
+  ~Worker();
+
+  /// Rule 6: registers every part of every layer. `bases[layer][part]` are the parts' base
+  /// addresses, each spec.PartBytes(part) long; checked as CacheAddresses does. Call once, before
+  /// the first StartLoadKv.
+  Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases);
+
+  /// Starts the step's loads (decode) and registers its holds (prefill) without blocking.
+  void StartLoadKv(const ConnectorMetadata& metadata);
+  /// Rule 11: every started load is reported exactly once in `receiving`, done or failed.
+  FinishedRequests GetFinished();
+  /// Failed loads with their local block ids, since the last call.
+  std::vector<LoadError> TakeLoadErrors();
+
+  WorkerStats Stats() const;
+  /// "tcp://host:port" of this worker's side-channel listener.
+  const std::string& listener_endpoint() const;
+
+ private:
+  explicit Worker(std::unique_ptr<WorkerImpl> impl);
+  std::unique_ptr<WorkerImpl> impl_;
+};
+
+}  // namespace kvferry

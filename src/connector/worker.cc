@@ -1,0 +1,721 @@
+#include <algorithm>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/work_queue.h"
+#include "kvferry/connector.h"
+#include "layout/block_runs.h"
+#include "layout/tp_map.h"
+#include "sidechannel/client.h"
+#include "sidechannel/listener.h"
+#include "sidechannel/notifier.h"
+
+namespace kvferry {
+
+void LatencyHistogram::Add(std::chrono::microseconds d) {
+  const auto us = static_cast<std::uint64_t>(std::max<std::int64_t>(d.count(), 0));
+  ++count;
+  total_us += us;
+  std::size_t b = 0;
+  while (b + 1 < buckets.size() && (std::uint64_t{1} << b) < us) ++b;
+  ++buckets[b];
+}
+
+std::uint64_t LatencyHistogram::Quantile(double q) const {
+  if (count == 0) return 0;
+  const auto want = static_cast<std::uint64_t>(q * static_cast<double>(count));
+  std::uint64_t seen = 0;
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    seen += buckets[b];
+    if (seen > want) return std::uint64_t{1} << b;
+  }
+  return std::uint64_t{1} << (buckets.size() - 1);
+}
+
+namespace {
+
+constexpr const char* kTransportKind = "kvferry";
+
+std::string Endpoint(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos;
+  return "tcp://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+std::string ReaderKey(const wire::PeerRef& p) {
+  return p.engine_id + "/" + std::to_string(p.dp_rank) + "/" + std::to_string(p.tp_rank);
+}
+
+bool PeerFault(const Status& s) {
+  return s.code() == StatusCode::kPeerDisconnected || s.code() == StatusCode::kUnavailable ||
+         s.code() == StatusCode::kTimeout;
+}
+
+}  // namespace
+
+class WorkerImpl {
+ public:
+  explicit WorkerImpl(WorkerConfig config) : cfg_(std::move(config)) {}
+  ~WorkerImpl();
+
+  Status Init();
+  Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases);
+  void StartLoadKv(const ConnectorMetadata& metadata);
+  FinishedRequests GetFinished();
+  std::vector<LoadError> TakeLoadErrors();
+  WorkerStats Stats() const;
+  const std::string& endpoint() const { return listener_->endpoint(); }
+
+ private:
+  struct Hold {
+    Clock::time_point expiry;
+    std::set<std::string> readers;
+    int expected = -1;  // unknown until the first notice tells the readers' TP size
+  };
+  struct Early {
+    Clock::time_point expiry;
+    std::set<std::string> readers;
+    std::uint32_t tp_size = 0;
+    bool aborted = false;
+  };
+  struct Agent {
+    std::mutex mu;
+    std::condition_variable cv;
+    enum class State { kConnecting, kReady, kFailed } state = State::kConnecting;
+    Status status;
+    std::optional<wire::AgentMetadata> metadata;
+    PeerId peer = 0;
+  };
+  struct LoadState {
+    LoadSpec spec;
+    std::vector<std::string> endpoints;  // prefill ranks whose leases this load renews
+  };
+
+  wire::Message Handle(const wire::Message& request);
+  int ExpectedReadersLocked(std::uint32_t reader_tp) const;
+  void ReleaseLocked(const std::string& id, std::uint64_t WorkerStats::*counter);
+  void TryCompleteLocked(const std::string& id);
+
+  void RunLoad(const LoadSpec& load);
+  Status DoLoad(const LoadSpec& load);
+  std::vector<std::string> NoticeEndpoints(const LoadSpec& load,
+                                           const std::vector<TpSource>& sources) const;
+  Result<std::shared_ptr<Agent>> GetAgent(const LoadSpec& load, int rank, Deadline deadline);
+  Status Handshake(Agent& agent, const std::string& endpoint, const LoadSpec& load, int rank,
+                   Deadline deadline);
+  void InvalidateAgent(const std::string& endpoint, const std::shared_ptr<Agent>& agent);
+  void SendAborts(const LoadSpec& load, const std::string& reason);
+  void RenewLeases();
+
+  const WorkerConfig cfg_;
+  wire::PeerRef self_;
+  wire::AgentIdentity identity_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<sidechannel::Client> client_;
+  std::unique_ptr<sidechannel::FinishedNotifier> notifier_;
+  std::unique_ptr<WorkQueue> transfers_;
+  std::unique_ptr<WorkQueue> background_;
+  std::unique_ptr<sidechannel::Listener> listener_;
+  std::thread lease_thread_;
+
+  mutable std::mutex mu_;
+  std::condition_variable stop_cv_;
+  bool stopping_ = false;                                  // guarded by mu_
+  std::optional<CacheSpec> spec_;                          // guarded by mu_
+  std::optional<CacheAddresses> addresses_;                // guarded by mu_
+  std::optional<wire::AgentMetadata> metadata_;            // guarded by mu_
+  std::map<std::string, Hold> holds_;                      // guarded by mu_
+  std::map<std::string, Early> early_;                     // guarded by mu_
+  std::vector<std::string> finished_sending_;              // guarded by mu_
+  std::map<std::string, LoadState> loads_;                 // guarded by mu_
+  std::vector<std::string> finished_receiving_;            // guarded by mu_
+  std::vector<LoadError> load_errors_;                     // guarded by mu_
+  std::map<std::string, std::shared_ptr<Agent>> agents_;  // by endpoint; guarded by mu_
+  WorkerStats stats_;                                      // guarded by mu_
+  Clock::time_point last_stats_log_ = Clock::now();        // guarded by mu_
+};
+
+Result<std::unique_ptr<Worker>> Worker::Create(WorkerConfig config) {
+  auto impl = std::make_unique<WorkerImpl>(std::move(config));
+  KVFERRY_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+}
+
+Worker::Worker(std::unique_ptr<WorkerImpl> impl) : impl_(std::move(impl)) {}
+Worker::~Worker() = default;
+Status Worker::RegisterKvCaches(const CacheSpec& spec,
+                                std::vector<std::vector<std::uint64_t>> bases) {
+  return impl_->RegisterKvCaches(spec, std::move(bases));
+}
+void Worker::StartLoadKv(const ConnectorMetadata& metadata) { impl_->StartLoadKv(metadata); }
+FinishedRequests Worker::GetFinished() { return impl_->GetFinished(); }
+std::vector<LoadError> Worker::TakeLoadErrors() { return impl_->TakeLoadErrors(); }
+WorkerStats Worker::Stats() const { return impl_->Stats(); }
+const std::string& Worker::listener_endpoint() const { return impl_->endpoint(); }
+
+Status WorkerImpl::Init() {
+  if (cfg_.engine_id.empty()) {
+    return Status::InvalidArgument("worker config needs an engine_id (vLLM's engine_id)");
+  }
+  if (cfg_.tp_size < 1 || cfg_.tp_rank < 0 || cfg_.tp_rank >= cfg_.tp_size || cfg_.dp_rank < 0) {
+    return Status::InvalidArgument("TP rank " + std::to_string(cfg_.tp_rank) + " of size " +
+                                   std::to_string(cfg_.tp_size) + " (DP rank " +
+                                   std::to_string(cfg_.dp_rank) + ") is invalid");
+  }
+  self_ = {cfg_.engine_id, static_cast<std::uint32_t>(cfg_.dp_rank),
+           static_cast<std::uint32_t>(cfg_.tp_rank)};
+  identity_.peer = self_;
+  identity_.tp_size = static_cast<std::uint32_t>(cfg_.tp_size);
+  identity_.server_id = cfg_.server_id.empty() ? cfg_.host : cfg_.server_id;
+  identity_.device_id = std::to_string(cfg_.tp_rank);
+  identity_.device_ip = cfg_.host;
+  if (cfg_.rank_table) {
+    // Rule 5: the local entry by server id, visible devices and TP rank.
+    KVFERRY_ASSIGN_OR_RETURN(DeviceEntry e,
+                             cfg_.rank_table->SelectLocal(cfg_.role, identity_.server_id,
+                                                          cfg_.visible_devices, cfg_.tp_rank));
+    identity_.server_id = e.server_id;
+    identity_.device_id = e.device_id;
+    identity_.device_ip = e.device_ip;
+    identity_.cluster_id = e.cluster_id;
+    identity_.super_pod_id = e.super_pod_id;
+    identity_.super_device_id = e.super_device_id;
+  }
+
+  TransportOptions t = cfg_.transport;
+  if (t.secret.empty()) t.secret = cfg_.secret;
+  if (t.tcp_advertise_host.empty() && t.tcp_bind_host == TransportOptions{}.tcp_bind_host) {
+    t.tcp_bind_host = cfg_.host;
+  }
+  t.serve = cfg_.role == Role::kPrefill;
+  KVFERRY_ASSIGN_OR_RETURN(transport_, CreateTransport(t));
+
+  sidechannel::ClientOptions co;
+  co.secret = cfg_.secret;
+  co.attempt_timeout = std::min(cfg_.handshake_timeout, cfg_.notice_timeout);
+  client_ = std::make_unique<sidechannel::Client>(co);
+  transfers_ = std::make_unique<WorkQueue>(cfg_.transfer_threads, "kvferry-load");
+  background_ = std::make_unique<WorkQueue>(2, "kvferry-bg");
+  if (cfg_.role == Role::kDecode) {
+    notifier_ = std::make_unique<sidechannel::FinishedNotifier>(
+        client_.get(), self_, static_cast<std::uint32_t>(cfg_.tp_size),
+        sidechannel::NotifierOptions{},
+        [](const std::string& endpoint, const std::vector<std::string>& ids, const Status& s) {
+          if (!s.ok()) {
+            Log().warn("finished notice for {} request(s) to {} failed: {}; the prefill side "
+                       "frees them when their lease expires",
+                       ids.size(), endpoint, s.ToString());
+          }
+        });
+  }
+  sidechannel::ListenerOptions lo;
+  lo.bind_host = cfg_.host;
+  lo.base_port = cfg_.base_port;
+  lo.dp_rank = cfg_.dp_rank;
+  lo.tp_size = cfg_.tp_size;
+  lo.tp_rank = cfg_.tp_rank;
+  lo.secret = cfg_.secret;
+  lo.allow_insecure_remote = cfg_.allow_insecure_remote;
+  KVFERRY_ASSIGN_OR_RETURN(
+      listener_,
+      sidechannel::Listener::Start(lo, [this](const wire::Message& m) { return Handle(m); }));
+  if (cfg_.role == Role::kDecode) lease_thread_ = std::thread([this] { RenewLeases(); });
+  return Status::Ok();
+}
+
+WorkerImpl::~WorkerImpl() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  stop_cv_.notify_all();
+  if (lease_thread_.joinable()) lease_thread_.join();
+  listener_.reset();
+  transfers_.reset();  // queued loads see stopping_ and fail fast
+  notifier_.reset();
+  background_.reset();
+  transport_.reset();
+}
+
+Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
+                                    std::vector<std::vector<std::uint64_t>> bases) {
+  if (spec.tp_size() != cfg_.tp_size || spec.tp_rank() != cfg_.tp_rank) {
+    return Status::InvalidArgument("the cache spec is for TP rank " +
+                                   std::to_string(spec.tp_rank()) + " of " +
+                                   std::to_string(spec.tp_size()) + " but this worker is rank " +
+                                   std::to_string(cfg_.tp_rank) + " of " +
+                                   std::to_string(cfg_.tp_size));
+  }
+  KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses, CacheAddresses::Create(spec, bases));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spec_) return Status::InvalidArgument("KV caches are already registered");
+  }
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    for (int p = 0; p < spec.num_parts(); ++p) {
+      const auto id = static_cast<RegionId>(l * spec.num_parts() + p);
+      KVFERRY_RETURN_IF_ERROR(transport_->RegisterMemory(
+          id, reinterpret_cast<void*>(addresses.Base(l, p)),  // NOLINT(performance-no-int-to-ptr)
+          static_cast<std::size_t>(spec.PartBytes(p))));
+    }
+  }
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> descriptor, transport_->Descriptor());
+  std::lock_guard<std::mutex> lock(mu_);
+  spec_ = spec;
+  addresses_ = std::move(addresses);
+  metadata_ = wire::AgentMetadata{identity_, listener_->endpoint(),
+                                  {{kTransportKind, std::move(descriptor)}}, spec, spec.Hash()};
+  Log().info("kvferry {} worker {} tp {}/{}: registered {} layers x {} parts, {} bytes; listening "
+             "on {}",
+             RoleName(cfg_.role), cfg_.engine_id, cfg_.tp_rank, cfg_.tp_size, spec.num_layers(),
+             spec.num_parts(), spec.TotalBytes(), listener_->endpoint());
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill side: holds, readers, aborts, leases.
+
+wire::Message WorkerImpl::Handle(const wire::Message& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::holds_alternative<wire::MetadataRequest>(request)) {
+    if (!metadata_) {
+      return wire::ErrorReply{StatusCode::kUnavailable,
+                              "this worker has not registered its KV caches yet; retry shortly"};
+    }
+    return *metadata_;
+  }
+  if (cfg_.role != Role::kPrefill) {
+    return wire::ErrorReply{StatusCode::kInvalidArgument,
+                            std::string("a decode worker does not take '") +
+                                wire::MessageTypeName(request) + "' messages"};
+  }
+  const Clock::time_point now = Clock::now();
+  std::uint32_t count = 0;
+  if (const auto* f = std::get_if<wire::FinishedNotice>(&request)) {
+    const std::string reader = ReaderKey(f->from);
+    for (const std::string& id : f->request_ids) {
+      auto it = holds_.find(id);
+      if (it != holds_.end()) {
+        it->second.readers.insert(reader);
+        if (it->second.expected < 0) it->second.expected = ExpectedReadersLocked(f->tp_size);
+        TryCompleteLocked(id);
+      } else {
+        // Rule 10: a notice that arrives before its hold is kept, not lost.
+        Early& e = early_[id];
+        e.readers.insert(reader);
+        e.tp_size = f->tp_size;
+        e.expiry = now + cfg_.hold_lease;
+      }
+      ++count;
+    }
+  } else if (const auto* a = std::get_if<wire::AbortNotice>(&request)) {
+    for (const std::string& id : a->request_ids) {
+      if (holds_.count(id) != 0) {
+        Log().info("request {}: released on abort from {}: {}", id, ReaderKey(a->from), a->reason);
+        ReleaseLocked(id, &WorkerStats::holds_released_by_abort);
+      } else {
+        Early& e = early_[id];
+        e.aborted = true;
+        e.expiry = now + cfg_.hold_lease;
+      }
+      ++count;
+    }
+  } else if (const auto* l = std::get_if<wire::LeaseRenewal>(&request)) {
+    for (const std::string& id : l->request_ids) {
+      auto it = holds_.find(id);
+      if (it == holds_.end()) continue;
+      it->second.expiry = std::max(it->second.expiry, now + std::chrono::milliseconds(l->lease_ms));
+      ++count;
+    }
+  }
+  return wire::Ack{count};
+}
+
+int WorkerImpl::ExpectedReadersLocked(std::uint32_t reader_tp) const {
+  if (!spec_) return 1;
+  Result<int> n = ExpectedReaders(*spec_, cfg_.tp_size, static_cast<int>(reader_tp), cfg_.tp_rank);
+  if (!n.ok()) {
+    Log().warn("cannot count readers for decode TP {}: {}; waiting for one", reader_tp,
+               n.status().ToString());
+    return 1;
+  }
+  return *n;
+}
+
+void WorkerImpl::TryCompleteLocked(const std::string& id) {
+  auto it = holds_.find(id);
+  if (it == holds_.end() || it->second.expected < 0) return;
+  if (static_cast<int>(it->second.readers.size()) >= it->second.expected) {
+    ReleaseLocked(id, &WorkerStats::holds_released_by_readers);
+  }
+}
+
+void WorkerImpl::ReleaseLocked(const std::string& id, std::uint64_t WorkerStats::*counter) {
+  holds_.erase(id);
+  finished_sending_.push_back(id);
+  ++(stats_.*counter);
+}
+
+void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
+  std::vector<LoadSpec> to_start;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    for (const HoldSpec& h : metadata.holds) {
+      if (holds_.count(h.request_id) != 0) continue;  // already held
+      Hold hold;
+      hold.expiry = now + std::chrono::milliseconds(h.lease_ms);
+      auto early = early_.find(h.request_id);
+      if (early != early_.end()) {
+        const bool aborted = early->second.aborted;
+        hold.readers = std::move(early->second.readers);
+        if (early->second.tp_size > 0) hold.expected = ExpectedReadersLocked(early->second.tp_size);
+        early_.erase(early);
+        holds_[h.request_id] = std::move(hold);
+        if (aborted) {
+          ReleaseLocked(h.request_id, &WorkerStats::holds_released_by_abort);
+          continue;
+        }
+        TryCompleteLocked(h.request_id);
+        continue;
+      }
+      holds_[h.request_id] = std::move(hold);
+    }
+    for (const LoadSpec& load : metadata.loads) {
+      if (loads_.count(load.request_id) != 0) continue;  // already loading
+      loads_[load.request_id] = LoadState{load, {}};
+      to_start.push_back(load);
+    }
+  }
+  for (LoadSpec& load : to_start) {
+    transfers_->Post([this, load = std::move(load)] { RunLoad(load); });
+  }
+}
+
+FinishedRequests WorkerImpl::GetFinished() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point now = Clock::now();
+  for (auto it = holds_.begin(); it != holds_.end();) {
+    auto next = std::next(it);
+    if (it->second.expiry <= now) {
+      Log().warn("request {}: hold released after its lease expired with {} of {} readers "
+                 "reported; the decode side is gone or stopped renewing",
+                 it->first, it->second.readers.size(), it->second.expected);
+      ReleaseLocked(it->first, &WorkerStats::holds_expired);
+    }
+    it = next;
+  }
+  for (auto it = early_.begin(); it != early_.end();) {
+    it = it->second.expiry <= now ? early_.erase(it) : std::next(it);
+  }
+  if (now - last_stats_log_ > std::chrono::seconds(30)) {
+    last_stats_log_ = now;
+    Log().info("kvferry {} worker tp {}: loads done {} failed {}, {} bytes, holds {}",
+               RoleName(cfg_.role), cfg_.tp_rank, stats_.loads_done, stats_.loads_failed,
+               stats_.bytes_read, holds_.size());
+  }
+  FinishedRequests out;
+  out.sending.swap(finished_sending_);
+  out.receiving.swap(finished_receiving_);
+  return out;
+}
+
+std::vector<LoadError> WorkerImpl::TakeLoadErrors() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<LoadError> out;
+  out.swap(load_errors_);
+  return out;
+}
+
+WorkerStats WorkerImpl::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  WorkerStats s = stats_;
+  s.holds_outstanding = holds_.size();
+  s.loads_outstanding = loads_.size();
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode side: loads.
+
+void WorkerImpl::RunLoad(const LoadSpec& load) {
+  const Clock::time_point start = Clock::now();
+  Status s = DoLoad(load);
+  if (!s.ok()) {
+    Log().warn("request {}: load of {} blocks from {} failed: {}", load.request_id,
+               load.local_block_ids.size(), load.remote_engine_id, s.ToString());
+    SendAborts(load, std::string(s.message()));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  loads_.erase(load.request_id);
+  finished_receiving_.push_back(load.request_id);  // exactly once: this is the only place
+  if (s.ok()) {
+    ++stats_.loads_done;
+    stats_.transfer_latency.Add(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
+  } else {
+    ++stats_.loads_failed;
+    ++stats_.failures[StatusCodeName(s.code())];
+    load_errors_.push_back({load.request_id, load.local_block_ids, s});
+  }
+}
+
+std::vector<std::string> WorkerImpl::NoticeEndpoints(const LoadSpec& load,
+                                                     const std::vector<TpSource>& sources) const {
+  std::set<int> ranks;
+  for (const TpSource& s : sources) ranks.insert(s.prefill_rank);
+  // Prefill ranks nobody reads (decode TP smaller) are told by one decode rank each.
+  for (int q = 0; q < load.remote_tp_size; ++q) {
+    Result<int> readers = ExpectedReaders(*spec_, load.remote_tp_size, cfg_.tp_size, q);
+    if (readers.ok() && *readers == 0 && q % cfg_.tp_size == cfg_.tp_rank) ranks.insert(q);
+  }
+  std::vector<std::string> out;
+  for (int q : ranks) out.push_back(Endpoint(load.remote_host, load.remote_port + q));
+  return out;
+}
+
+Status WorkerImpl::DoLoad(const LoadSpec& load) {
+  const Deadline deadline = DeadlineAfter(cfg_.transfer_timeout);
+  std::optional<CacheSpec> spec;
+  std::optional<CacheAddresses> addresses;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Cancelled("the worker is shutting down");
+    spec = spec_;
+    addresses = addresses_;
+  }
+  if (!spec) {
+    return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
+  }
+  // Rule 8: which prefill ranks, which bytes; the tail rule for decode-side prefix hits.
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
+                           PlanTpSources(*spec, load.remote_tp_size, cfg_.tp_size, cfg_.tp_rank));
+  KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
+                           TailOfRemote(load.remote_block_ids, load.local_block_ids));
+  const std::vector<std::string> endpoints = NoticeEndpoints(load, sources);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = loads_.find(load.request_id);
+    if (it != loads_.end()) it->second.endpoints = endpoints;
+  }
+
+  if (!load.local_block_ids.empty()) {
+    struct Submitted {
+      BatchId batch;
+      std::string endpoint;
+      std::shared_ptr<Agent> agent;
+    };
+    std::vector<Submitted> batches;
+    Status failure;
+    std::uint64_t bytes = 0;
+    std::uint64_t reads = 0;
+    std::uint64_t runs_total = 0;
+    for (const TpSource& source : sources) {
+      const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
+      Result<std::shared_ptr<Agent>> agent = GetAgent(load, source.prefill_rank, hs_deadline);
+      if (!agent.ok()) {
+        failure = agent.status();
+        break;
+      }
+      const CacheSpec& remote = (*agent)->metadata->cache;
+      Result<std::vector<BlockRun>> runs =
+          MergeBlockRuns(remote_ids, load.local_block_ids, remote.num_blocks(), spec->num_blocks());
+      if (!runs.ok()) {
+        failure = runs.status();
+        break;
+      }
+      std::vector<PartBlockBytes> block_bytes;
+      for (int p = 0; p < spec->num_parts(); ++p) {
+        block_bytes.push_back({remote.BlockBytes(p), spec->BlockBytes(p)});
+      }
+      std::vector<ReadOp> ops;
+      for (const ByteRange& r : RunByteRanges(*runs, spec->num_layers(), block_bytes, source)) {
+        ops.push_back({reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
+                           addresses->Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
+                       static_cast<RegionId>(r.layer * spec->num_parts() + r.part),
+                       static_cast<std::uint64_t>(r.remote_offset),
+                       static_cast<std::uint64_t>(r.length)});
+        bytes += static_cast<std::uint64_t>(r.length);
+      }
+      reads += ops.size();
+      runs_total += runs->size();
+      Result<BatchId> b = transport_->SubmitReads((*agent)->peer, std::move(ops), deadline);
+      if (!b.ok()) {
+        failure = b.status();
+        if (PeerFault(failure)) InvalidateAgent(Endpoint(load.remote_host, load.remote_port + source.prefill_rank), *agent);
+        break;
+      }
+      batches.push_back({*b, Endpoint(load.remote_host, load.remote_port + source.prefill_rank), *agent});
+    }
+    for (const Submitted& s : batches) {
+      if (!failure.ok()) {
+        transport_->Cancel(s.batch);
+      } else {
+        BatchResult r = transport_->Wait(s.batch, deadline + std::chrono::seconds(1));
+        if (r.state == BatchState::kInProgress) {
+          transport_->Cancel(s.batch);
+          r = {BatchState::kFailed, Status::Timeout("the read did not finish in time")};
+        }
+        if (r.state != BatchState::kDone) {
+          failure = r.status.WithContext("reading from " + s.endpoint);
+          // Rule 12: a dead or restarted peer is dropped and re-handshaken on next use.
+          if (PeerFault(r.status)) InvalidateAgent(s.endpoint, s.agent);
+        }
+      }
+      transport_->Release(s.batch);
+    }
+    if (!failure.ok()) return failure;
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_read += bytes;
+    stats_.reads += reads;
+    stats_.merged_runs += runs_total;
+  }
+  // Rule 10: every prefill rank read from (and the unread ones this rank covers) is told, also
+  // when there was nothing to read.
+  for (const std::string& endpoint : endpoints) {
+    notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout));
+  }
+  return Status::Ok();
+}
+
+Result<std::shared_ptr<WorkerImpl::Agent>> WorkerImpl::GetAgent(const LoadSpec& load, int rank,
+                                                                Deadline deadline) {
+  const std::string endpoint = Endpoint(load.remote_host, load.remote_port + rank);
+  std::shared_ptr<Agent> agent;
+  bool owner = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::shared_ptr<Agent>& slot = agents_[endpoint];
+    if (!slot) {
+      slot = std::make_shared<Agent>();
+      owner = true;
+    }
+    agent = slot;
+  }
+  if (owner) {
+    // Rule 9: one handshake per remote agent at a time; concurrent loads wait for this one.
+    const Clock::time_point start = Clock::now();
+    Status s = Handshake(*agent, endpoint, load, rank, deadline);
+    {
+      std::lock_guard<std::mutex> lock(agent->mu);
+      agent->state = s.ok() ? Agent::State::kReady : Agent::State::kFailed;
+      agent->status = s;
+    }
+    agent->cv.notify_all();
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.handshakes;
+    stats_.handshake_latency.Add(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
+    if (!s.ok()) {
+      // A failed handshake is not cached: the next load tries again.
+      auto it = agents_.find(endpoint);
+      if (it != agents_.end() && it->second == agent) agents_.erase(it);
+      return s;
+    }
+    return agent;
+  }
+  std::unique_lock<std::mutex> lock(agent->mu);
+  if (!agent->cv.wait_until(lock, deadline,
+                            [&] { return agent->state != Agent::State::kConnecting; })) {
+    return Status::Timeout("waiting for the handshake with " + endpoint + " timed out");
+  }
+  if (agent->state == Agent::State::kFailed) return agent->status;
+  return agent;
+}
+
+Status WorkerImpl::Handshake(Agent& agent, const std::string& endpoint, const LoadSpec& load,
+                             int rank, Deadline deadline) {
+  KVFERRY_ASSIGN_OR_RETURN(wire::Message reply,
+                           client_->Call(endpoint, wire::MetadataRequest{self_}, deadline));
+  auto* md = std::get_if<wire::AgentMetadata>(&reply);
+  if (md == nullptr) {
+    return Status::Internal("peer " + endpoint + " answered a metadata request with '" +
+                            wire::MessageTypeName(reply) + "'");
+  }
+  if (md->agent.peer.engine_id != load.remote_engine_id ||
+      static_cast<int>(md->agent.peer.tp_rank) != rank ||
+      static_cast<int>(md->agent.tp_size) != load.remote_tp_size) {
+    return Status::InvalidArgument(
+        "peer " + endpoint + " is engine " + md->agent.peer.engine_id + " TP rank " +
+        std::to_string(md->agent.peer.tp_rank) + " of " + std::to_string(md->agent.tp_size) +
+        ", but the request names engine " + load.remote_engine_id + " TP rank " +
+        std::to_string(rank) + " of " + std::to_string(load.remote_tp_size) +
+        "; check remote_host, remote_port and the instances' base ports");
+  }
+  CompatibilityHash ours{};
+  std::string our_text;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ours = spec_->Hash();
+    our_text = spec_->CanonicalText();
+  }
+  if (md->cache_hash != ours) {
+    return Status::NotSupported("the KV cache layouts differ, so no byte may move: this worker has " +
+                                our_text + ", peer " + endpoint + " has " +
+                                md->cache.CanonicalText());
+  }
+  const wire::TransportDescriptor* desc = nullptr;
+  for (const auto& t : md->transports) {
+    if (t.kind == kTransportKind) desc = &t;
+  }
+  if (desc == nullptr) {
+    return Status::NotSupported("peer " + endpoint + " offers no kvferry data plane");
+  }
+  KVFERRY_ASSIGN_OR_RETURN(agent.peer, transport_->Connect(desc->blob, deadline));
+  agent.metadata = *md;
+  return Status::Ok();
+}
+
+void WorkerImpl::InvalidateAgent(const std::string& endpoint, const std::shared_ptr<Agent>& agent) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = agents_.find(endpoint);
+    if (it == agents_.end() || it->second != agent) return;  // already replaced
+    agents_.erase(it);
+  }
+  transport_->Disconnect(agent->peer);
+}
+
+void WorkerImpl::SendAborts(const LoadSpec& load, const std::string& reason) {
+  // Every prefill rank of the request may hold it; tell them all, best effort.
+  for (int q = 0; q < load.remote_tp_size; ++q) {
+    const std::string endpoint = Endpoint(load.remote_host, load.remote_port + q);
+    background_->Post([this, endpoint, id = load.remote_request_id, reason] {
+      Result<wire::Message> r = client_->Call(endpoint, wire::AbortNotice{self_, {id}, reason},
+                                              DeadlineAfter(cfg_.notice_timeout));
+      if (!r.ok()) {
+        Log().info("abort notice for {} to {} failed: {}", id, endpoint, r.status().ToString());
+      }
+    });
+  }
+}
+
+void WorkerImpl::RenewLeases() {
+  const auto interval = std::max<std::chrono::milliseconds>(cfg_.hold_lease / 4,
+                                                            std::chrono::milliseconds(20));
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    stop_cv_.wait_for(lock, interval, [&] { return stopping_; });
+    if (stopping_) return;
+    std::map<std::string, std::vector<std::string>> by_endpoint;
+    for (const auto& [id, state] : loads_) {
+      for (const std::string& e : state.endpoints) {
+        by_endpoint[e].push_back(state.spec.remote_request_id);
+      }
+    }
+    for (auto& [endpoint, ids] : by_endpoint) {
+      background_->Post([this, endpoint = endpoint, ids = std::move(ids)] {
+        (void)client_->Call(
+            endpoint,
+            wire::LeaseRenewal{self_, ids, static_cast<std::uint32_t>(cfg_.hold_lease.count())},
+            DeadlineAfter(cfg_.notice_timeout));
+      });
+    }
+  }
+}
+
+}  // namespace kvferry
