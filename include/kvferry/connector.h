@@ -171,6 +171,8 @@ struct LoadError {
   std::string request_id;
   std::vector<std::int64_t> local_block_ids;
   Status status;
+  /// From WorkerConfig::failure_policy: true means recompute these blocks, false fail the request.
+  bool recompute = true;
 };
 
 /// Latency distribution: counts per bucket of upper bound 2^k microseconds.

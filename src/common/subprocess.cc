@@ -125,6 +125,21 @@ Result<std::string> Subprocess::ReadLine(std::chrono::milliseconds timeout) {
   }
 }
 
+Status Subprocess::WriteLine(const std::string& line) {
+  const std::string data = line + "\n";
+  std::size_t off = 0;
+  while (off < data.size()) {
+    const ssize_t n = write(stdin_, data.data() + off, data.size() - off);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return Status::Unavailable("cannot write to child " + std::to_string(pid_) + ": " +
+                                 ErrnoText(errno));
+    }
+    off += static_cast<std::size_t>(n);
+  }
+  return Status::Ok();
+}
+
 void Subprocess::Signal(int sig) const {
   if (pid_ > 0 && !reaped_) kill(pid_, sig);
 }

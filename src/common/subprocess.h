@@ -29,6 +29,8 @@ class Subprocess {
   pid_t pid() const { return pid_; }
   /// Reads one line of the child's stdout (without the newline) within `timeout`.
   Result<std::string> ReadLine(std::chrono::milliseconds timeout);
+  /// Writes `line` and a newline to the child's stdin. Thread-safe with ReadLine.
+  Status WriteLine(const std::string& line);
   /// Sends a signal (SIGKILL, SIGSTOP, SIGCONT, ...).
   void Signal(int sig) const;
   /// Closes the child's stdin and waits for it to exit within `timeout`; returns its exit code,

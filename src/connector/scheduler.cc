@@ -84,7 +84,8 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
 }
 
 Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t> bytes) {
-  KVFERRY_ASSIGN_OR_RETURN(msgpack::object_handle handle, wire::SafeUnpack(bytes, {1u << 22, 16, 5}));
+  KVFERRY_ASSIGN_OR_RETURN(msgpack::object_handle handle,
+                           wire::SafeUnpack(bytes, {1u << 22, 16, 5}));
   KVFERRY_ASSIGN_OR_RETURN(wire::MapView m, wire::MapView::Of(handle.get(), "metadata"));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t version, m.Uint("v", 255));
   if (version != 1) {
@@ -98,8 +99,9 @@ Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t
     return Status::InvalidArgument("metadata: expected arrays of loads and holds");
   }
   for (std::uint32_t i = 0; i < loads->via.array.size; ++i) {
-    KVFERRY_ASSIGN_OR_RETURN(wire::MapView lm, wire::MapView::Of(loads->via.array.ptr[i],
-                                                                 "metadata.loads[" + std::to_string(i) + "]"));
+    KVFERRY_ASSIGN_OR_RETURN(
+        wire::MapView lm,
+        wire::MapView::Of(loads->via.array.ptr[i], "metadata.loads[" + std::to_string(i) + "]"));
     LoadSpec l;
     KVFERRY_ASSIGN_OR_RETURN(l.request_id, lm.Str("request_id", wire::kMaxIdBytes));
     KVFERRY_ASSIGN_OR_RETURN(l.local_block_ids, DecodeIds(lm, "local_block_ids"));
@@ -114,8 +116,9 @@ Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t
     md.loads.push_back(std::move(l));
   }
   for (std::uint32_t i = 0; i < holds->via.array.size; ++i) {
-    KVFERRY_ASSIGN_OR_RETURN(wire::MapView hm, wire::MapView::Of(holds->via.array.ptr[i],
-                                                                 "metadata.holds[" + std::to_string(i) + "]"));
+    KVFERRY_ASSIGN_OR_RETURN(
+        wire::MapView hm,
+        wire::MapView::Of(holds->via.array.ptr[i], "metadata.holds[" + std::to_string(i) + "]"));
     HoldSpec h;
     KVFERRY_ASSIGN_OR_RETURN(h.request_id, hm.Str("request_id", wire::kMaxIdBytes));
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t lease, hm.Uint("lease_ms", kMaxInt));

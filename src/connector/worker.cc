@@ -124,19 +124,19 @@ class WorkerImpl {
 
   mutable std::mutex mu_;
   std::condition_variable stop_cv_;
-  bool stopping_ = false;                                  // guarded by mu_
-  std::optional<CacheSpec> spec_;                          // guarded by mu_
-  std::optional<CacheAddresses> addresses_;                // guarded by mu_
-  std::optional<wire::AgentMetadata> metadata_;            // guarded by mu_
-  std::map<std::string, Hold> holds_;                      // guarded by mu_
-  std::map<std::string, Early> early_;                     // guarded by mu_
-  std::vector<std::string> finished_sending_;              // guarded by mu_
-  std::map<std::string, LoadState> loads_;                 // guarded by mu_
-  std::vector<std::string> finished_receiving_;            // guarded by mu_
-  std::vector<LoadError> load_errors_;                     // guarded by mu_
+  bool stopping_ = false;                                 // guarded by mu_
+  std::optional<CacheSpec> spec_;                         // guarded by mu_
+  std::optional<CacheAddresses> addresses_;               // guarded by mu_
+  std::optional<wire::AgentMetadata> metadata_;           // guarded by mu_
+  std::map<std::string, Hold> holds_;                     // guarded by mu_
+  std::map<std::string, Early> early_;                    // guarded by mu_
+  std::vector<std::string> finished_sending_;             // guarded by mu_
+  std::map<std::string, LoadState> loads_;                // guarded by mu_
+  std::vector<std::string> finished_receiving_;           // guarded by mu_
+  std::vector<LoadError> load_errors_;                    // guarded by mu_
   std::map<std::string, std::shared_ptr<Agent>> agents_;  // by endpoint; guarded by mu_
-  WorkerStats stats_;                                      // guarded by mu_
-  Clock::time_point last_stats_log_ = Clock::now();        // guarded by mu_
+  WorkerStats stats_;                                     // guarded by mu_
+  Clock::time_point last_stats_log_ = Clock::now();       // guarded by mu_
 };
 
 Result<std::unique_ptr<Worker>> Worker::Create(WorkerConfig config) {
@@ -206,9 +206,10 @@ Status WorkerImpl::Init() {
         sidechannel::NotifierOptions{},
         [](const std::string& endpoint, const std::vector<std::string>& ids, const Status& s) {
           if (!s.ok()) {
-            Log().warn("finished notice for {} request(s) to {} failed: {}; the prefill side "
-                       "frees them when their lease expires",
-                       ids.size(), endpoint, s.ToString());
+            Log().warn(
+                "finished notice for {} request(s) to {} failed: {}; the prefill side "
+                "frees them when their lease expires",
+                ids.size(), endpoint, s.ToString());
           }
         });
   }
@@ -244,11 +245,10 @@ WorkerImpl::~WorkerImpl() {
 Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
                                     std::vector<std::vector<std::uint64_t>> bases) {
   if (spec.tp_size() != cfg_.tp_size || spec.tp_rank() != cfg_.tp_rank) {
-    return Status::InvalidArgument("the cache spec is for TP rank " +
-                                   std::to_string(spec.tp_rank()) + " of " +
-                                   std::to_string(spec.tp_size()) + " but this worker is rank " +
-                                   std::to_string(cfg_.tp_rank) + " of " +
-                                   std::to_string(cfg_.tp_size));
+    return Status::InvalidArgument(
+        "the cache spec is for TP rank " + std::to_string(spec.tp_rank()) + " of " +
+        std::to_string(spec.tp_size()) + " but this worker is rank " +
+        std::to_string(cfg_.tp_rank) + " of " + std::to_string(cfg_.tp_size));
   }
   KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses, CacheAddresses::Create(spec, bases));
   {
@@ -267,12 +267,16 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
   std::lock_guard<std::mutex> lock(mu_);
   spec_ = spec;
   addresses_ = std::move(addresses);
-  metadata_ = wire::AgentMetadata{identity_, listener_->endpoint(),
-                                  {{kTransportKind, std::move(descriptor)}}, spec, spec.Hash()};
-  Log().info("kvferry {} worker {} tp {}/{}: registered {} layers x {} parts, {} bytes; listening "
-             "on {}",
-             RoleName(cfg_.role), cfg_.engine_id, cfg_.tp_rank, cfg_.tp_size, spec.num_layers(),
-             spec.num_parts(), spec.TotalBytes(), listener_->endpoint());
+  metadata_ = wire::AgentMetadata{identity_,
+                                  listener_->endpoint(),
+                                  {{kTransportKind, std::move(descriptor)}},
+                                  spec,
+                                  spec.Hash()};
+  Log().info(
+      "kvferry {} worker {} tp {}/{}: registered {} layers x {} parts, {} bytes; listening "
+      "on {}",
+      RoleName(cfg_.role), cfg_.engine_id, cfg_.tp_rank, cfg_.tp_size, spec.num_layers(),
+      spec.num_parts(), spec.TotalBytes(), listener_->endpoint());
   return Status::Ok();
 }
 
@@ -402,9 +406,10 @@ FinishedRequests WorkerImpl::GetFinished() {
   for (auto it = holds_.begin(); it != holds_.end();) {
     auto next = std::next(it);
     if (it->second.expiry <= now) {
-      Log().warn("request {}: hold released after its lease expired with {} of {} readers "
-                 "reported; the decode side is gone or stopped renewing",
-                 it->first, it->second.readers.size(), it->second.expected);
+      Log().warn(
+          "request {}: hold released after its lease expired with {} of {} readers "
+          "reported; the decode side is gone or stopped renewing",
+          it->first, it->second.readers.size(), it->second.expected);
       ReleaseLocked(it->first, &WorkerStats::holds_expired);
     }
     it = next;
@@ -460,7 +465,8 @@ void WorkerImpl::RunLoad(const LoadSpec& load) {
   } else {
     ++stats_.loads_failed;
     ++stats_.failures[StatusCodeName(s.code())];
-    load_errors_.push_back({load.request_id, load.local_block_ids, s});
+    load_errors_.push_back({load.request_id, load.local_block_ids, s,
+                            cfg_.failure_policy == LoadFailurePolicy::kRecompute});
   }
 }
 
@@ -534,11 +540,11 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
       }
       std::vector<ReadOp> ops;
       for (const ByteRange& r : RunByteRanges(*runs, spec->num_layers(), block_bytes, source)) {
-        ops.push_back({reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
-                           addresses->Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
-                       static_cast<RegionId>(r.layer * spec->num_parts() + r.part),
-                       static_cast<std::uint64_t>(r.remote_offset),
-                       static_cast<std::uint64_t>(r.length)});
+        ops.push_back(
+            {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
+                 addresses->Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
+             static_cast<RegionId>(r.layer * spec->num_parts() + r.part),
+             static_cast<std::uint64_t>(r.remote_offset), static_cast<std::uint64_t>(r.length)});
         bytes += static_cast<std::uint64_t>(r.length);
       }
       reads += ops.size();
@@ -546,10 +552,13 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
       Result<BatchId> b = transport_->SubmitReads((*agent)->peer, std::move(ops), deadline);
       if (!b.ok()) {
         failure = b.status();
-        if (PeerFault(failure)) InvalidateAgent(Endpoint(load.remote_host, load.remote_port + source.prefill_rank), *agent);
+        if (PeerFault(failure))
+          InvalidateAgent(Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
+                          *agent);
         break;
       }
-      batches.push_back({*b, Endpoint(load.remote_host, load.remote_port + source.prefill_rank), *agent});
+      batches.push_back(
+          {*b, Endpoint(load.remote_host, load.remote_port + source.prefill_rank), *agent});
     }
     for (const Submitted& s : batches) {
       if (!failure.ok()) {
@@ -654,9 +663,9 @@ Status WorkerImpl::Handshake(Agent& agent, const std::string& endpoint, const Lo
     our_text = spec_->CanonicalText();
   }
   if (md->cache_hash != ours) {
-    return Status::NotSupported("the KV cache layouts differ, so no byte may move: this worker has " +
-                                our_text + ", peer " + endpoint + " has " +
-                                md->cache.CanonicalText());
+    return Status::NotSupported(
+        "the KV cache layouts differ, so no byte may move: this worker has " + our_text +
+        ", peer " + endpoint + " has " + md->cache.CanonicalText());
   }
   const wire::TransportDescriptor* desc = nullptr;
   for (const auto& t : md->transports) {
@@ -695,8 +704,8 @@ void WorkerImpl::SendAborts(const LoadSpec& load, const std::string& reason) {
 }
 
 void WorkerImpl::RenewLeases() {
-  const auto interval = std::max<std::chrono::milliseconds>(cfg_.hold_lease / 4,
-                                                            std::chrono::milliseconds(20));
+  const auto interval =
+      std::max<std::chrono::milliseconds>(cfg_.hold_lease / 4, std::chrono::milliseconds(20));
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     stop_cv_.wait_for(lock, interval, [&] { return stopping_; });

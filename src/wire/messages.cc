@@ -315,8 +315,8 @@ Result<Message> DecodeBody(const MapView& m, std::string_view type) {
                                        std::to_string(from.tp_rank) + " < tp_size, found " +
                                        std::to_string(tp_size));
       }
-      return Message{FinishedNotice{std::move(from), std::move(ids),
-                                    static_cast<std::uint32_t>(tp_size)}};
+      return Message{
+          FinishedNotice{std::move(from), std::move(ids), static_cast<std::uint32_t>(tp_size)}};
     }
     if (type == "abort") {
       KVFERRY_ASSIGN_OR_RETURN(std::string reason, m.Str("reason", kMaxTextBytes));

@@ -1,0 +1,510 @@
+// The connector end to end: a prefill instance in another process (connector_peer), decode
+// workers in this one, real listeners and transports, every byte checked, and every test ending
+// with zero holds and zero allocated blocks on both sides.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "common/clock.h"
+#include "common/subprocess.h"
+#include "kv_test_cache.h"
+#include "kvferry/connector.h"
+#include "sidechannel/client.h"
+
+namespace kvferry {
+namespace {
+
+using ::testing::HasSubstr;
+using std::chrono::milliseconds;
+
+// A base port with `count` free ports after it (checked a moment ago).
+int FreeBasePort(int count) {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    const int base = 20000 + static_cast<int>((static_cast<unsigned>(getpid()) * 7919u + attempt * 104729u) % 40000u);
+    bool ok = true;
+    for (int i = 0; i < count && ok; ++i) {
+      const int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_port = htons(static_cast<std::uint16_t>(base + i));
+      ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+      close(fd);
+    }
+    if (ok) return base;
+  }
+  return 29000;
+}
+
+struct Params {
+  std::vector<std::int64_t> blocks;
+  int port = 0;
+  int tp = 0;
+};
+
+// The prefill instance: a child process, its output lines collected by a thread.
+class PrefillProcess {
+ public:
+  PrefillProcess(const std::string& kind, int tp, const std::string& engine, int lease_ms,
+                 const std::string& secret = "")
+      : base_port_(FreeBasePort(tp)), engine_(engine) {
+    std::vector<std::string> argv = {KVFERRY_CONNECTOR_PEER_PATH, kind, std::to_string(tp),
+                                     std::to_string(base_port_), engine, std::to_string(lease_ms)};
+    if (!secret.empty()) argv.push_back(secret);
+    Result<Subprocess> p = Subprocess::Spawn(argv);
+    EXPECT_TRUE(p.ok());
+    process_.emplace(std::move(p).value());
+    reader_ = std::thread([this] {
+      for (;;) {
+        Result<std::string> line = process_->ReadLine(milliseconds(100000));
+        if (!line.ok()) return;
+        std::lock_guard<std::mutex> lock(mu_);
+        lines_.push_back(*line);
+        cv_.notify_all();
+      }
+    });
+    EXPECT_TRUE(WaitLine("READY", milliseconds(20000))) << "prefill process did not start";
+  }
+  ~PrefillProcess() {
+    process_.reset();  // closes stdin, waits, kills if needed; the reader then sees EOF
+    reader_.join();
+  }
+
+  void Send(const std::string& line) { EXPECT_TRUE(process_->WriteLine(line).ok()); }
+  bool WaitLine(const std::string& line, milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] {
+      return std::find(lines_.begin(), lines_.end(), line) != lines_.end();
+    });
+  }
+  bool HasLine(const std::string& line) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::find(lines_.begin(), lines_.end(), line) != lines_.end();
+  }
+  std::optional<std::string> WaitPrefix(const std::string& prefix, milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::optional<std::string> found;
+    cv_.wait_for(lock, timeout, [&] {
+      for (const std::string& l : lines_) {
+        if (l.rfind(prefix, 0) == 0) {
+          found = l;
+          return true;
+        }
+      }
+      return false;
+    });
+    return found;
+  }
+  // Finishes a request on the prefill side and returns its kv_transfer_params.
+  Params Hold(const std::string& req, int blocks) {
+    Send("hold " + req + " " + std::to_string(blocks));
+    std::optional<std::string> line = WaitPrefix("PARAMS " + req + " ", milliseconds(10000));
+    EXPECT_TRUE(line.has_value());
+    std::istringstream in(line.value_or(""));
+    std::string tag, id, ids;
+    Params p;
+    in >> tag >> id >> ids >> p.port >> p.tp;
+    if (ids != "-") {
+      std::istringstream list(ids);
+      std::string b;
+      while (std::getline(list, b, ',')) p.blocks.push_back(std::stoll(b));
+    }
+    return p;
+  }
+  std::string Stats() {
+    std::size_t before = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      before = lines_.size();
+    }
+    Send("stats");
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, milliseconds(5000), [&] {
+      for (std::size_t i = before; i < lines_.size(); ++i) {
+        if (lines_[i].rfind("STATS", 0) == 0) return true;
+      }
+      return false;
+    });
+    for (std::size_t i = lines_.size(); i-- > before;) {
+      if (lines_[i].rfind("STATS", 0) == 0) return lines_[i];
+    }
+    return "no stats";
+  }
+  void Kill() { process_->Signal(SIGKILL); }
+  int base_port() const { return base_port_; }
+  const std::string& engine() const { return engine_; }
+
+ private:
+  int base_port_;
+  std::string engine_;
+  std::optional<Subprocess> process_;
+  std::thread reader_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::string> lines_;
+};
+
+// The decode instance: TP workers in this process, a scheduler and a block allocator.
+class DecodeInstance {
+ public:
+  DecodeInstance(const std::string& kind, int tp, const std::string& secret = "") : tp_(tp) {
+    const int base = FreeBasePort(tp);
+    for (int r = 0; r < tp; ++r) {
+      CacheSpec spec = *testing::TestSpec(kind, tp, r);
+      caches_.push_back(std::make_unique<testing::TestCache>(spec));
+      WorkerConfig c;
+      c.role = Role::kDecode;
+      c.engine_id = "decode-0";
+      c.tp_size = tp;
+      c.tp_rank = r;
+      c.base_port = base;
+      c.secret = secret;
+      c.transfer_timeout = milliseconds(5000);
+      c.handshake_timeout = milliseconds(2000);
+      c.notice_timeout = milliseconds(1000);
+      Result<std::unique_ptr<Worker>> w = Worker::Create(c);
+      EXPECT_TRUE(w.ok()) << w.status().ToString();
+      EXPECT_TRUE((*w)->RegisterKvCaches(spec, caches_.back()->Bases()).ok());
+      workers_.push_back(std::move(w).value());
+    }
+    for (std::int64_t b = 0; b < caches_[0]->spec().num_blocks(); ++b) free_.insert(b);
+    SchedulerConfig sc;
+    sc.role = Role::kDecode;
+    sc.engine_id = "decode-0";
+    scheduler_ = std::make_unique<Scheduler>(sc);
+  }
+
+  // Rules 1-3 as an engine drives them, then StartLoadKv on `ranks` (default: all).
+  Status Load(const std::string& req, const PrefillProcess& prefill, const Params& p,
+              int prefix_hit_blocks = 0, std::vector<int> ranks = {}) {
+    KvTransferParams params;
+    params.do_remote_prefill = true;
+    params.remote_block_ids = p.blocks;
+    params.remote_engine_id = prefill.engine();
+    params.remote_host = "127.0.0.1";
+    params.remote_port = p.port;
+    params.remote_tp_size = p.tp;
+    params.remote_request_id = req;
+    const std::int64_t tokens_per_block = caches_[0]->spec().tokens_per_block();
+    const std::int64_t prompt = static_cast<std::int64_t>(p.blocks.size()) * tokens_per_block;
+    auto [count, async] = scheduler_->GetNumNewMatchedTokens(params, prompt, prefix_hit_blocks * tokens_per_block);
+    EXPECT_EQ(count, prompt - prefix_hit_blocks * tokens_per_block);
+    std::vector<std::int64_t> local;
+    for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.blocks.size()) - prefix_hit_blocks; ++i) {
+      local.push_back(*free_.begin());
+      free_.erase(free_.begin());
+    }
+    allocated_[req] = local;
+    remote_[req] = p.blocks;
+    KVFERRY_RETURN_IF_ERROR(scheduler_->UpdateStateAfterAlloc(req, params, local));
+    EXPECT_FALSE(params.do_remote_prefill);
+    (void)async;
+    Result<ConnectorMetadata> meta = ConnectorMetadata::Decode(scheduler_->BuildConnectorMeta().Encode());
+    KVFERRY_RETURN_IF_ERROR(meta.status());
+    if (ranks.empty()) {
+      for (int r = 0; r < tp_; ++r) ranks.push_back(r);
+    }
+    for (int r : ranks) workers_[static_cast<std::size_t>(r)]->StartLoadKv(*meta);
+    return Status::Ok();
+  }
+
+  // Waits until each of `ranks` reports `req` as received; collects load errors.
+  bool WaitReceived(const std::string& req, std::vector<int> ranks, milliseconds timeout) {
+    if (ranks.empty()) {
+      for (int r = 0; r < tp_; ++r) ranks.push_back(r);
+    }
+    const Deadline deadline = DeadlineAfter(timeout);
+    while (Clock::now() < deadline) {
+      for (int r = 0; r < tp_; ++r) {
+        for (const std::string& id : workers_[static_cast<std::size_t>(r)]->GetFinished().receiving) {
+          EXPECT_EQ(received_[id].count(r), 0u) << id << " reported twice by rank " << r;
+          received_[id].insert(r);
+        }
+        for (LoadError& e : workers_[static_cast<std::size_t>(r)]->TakeLoadErrors()) {
+          errors_[e.request_id].push_back(std::move(e));
+        }
+      }
+      bool all = true;
+      for (int r : ranks) all = all && received_[req].count(r) != 0;
+      if (all) return true;
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    return false;
+  }
+
+  std::int64_t Mismatches(const std::string& req, std::vector<int> ranks = {}) {
+    if (ranks.empty()) {
+      for (int r = 0; r < tp_; ++r) ranks.push_back(r);
+    }
+    const std::vector<std::int64_t>& local = allocated_[req];
+    const std::vector<std::int64_t>& remote = remote_[req];
+    const std::size_t offset = remote.size() - local.size();  // the tail rule
+    std::int64_t bad = 0;
+    for (int r : ranks) {
+      for (std::size_t i = 0; i < local.size(); ++i) {
+        bad += caches_[static_cast<std::size_t>(r)]->Mismatches(local[i], remote[offset + i]);
+      }
+    }
+    return bad;
+  }
+  const std::vector<LoadError>& Errors(const std::string& req) { return errors_[req]; }
+  const std::vector<std::int64_t>& LocalBlocks(const std::string& req) { return allocated_[req]; }
+  void Free(const std::string& req) {
+    for (std::int64_t b : allocated_[req]) free_.insert(b);
+    allocated_.erase(req);
+  }
+  std::size_t allocated() const {
+    std::size_t n = 0;
+    for (const auto& [id, b] : allocated_) n += b.size();
+    return n;
+  }
+  std::uint64_t loads_outstanding() const {
+    std::uint64_t n = 0;
+    for (const auto& w : workers_) n += w->Stats().loads_outstanding;
+    return n;
+  }
+  Worker& worker(int r) { return *workers_[static_cast<std::size_t>(r)]; }
+
+ private:
+  int tp_;
+  std::vector<std::unique_ptr<testing::TestCache>> caches_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::set<std::int64_t> free_;
+  std::map<std::string, std::vector<std::int64_t>> allocated_;
+  std::map<std::string, std::vector<std::int64_t>> remote_;
+  std::map<std::string, std::set<int>> received_;
+  std::map<std::string, std::vector<LoadError>> errors_;
+};
+
+void ExpectNothingLeft(PrefillProcess& prefill, DecodeInstance& decode) {
+  // Holds may take a moment to be released after the last notice.
+  const Deadline deadline = DeadlineAfter(milliseconds(5000));
+  std::string stats;
+  while (Clock::now() < deadline) {
+    stats = prefill.Stats();
+    if (stats == "STATS holds=0 allocated=0") break;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_EQ(stats, "STATS holds=0 allocated=0");
+  EXPECT_EQ(decode.allocated(), 0u);
+  EXPECT_EQ(decode.loads_outstanding(), 0u);
+}
+
+// Runs requests of several sizes through prefill TP p -> decode TP d and checks every byte.
+void TransferAndVerify(const std::string& kind, int p, int d) {
+  PrefillProcess prefill(kind, p, "prefill-0", 60000);
+  DecodeInstance decode(kind, d);
+  int n = 0;
+  for (int blocks : {1, 5, 12}) {
+    const std::string req = "req-" + std::to_string(n++);
+    const Params params = prefill.Hold(req, blocks);
+    ASSERT_EQ(params.blocks.size(), static_cast<std::size_t>(blocks));
+    ASSERT_TRUE(decode.Load(req, prefill, params).ok());
+    ASSERT_TRUE(decode.WaitReceived(req, {}, milliseconds(10000))) << req;
+    EXPECT_TRUE(decode.Errors(req).empty()) << decode.Errors(req).front().status.ToString();
+    EXPECT_EQ(decode.Mismatches(req), 0) << req;
+    EXPECT_TRUE(prefill.WaitLine("FREED " + req, milliseconds(5000))) << req;
+    decode.Free(req);
+  }
+  ExpectNothingLeft(prefill, decode);
+}
+
+TEST(ConnectorTest, MhaTp1To1) { TransferAndVerify("mha", 1, 1); }
+TEST(ConnectorTest, MhaTp2To2) { TransferAndVerify("mha", 2, 2); }
+TEST(ConnectorTest, MlaTp2To1) { TransferAndVerify("mla", 2, 1); }
+TEST(ConnectorTest, MlaTp1To2) { TransferAndVerify("mla", 1, 2); }
+TEST(ConnectorTest, MhaHeadMajorTp1To2UsesHeadSlices) { TransferAndVerify("mha_head_major", 1, 2); }
+
+// MLA 1 -> 2: the single prefill rank has two readers; it must not free after the first.
+TEST(ConnectorTest, PrefillRankWaitsForAllItsReaders) {
+  PrefillProcess prefill("mla", 1, "prefill-0", 60000);
+  DecodeInstance decode("mla", 2);
+  const Params params = prefill.Hold("req-a", 6);
+  ASSERT_TRUE(decode.Load("req-a", prefill, params, 0, {0}).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-a", {0}, milliseconds(10000)));
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_FALSE(prefill.HasLine("RELEASED 0 req-a")) << "freed while a reader had not read";
+  // Now the second reader, decode rank 1, reads the same blocks, which are still intact.
+  ConnectorMetadata meta;
+  meta.loads.push_back({"req-a", decode.LocalBlocks("req-a"), params.blocks, "prefill-0",
+                        "127.0.0.1", params.port, params.tp, "req-a"});
+  decode.worker(1).StartLoadKv(meta);
+  ASSERT_TRUE(decode.WaitReceived("req-a", {0, 1}, milliseconds(10000)));
+  EXPECT_EQ(decode.Mismatches("req-a"), 0);
+  EXPECT_TRUE(prefill.WaitLine("FREED req-a", milliseconds(5000)));
+  decode.Free("req-a");
+  ExpectNothingLeft(prefill, decode);
+}
+
+TEST(ConnectorTest, DecodeSidePrefixHitReadsTheTail) {
+  PrefillProcess prefill("mha", 1, "prefill-0", 60000);
+  DecodeInstance decode("mha", 1);
+  const Params params = prefill.Hold("req-p", 7);
+  ASSERT_TRUE(decode.Load("req-p", prefill, params, /*prefix_hit_blocks=*/3).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-p", {}, milliseconds(10000)));
+  EXPECT_EQ(decode.LocalBlocks("req-p").size(), 4u);
+  EXPECT_TRUE(decode.Errors("req-p").empty());
+  EXPECT_EQ(decode.Mismatches("req-p"), 0);
+  EXPECT_TRUE(prefill.WaitLine("FREED req-p", milliseconds(5000)));
+  decode.Free("req-p");
+  ExpectNothingLeft(prefill, decode);
+}
+
+TEST(ConnectorTest, ZeroLocalBlocksStillNotifyAndFinish) {
+  PrefillProcess prefill("mha", 2, "prefill-0", 60000);
+  DecodeInstance decode("mha", 2);
+  const Params params = prefill.Hold("req-z", 3);
+  ASSERT_TRUE(decode.Load("req-z", prefill, params, /*prefix_hit_blocks=*/3).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-z", {}, milliseconds(10000)));
+  EXPECT_TRUE(decode.Errors("req-z").empty());
+  EXPECT_TRUE(prefill.WaitLine("FREED req-z", milliseconds(5000)));
+  decode.Free("req-z");
+  ExpectNothingLeft(prefill, decode);
+}
+
+TEST(ConnectorTest, UnsupportedMhaTpCombinationIsRefusedClearly) {
+  PrefillProcess prefill("mha", 1, "prefill-0", 60000);  // token-major
+  DecodeInstance decode("mha", 2);
+  const Params params = prefill.Hold("req-u", 4);
+  ASSERT_TRUE(decode.Load("req-u", prefill, params).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-u", {}, milliseconds(10000)));
+  const std::vector<LoadError>& errors = decode.Errors("req-u");
+  ASSERT_EQ(errors.size(), 2u);  // one per decode rank
+  for (const LoadError& e : errors) {
+    EXPECT_EQ(e.status.code(), StatusCode::kNotSupported);
+    EXPECT_THAT(e.status.message(), HasSubstr("prefill TP 1 and decode TP 2"));
+    EXPECT_EQ(e.local_block_ids, decode.LocalBlocks("req-u"));
+    EXPECT_TRUE(e.recompute) << "the default policy is recompute";
+  }
+  // The decode side told the prefill side, which frees at once instead of at lease expiry.
+  EXPECT_TRUE(prefill.WaitLine("FREED req-u", milliseconds(5000)));
+  decode.Free("req-u");
+  ExpectNothingLeft(prefill, decode);
+}
+
+TEST(ConnectorTest, PrefillKilledFailsExactlyItsRequestsWithTheirBlocks) {
+  auto doomed = std::make_unique<PrefillProcess>("mha", 1, "prefill-doomed", 60000);
+  PrefillProcess healthy("mha", 1, "prefill-ok", 60000);
+  DecodeInstance decode("mha", 1);
+  // A first request establishes the handshake and the data-plane connection.
+  const Params warm = doomed->Hold("req-warm", 2);
+  ASSERT_TRUE(decode.Load("req-warm", *doomed, warm).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-warm", {}, milliseconds(10000)));
+  decode.Free("req-warm");
+  const Params a = doomed->Hold("req-a", 5);
+  const Params b = doomed->Hold("req-b", 3);
+  const Params c = healthy.Hold("req-c", 4);
+  doomed->Kill();
+  const auto killed = Clock::now();
+  ASSERT_TRUE(decode.Load("req-a", *doomed, a).ok());
+  ASSERT_TRUE(decode.Load("req-b", *doomed, b).ok());
+  ASSERT_TRUE(decode.Load("req-c", healthy, c).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-a", {}, milliseconds(8000)));
+  ASSERT_TRUE(decode.WaitReceived("req-b", {}, milliseconds(8000)));
+  ASSERT_TRUE(decode.WaitReceived("req-c", {}, milliseconds(8000)));
+  EXPECT_LT(Clock::now() - killed, milliseconds(6000)) << "within the transfer deadline";
+  ASSERT_EQ(decode.Errors("req-a").size(), 1u);
+  ASSERT_EQ(decode.Errors("req-b").size(), 1u);
+  EXPECT_EQ(decode.Errors("req-a")[0].local_block_ids, decode.LocalBlocks("req-a"));
+  EXPECT_EQ(decode.Errors("req-b")[0].local_block_ids, decode.LocalBlocks("req-b"));
+  EXPECT_TRUE(decode.Errors("req-c").empty());
+  EXPECT_EQ(decode.Mismatches("req-c"), 0);
+  EXPECT_TRUE(healthy.WaitLine("FREED req-c", milliseconds(5000)));
+  for (const char* r : {"req-a", "req-b", "req-c"}) decode.Free(r);
+  doomed.reset();
+  ExpectNothingLeft(healthy, decode);
+}
+
+TEST(ConnectorTest, HoldEndsOnLeaseExpiryWhenNoReaderComes) {
+  PrefillProcess prefill("mha", 2, "prefill-0", /*lease_ms=*/400);
+  DecodeInstance decode("mha", 2);
+  prefill.Hold("req-orphan", 4);  // its decode side died before reading
+  EXPECT_TRUE(prefill.WaitLine("FREED req-orphan", milliseconds(3000)));
+  ExpectNothingLeft(prefill, decode);
+}
+
+TEST(ConnectorTest, LeaseRenewalsKeepAHoldAndAbortEndsItEarly) {
+  PrefillProcess prefill("mha", 1, "prefill-0", /*lease_ms=*/300);
+  DecodeInstance decode("mha", 1);
+  prefill.Hold("req-slow", 2);
+  sidechannel::Client client(sidechannel::ClientOptions{});
+  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  for (int i = 0; i < 8; ++i) {  // a slow but alive decode side, renewing for 800 ms
+    Result<wire::Message> r = client.Call(
+        endpoint, wire::LeaseRenewal{{"decode-0", 0, 0}, {"req-slow"}, 300}, DeadlineAfter(milliseconds(1000)));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  EXPECT_FALSE(prefill.HasLine("FREED req-slow")) << "a renewed hold was released";
+  const auto abort_at = Clock::now();
+  ASSERT_TRUE(client.Call(endpoint, wire::AbortNotice{{"decode-0", 0, 0}, {"req-slow"}, "client gone"},
+                          DeadlineAfter(milliseconds(1000)))
+                  .ok());
+  EXPECT_TRUE(prefill.WaitLine("FREED req-slow", milliseconds(2000)));
+  EXPECT_LT(Clock::now() - abort_at, milliseconds(250)) << "abort did not free early";
+  ExpectNothingLeft(prefill, decode);
+}
+
+TEST(ConnectorTest, EarlyFinishedNoticeIsKept) {
+  PrefillProcess prefill("mha", 1, "prefill-0", 60000);
+  DecodeInstance decode("mha", 1);
+  sidechannel::Client client(sidechannel::ClientOptions{});
+  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  // The notice for the request arrives before the prefill side registers its hold.
+  ASSERT_TRUE(client.Call(endpoint, wire::FinishedNotice{{"decode-0", 0, 0}, {"req-early"}, 1},
+                          DeadlineAfter(milliseconds(1000)))
+                  .ok());
+  prefill.Hold("req-early", 2);
+  EXPECT_TRUE(prefill.WaitLine("FREED req-early", milliseconds(2000)));
+  ExpectNothingLeft(prefill, decode);
+}
+
+TEST(ConnectorTest, ForgedNoticesWithoutTheSecretChangeNothing) {
+  PrefillProcess prefill("mha", 1, "prefill-0", 60000, "the-secret");
+  DecodeInstance decode("mha", 1, "the-secret");
+  prefill.Hold("req-s", 3);
+  sidechannel::Client intruder(sidechannel::ClientOptions{});  // no secret
+  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  EXPECT_EQ(intruder.Call(endpoint, wire::AbortNotice{{"x", 0, 0}, {"req-s"}, "forged"},
+                          DeadlineAfter(milliseconds(1000)))
+                .status()
+                .code(),
+            StatusCode::kUnauthenticated);
+  EXPECT_EQ(intruder.Call(endpoint, wire::FinishedNotice{{"x", 0, 0}, {"req-s"}, 1},
+                          DeadlineAfter(milliseconds(1000)))
+                .status()
+                .code(),
+            StatusCode::kUnauthenticated);
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_FALSE(prefill.HasLine("FREED req-s"));
+  EXPECT_EQ(prefill.Stats(), "STATS holds=1 allocated=3");
+  // The real decode side, with the secret, still reads it, and then it is freed.
+  Params params = prefill.Hold("req-t", 2);
+  ASSERT_TRUE(decode.Load("req-t", prefill, params).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-t", {}, milliseconds(10000)));
+  EXPECT_EQ(decode.Mismatches("req-t"), 0);
+  EXPECT_TRUE(prefill.WaitLine("FREED req-t", milliseconds(5000)));
+  decode.Free("req-t");
+  sidechannel::ClientOptions with_secret;
+  with_secret.secret = "the-secret";
+  sidechannel::Client owner(with_secret);
+  ASSERT_TRUE(owner.Call(endpoint, wire::AbortNotice{{"decode-0", 0, 0}, {"req-s"}, "done"},
+                         DeadlineAfter(milliseconds(1000)))
+                  .ok());
+  EXPECT_TRUE(prefill.WaitLine("FREED req-s", milliseconds(2000)));
+  ExpectNothingLeft(prefill, decode);
+}
+
+}  // namespace
+}  // namespace kvferry

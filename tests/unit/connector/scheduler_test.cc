@@ -1,0 +1,172 @@
+// The scheduler side, rule by rule (DESIGN.md rules 1-4).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "kvferry/connector.h"
+
+namespace kvferry {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+KvTransferParams CompleteRemotePrefill() {
+  KvTransferParams p;
+  p.do_remote_prefill = true;
+  p.remote_block_ids = std::vector<std::int64_t>{7, 8, 9};
+  p.remote_engine_id = "prefill-0";
+  p.remote_host = "127.0.0.1";
+  p.remote_port = 5557;
+  p.remote_tp_size = 2;
+  p.remote_request_id = "p-req-1";
+  return p;
+}
+
+using Matched = std::pair<std::int64_t, bool>;
+
+Scheduler DecodeScheduler() { return Scheduler({Role::kDecode, "decode-0"}); }
+
+TEST(SchedulerRule1, LoadsPromptMinusComputedAsynchronously) {
+  Scheduler s = DecodeScheduler();
+  KvTransferParams p = CompleteRemotePrefill();
+  EXPECT_EQ(s.GetNumNewMatchedTokens(p, 100, 0), Matched(100, true));
+  EXPECT_EQ(s.GetNumNewMatchedTokens(p, 100, 32), Matched(68, true));
+  EXPECT_EQ(s.GetNumNewMatchedTokens(p, 100, 100), Matched(0, false));
+  EXPECT_EQ(s.GetNumNewMatchedTokens(p, 100, 120), Matched(0, false));
+  p.do_remote_prefill = false;
+  EXPECT_EQ(s.GetNumNewMatchedTokens(p, 100, 0), Matched(0, false));
+}
+
+TEST(SchedulerRule2, CompleteParamsAreQueuedOnceAndTheFlagCleared) {
+  Scheduler s = DecodeScheduler();
+  KvTransferParams p = CompleteRemotePrefill();
+  const std::vector<std::int64_t> local = {3, 4, 5};
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("d-req-1", p, local).ok());
+  EXPECT_FALSE(p.do_remote_prefill) << "not loaded twice";
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("d-req-1", p, local).ok());  // a second call queues nothing
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u);
+  const LoadSpec& l = m.loads[0];
+  EXPECT_EQ(l.request_id, "d-req-1");
+  EXPECT_THAT(l.local_block_ids, ElementsAre(3, 4, 5));
+  EXPECT_THAT(l.remote_block_ids, ElementsAre(7, 8, 9));
+  EXPECT_EQ(l.remote_engine_id, "prefill-0");
+  EXPECT_EQ(l.remote_port, 5557);
+  EXPECT_EQ(l.remote_tp_size, 2);
+  EXPECT_EQ(l.remote_request_id, "p-req-1");
+}
+
+TEST(SchedulerRule2, ZeroNewBlocksStillQueueALoadThatNotifies) {
+  Scheduler s = DecodeScheduler();
+  KvTransferParams p = CompleteRemotePrefill();
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("d-req", p, {}).ok());
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u);
+  EXPECT_TRUE(m.loads[0].local_block_ids.empty());
+}
+
+TEST(SchedulerRule2, IncompleteParamsAreRejectedClearlyAndNothingIsQueued) {
+  Scheduler s = DecodeScheduler();
+  KvTransferParams p = CompleteRemotePrefill();
+  p.remote_host.reset();
+  p.remote_tp_size.reset();
+  Status st = s.UpdateStateAfterAlloc("d-req-2", p, std::vector<std::int64_t>{1});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("request d-req-2"));
+  EXPECT_THAT(st.message(), HasSubstr("lack remote_host, remote_tp_size"));
+  EXPECT_FALSE(p.do_remote_prefill);
+  EXPECT_TRUE(s.BuildConnectorMeta().loads.empty());
+  KvTransferParams bad_port = CompleteRemotePrefill();
+  bad_port.remote_port = 70000;
+  EXPECT_EQ(s.UpdateStateAfterAlloc("d-req-3", bad_port, {}).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(SchedulerRule2, MissingRemoteRequestIdFallsBackToTheRequestId) {
+  Scheduler s = DecodeScheduler();
+  KvTransferParams p = CompleteRemotePrefill();
+  p.remote_request_id.reset();
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("same-id", p, {}).ok());
+  EXPECT_EQ(s.BuildConnectorMeta().loads[0].remote_request_id, "same-id");
+}
+
+TEST(SchedulerRule3, MetadataIsClearedAndRoundTrips) {
+  Scheduler s({Role::kPrefill, "prefill-0", "127.0.0.1", 5557, 1, 4});
+  KvTransferParams decode_params;
+  decode_params.do_remote_decode = true;
+  (void)s.RequestFinished("r1", decode_params, FinishReason::kLengthCapped,
+                          std::vector<std::int64_t>{1, 2});
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.holds.size(), 1u);
+  EXPECT_TRUE(s.BuildConnectorMeta().holds.empty()) << "cleared";
+  m.loads.push_back({"x", {1, 2}, {3, 4, 5}, "e", "h", 9, 2, "rx"});
+  Result<ConnectorMetadata> back = ConnectorMetadata::Decode(m.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, m);
+  EXPECT_FALSE(ConnectorMetadata::Decode(std::vector<std::uint8_t>{0x80}).ok());
+  EXPECT_FALSE(ConnectorMetadata::Decode(std::vector<std::uint8_t>{0xdd, 0xff, 0xff, 0xff, 0xff}).ok());
+}
+
+TEST(SchedulerRule4, LengthCappedRemoteDecodeIsHeldWithParamsForTheDecodeSide) {
+  Scheduler s({Role::kPrefill, "prefill-0", "10.0.0.1", 5557, /*dp_rank=*/1, /*tp_size=*/4,
+               std::chrono::milliseconds(90000)});
+  KvTransferParams in;
+  in.do_remote_decode = true;
+  const std::vector<std::int64_t> blocks = {11, 12, 13};
+  Scheduler::FinishedResult r = s.RequestFinished("p-req", in, FinishReason::kLengthCapped, blocks);
+  EXPECT_TRUE(r.delay_free);
+  ASSERT_TRUE(r.params.has_value());
+  EXPECT_TRUE(r.params->do_remote_prefill);
+  EXPECT_FALSE(r.params->do_remote_decode);
+  EXPECT_THAT(*r.params->remote_block_ids, ElementsAre(11, 12, 13));
+  EXPECT_EQ(r.params->remote_engine_id, "prefill-0");
+  EXPECT_EQ(r.params->remote_host, "10.0.0.1");
+  EXPECT_EQ(r.params->remote_port, 5557 + 1 * 4);  // TP rank 0 of DP group 1
+  EXPECT_EQ(r.params->remote_tp_size, 4);
+  EXPECT_EQ(r.params->remote_request_id, "p-req");
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.holds.size(), 1u);
+  EXPECT_EQ(m.holds[0].request_id, "p-req");
+  EXPECT_EQ(m.holds[0].lease_ms, 90000) << "a hold is bounded by its lease";
+}
+
+TEST(SchedulerRule4, OtherEndingsAreNotHeld) {
+  Scheduler s({Role::kPrefill, "prefill-0"});
+  KvTransferParams remote;
+  remote.do_remote_decode = true;
+  const std::vector<std::int64_t> blocks = {1};
+  for (FinishReason why : {FinishReason::kStopped, FinishReason::kAborted, FinishReason::kError}) {
+    Scheduler::FinishedResult r = s.RequestFinished("r", remote, why, blocks);
+    EXPECT_FALSE(r.delay_free);
+    EXPECT_FALSE(r.params.has_value());
+  }
+  KvTransferParams local_only;
+  EXPECT_FALSE(s.RequestFinished("r", local_only, FinishReason::kLengthCapped, blocks).delay_free);
+  // No blocks: nothing to hold, but the decode side still gets params (it finishes at once).
+  Scheduler::FinishedResult empty = s.RequestFinished("e", remote, FinishReason::kLengthCapped, {});
+  EXPECT_FALSE(empty.delay_free);
+  EXPECT_TRUE(empty.params.has_value());
+  EXPECT_TRUE(s.BuildConnectorMeta().holds.empty());
+}
+
+TEST(WorkerConfigTest, RoleAndRankTableEntryAreChecked) {
+  WorkerConfig c;
+  c.role = Role::kDecode;
+  c.engine_id = "";
+  EXPECT_EQ(Worker::Create(c).status().code(), StatusCode::kInvalidArgument);
+  RankTableGenOptions gen;
+  gen.hosts = {"127.0.0.1"};
+  gen.devices_per_host = 2;
+  gen.prefill_count = 1;
+  gen.decode_count = 1;
+  c.engine_id = "d";
+  c.rank_table = *GenerateRankTable(gen);
+  c.server_id = "127.0.0.2";  // not in the table
+  c.base_port = 45000 + static_cast<int>(getpid() % 1000);
+  Result<std::unique_ptr<Worker>> w = Worker::Create(c);
+  EXPECT_EQ(w.status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(w.status().message(), HasSubstr("no decode_device_list entry for TP rank 0 on server_id \"127.0.0.2\""));
+  EXPECT_EQ(ParseRole("kv_both").status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvferry
