@@ -97,7 +97,7 @@ class WorkerImpl {
 
   wire::Message Handle(const wire::Message& request);
   int ExpectedReadersLocked(std::uint32_t reader_tp) const;
-  void ReleaseLocked(const std::string& id, std::uint64_t WorkerStats::*counter);
+  void ReleaseLocked(std::string id, std::uint64_t WorkerStats::*counter);
   void TryCompleteLocked(const std::string& id);
 
   void RunLoad(const LoadSpec& load);
@@ -358,9 +358,10 @@ void WorkerImpl::TryCompleteLocked(const std::string& id) {
   }
 }
 
-void WorkerImpl::ReleaseLocked(const std::string& id, std::uint64_t WorkerStats::*counter) {
+void WorkerImpl::ReleaseLocked(std::string id, std::uint64_t WorkerStats::*counter) {
+  // `id` is a copy: callers may pass the key of the very entry erased here.
   holds_.erase(id);
-  finished_sending_.push_back(id);
+  finished_sending_.push_back(std::move(id));
   ++(stats_.*counter);
 }
 

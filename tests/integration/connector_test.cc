@@ -1,6 +1,8 @@
 // The connector end to end: a prefill instance in another process (connector_peer), decode
 // workers in this one, real listeners and transports, every byte checked, and every test ending
 // with zero holds and zero allocated blocks on both sides.
+#include "kvferry/connector.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -18,19 +20,20 @@
 #include "common/clock.h"
 #include "common/subprocess.h"
 #include "kv_test_cache.h"
-#include "kvferry/connector.h"
 #include "sidechannel/client.h"
 
 namespace kvferry {
 namespace {
 
-using ::testing::HasSubstr;
 using std::chrono::milliseconds;
+using ::testing::HasSubstr;
 
 // A base port with `count` free ports after it (checked a moment ago).
 int FreeBasePort(int count) {
   for (int attempt = 0; attempt < 50; ++attempt) {
-    const int base = 20000 + static_cast<int>((static_cast<unsigned>(getpid()) * 7919u + attempt * 104729u) % 40000u);
+    const int base =
+        20000 +
+        static_cast<int>((static_cast<unsigned>(getpid()) * 7919u + attempt * 104729u) % 40000u);
     bool ok = true;
     for (int i = 0; i < count && ok; ++i) {
       const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -58,8 +61,8 @@ class PrefillProcess {
   PrefillProcess(const std::string& kind, int tp, const std::string& engine, int lease_ms,
                  const std::string& secret = "")
       : base_port_(FreeBasePort(tp)), engine_(engine) {
-    std::vector<std::string> argv = {KVFERRY_CONNECTOR_PEER_PATH, kind, std::to_string(tp),
-                                     std::to_string(base_port_), engine, std::to_string(lease_ms)};
+    std::vector<std::string> argv = {KVFERRY_CONNECTOR_PEER_PATH, kind,   std::to_string(tp),
+                                     std::to_string(base_port_),  engine, std::to_string(lease_ms)};
     if (!secret.empty()) argv.push_back(secret);
     Result<Subprocess> p = Subprocess::Spawn(argv);
     EXPECT_TRUE(p.ok());
@@ -197,10 +200,12 @@ class DecodeInstance {
     params.remote_request_id = req;
     const std::int64_t tokens_per_block = caches_[0]->spec().tokens_per_block();
     const std::int64_t prompt = static_cast<std::int64_t>(p.blocks.size()) * tokens_per_block;
-    auto [count, async] = scheduler_->GetNumNewMatchedTokens(params, prompt, prefix_hit_blocks * tokens_per_block);
+    auto [count, async] =
+        scheduler_->GetNumNewMatchedTokens(params, prompt, prefix_hit_blocks * tokens_per_block);
     EXPECT_EQ(count, prompt - prefix_hit_blocks * tokens_per_block);
     std::vector<std::int64_t> local;
-    for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.blocks.size()) - prefix_hit_blocks; ++i) {
+    for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.blocks.size()) - prefix_hit_blocks;
+         ++i) {
       local.push_back(*free_.begin());
       free_.erase(free_.begin());
     }
@@ -209,7 +214,8 @@ class DecodeInstance {
     KVFERRY_RETURN_IF_ERROR(scheduler_->UpdateStateAfterAlloc(req, params, local));
     EXPECT_FALSE(params.do_remote_prefill);
     (void)async;
-    Result<ConnectorMetadata> meta = ConnectorMetadata::Decode(scheduler_->BuildConnectorMeta().Encode());
+    Result<ConnectorMetadata> meta =
+        ConnectorMetadata::Decode(scheduler_->BuildConnectorMeta().Encode());
     KVFERRY_RETURN_IF_ERROR(meta.status());
     if (ranks.empty()) {
       for (int r = 0; r < tp_; ++r) ranks.push_back(r);
@@ -226,7 +232,8 @@ class DecodeInstance {
     const Deadline deadline = DeadlineAfter(timeout);
     while (Clock::now() < deadline) {
       for (int r = 0; r < tp_; ++r) {
-        for (const std::string& id : workers_[static_cast<std::size_t>(r)]->GetFinished().receiving) {
+        for (const std::string& id :
+             workers_[static_cast<std::size_t>(r)]->GetFinished().receiving) {
           EXPECT_EQ(received_[id].count(r), 0u) << id << " reported twice by rank " << r;
           received_[id].insert(r);
         }
@@ -441,15 +448,18 @@ TEST(ConnectorTest, LeaseRenewalsKeepAHoldAndAbortEndsItEarly) {
   sidechannel::Client client(sidechannel::ClientOptions{});
   const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
   for (int i = 0; i < 8; ++i) {  // a slow but alive decode side, renewing for 800 ms
-    Result<wire::Message> r = client.Call(
-        endpoint, wire::LeaseRenewal{{"decode-0", 0, 0}, {"req-slow"}, 300}, DeadlineAfter(milliseconds(1000)));
+    Result<wire::Message> r =
+        client.Call(endpoint, wire::LeaseRenewal{{"decode-0", 0, 0}, {"req-slow"}, 300},
+                    DeadlineAfter(milliseconds(1000)));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     std::this_thread::sleep_for(milliseconds(100));
   }
   EXPECT_FALSE(prefill.HasLine("FREED req-slow")) << "a renewed hold was released";
   const auto abort_at = Clock::now();
-  ASSERT_TRUE(client.Call(endpoint, wire::AbortNotice{{"decode-0", 0, 0}, {"req-slow"}, "client gone"},
-                          DeadlineAfter(milliseconds(1000)))
+  ASSERT_TRUE(client
+                  .Call(endpoint,
+                        wire::AbortNotice{{"decode-0", 0, 0}, {"req-slow"}, "client gone"},
+                        DeadlineAfter(milliseconds(1000)))
                   .ok());
   EXPECT_TRUE(prefill.WaitLine("FREED req-slow", milliseconds(2000)));
   EXPECT_LT(Clock::now() - abort_at, milliseconds(250)) << "abort did not free early";
@@ -462,8 +472,9 @@ TEST(ConnectorTest, EarlyFinishedNoticeIsKept) {
   sidechannel::Client client(sidechannel::ClientOptions{});
   const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
   // The notice for the request arrives before the prefill side registers its hold.
-  ASSERT_TRUE(client.Call(endpoint, wire::FinishedNotice{{"decode-0", 0, 0}, {"req-early"}, 1},
-                          DeadlineAfter(milliseconds(1000)))
+  ASSERT_TRUE(client
+                  .Call(endpoint, wire::FinishedNotice{{"decode-0", 0, 0}, {"req-early"}, 1},
+                        DeadlineAfter(milliseconds(1000)))
                   .ok());
   prefill.Hold("req-early", 2);
   EXPECT_TRUE(prefill.WaitLine("FREED req-early", milliseconds(2000)));
@@ -476,13 +487,15 @@ TEST(ConnectorTest, ForgedNoticesWithoutTheSecretChangeNothing) {
   prefill.Hold("req-s", 3);
   sidechannel::Client intruder(sidechannel::ClientOptions{});  // no secret
   const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
-  EXPECT_EQ(intruder.Call(endpoint, wire::AbortNotice{{"x", 0, 0}, {"req-s"}, "forged"},
-                          DeadlineAfter(milliseconds(1000)))
+  EXPECT_EQ(intruder
+                .Call(endpoint, wire::AbortNotice{{"x", 0, 0}, {"req-s"}, "forged"},
+                      DeadlineAfter(milliseconds(1000)))
                 .status()
                 .code(),
             StatusCode::kUnauthenticated);
-  EXPECT_EQ(intruder.Call(endpoint, wire::FinishedNotice{{"x", 0, 0}, {"req-s"}, 1},
-                          DeadlineAfter(milliseconds(1000)))
+  EXPECT_EQ(intruder
+                .Call(endpoint, wire::FinishedNotice{{"x", 0, 0}, {"req-s"}, 1},
+                      DeadlineAfter(milliseconds(1000)))
                 .status()
                 .code(),
             StatusCode::kUnauthenticated);
@@ -499,8 +512,9 @@ TEST(ConnectorTest, ForgedNoticesWithoutTheSecretChangeNothing) {
   sidechannel::ClientOptions with_secret;
   with_secret.secret = "the-secret";
   sidechannel::Client owner(with_secret);
-  ASSERT_TRUE(owner.Call(endpoint, wire::AbortNotice{{"decode-0", 0, 0}, {"req-s"}, "done"},
-                         DeadlineAfter(milliseconds(1000)))
+  ASSERT_TRUE(owner
+                  .Call(endpoint, wire::AbortNotice{{"decode-0", 0, 0}, {"req-s"}, "done"},
+                        DeadlineAfter(milliseconds(1000)))
                   .ok());
   EXPECT_TRUE(prefill.WaitLine("FREED req-s", milliseconds(2000)));
   ExpectNothingLeft(prefill, decode);

@@ -13,9 +13,10 @@ namespace kvferry::testing {
 /// Value of element (layer, part, block on the prefill side, token, model-wide head, dim).
 inline std::int32_t KvValue(int layer, int part, std::int64_t block, std::int64_t token,
                             std::int64_t head, std::int64_t dim) {
-  std::uint64_t x = (static_cast<std::uint64_t>(layer) << 56) ^ (static_cast<std::uint64_t>(part) << 52) ^
-                    (static_cast<std::uint64_t>(block) << 32) ^ (static_cast<std::uint64_t>(token) << 20) ^
-                    (static_cast<std::uint64_t>(head) << 10) ^ static_cast<std::uint64_t>(dim);
+  std::uint64_t x =
+      (static_cast<std::uint64_t>(layer) << 56) ^ (static_cast<std::uint64_t>(part) << 52) ^
+      (static_cast<std::uint64_t>(block) << 32) ^ (static_cast<std::uint64_t>(token) << 20) ^
+      (static_cast<std::uint64_t>(head) << 10) ^ static_cast<std::uint64_t>(dim);
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdull;
   x ^= x >> 33;
@@ -38,7 +39,8 @@ class TestCache {
     std::vector<std::vector<std::uint64_t>> out(static_cast<std::size_t>(spec_.num_layers()));
     for (int l = 0; l < spec_.num_layers(); ++l) {
       for (int p = 0; p < spec_.num_parts(); ++p) {
-        out[static_cast<std::size_t>(l)].push_back(reinterpret_cast<std::uint64_t>(Part(l, p).data()));
+        out[static_cast<std::size_t>(l)].push_back(
+            reinterpret_cast<std::uint64_t>(Part(l, p).data()));
       }
     }
     return out;
@@ -46,9 +48,8 @@ class TestCache {
 
   /// Writes what the prefill side computed for `block` (as block `as_block` of the model).
   void Fill(std::int64_t block, std::int64_t as_block) {
-    ForEach(block, [&](int l, int p, std::int64_t t, std::int64_t h, std::int64_t d, std::int32_t& v) {
-      v = KvValue(l, p, as_block, t, h, d);
-    });
+    ForEach(block, [&](int l, int p, std::int64_t t, std::int64_t h, std::int64_t d,
+                       std::int32_t& v) { v = KvValue(l, p, as_block, t, h, d); });
   }
   void FillAll() {
     for (std::int64_t b = 0; b < spec_.num_blocks(); ++b) Fill(b, b);
@@ -56,9 +57,10 @@ class TestCache {
   /// Number of elements of local `block` that differ from remote block `remote_block`'s values.
   std::int64_t Mismatches(std::int64_t block, std::int64_t remote_block) {
     std::int64_t bad = 0;
-    ForEach(block, [&](int l, int p, std::int64_t t, std::int64_t h, std::int64_t d, std::int32_t& v) {
-      if (v != KvValue(l, p, remote_block, t, h, d)) ++bad;
-    });
+    ForEach(block,
+            [&](int l, int p, std::int64_t t, std::int64_t h, std::int64_t d, std::int32_t& v) {
+              if (v != KvValue(l, p, remote_block, t, h, d)) ++bad;
+            });
     return bad;
   }
 

@@ -103,7 +103,8 @@ TEST(SchedulerRule3, MetadataIsClearedAndRoundTrips) {
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, m);
   EXPECT_FALSE(ConnectorMetadata::Decode(std::vector<std::uint8_t>{0x80}).ok());
-  EXPECT_FALSE(ConnectorMetadata::Decode(std::vector<std::uint8_t>{0xdd, 0xff, 0xff, 0xff, 0xff}).ok());
+  EXPECT_FALSE(
+      ConnectorMetadata::Decode(std::vector<std::uint8_t>{0xdd, 0xff, 0xff, 0xff, 0xff}).ok());
 }
 
 TEST(SchedulerRule4, LengthCappedRemoteDecodeIsHeldWithParamsForTheDecodeSide) {
@@ -164,7 +165,8 @@ TEST(WorkerConfigTest, RoleAndRankTableEntryAreChecked) {
   c.base_port = 45000 + static_cast<int>(getpid() % 1000);
   Result<std::unique_ptr<Worker>> w = Worker::Create(c);
   EXPECT_EQ(w.status().code(), StatusCode::kNotFound);
-  EXPECT_THAT(w.status().message(), HasSubstr("no decode_device_list entry for TP rank 0 on server_id \"127.0.0.2\""));
+  EXPECT_THAT(w.status().message(),
+              HasSubstr("no decode_device_list entry for TP rank 0 on server_id \"127.0.0.2\""));
   EXPECT_EQ(ParseRole("kv_both").status().code(), StatusCode::kInvalidArgument);
 }
 
