@@ -79,8 +79,13 @@ class PrefillProcess {
     EXPECT_TRUE(WaitLine("READY", milliseconds(20000))) << "prefill process did not start";
   }
   ~PrefillProcess() {
-    process_.reset();  // closes stdin, waits, kills if needed; the reader then sees EOF
+    // Let the child exit first, so the reader thread sees EOF and ends before the pipes close.
+    if (!process_->CloseAndWait(milliseconds(5000)).ok()) {
+      process_->Signal(SIGKILL);
+      (void)process_->CloseAndWait(milliseconds(5000));
+    }
     reader_.join();
+    process_.reset();
   }
 
   void Send(const std::string& line) { EXPECT_TRUE(process_->WriteLine(line).ok()); }
