@@ -250,7 +250,7 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
         std::to_string(spec.tp_size()) + " but this worker is rank " +
         std::to_string(cfg_.tp_rank) + " of " + std::to_string(cfg_.tp_size));
   }
-  KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses, CacheAddresses::Create(spec, bases));
+  KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses, CacheAddresses::Create(spec, std::move(bases)));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (spec_) return Status::InvalidArgument("KV caches are already registered");
@@ -481,6 +481,7 @@ std::vector<std::string> WorkerImpl::NoticeEndpoints(const LoadSpec& load,
     if (readers.ok() && *readers == 0 && q % cfg_.tp_size == cfg_.tp_rank) ranks.insert(q);
   }
   std::vector<std::string> out;
+  out.reserve(ranks.size());
   for (int q : ranks) out.push_back(Endpoint(load.remote_host, load.remote_port + q));
   return out;
 }
@@ -536,6 +537,7 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
         break;
       }
       std::vector<PartBlockBytes> block_bytes;
+      block_bytes.reserve(static_cast<std::size_t>(spec->num_parts()));
       for (int p = 0; p < spec->num_parts(); ++p) {
         block_bytes.push_back({remote.BlockBytes(p), spec->BlockBytes(p)});
       }
