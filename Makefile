@@ -72,8 +72,9 @@ tidy: build
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
+# The end-to-end demo: prefill and decode instances (TP 2 each) moving real KV bytes, verified.
 demo: build
-	@bash scripts/demo.sh $(BUILD)/kvferry
+	$(BUILD)/kvferry demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)

@@ -4,10 +4,33 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kvferry/cache_spec.h"
+
 namespace kvferry::cli {
+
+/// The model shape options shared by serve, demo and bench e2e.
+struct ModelArgs {
+  std::string kind = "mha";
+  int layers = 8;
+  std::int64_t kv_heads = 8;
+  std::int64_t head_dim = 64;
+  std::int64_t latent_dim = 512;
+  std::int64_t rope_dim = 64;
+  std::int64_t tokens_per_block = 16;
+  std::int64_t num_blocks = 2048;
+  std::string dtype = "bf16";
+  std::string layout = "token_major";
+};
+void AddModelOptions(CLI::App& cmd, ModelArgs& model);
+/// The CacheSpecOptions of the model (TP fields left at 1/0; each rank sets its own).
+Result<CacheSpecOptions> BuildModel(const ModelArgs& model);
+/// Arguments that pass `model` on to a child `kvferry serve`.
+std::vector<std::string> ModelArgv(const ModelArgs& model);
 
 void AddRanktableCommands(CLI::App& app, int& exit_code);
 void AddPlanCommand(CLI::App& app, int& exit_code);
 void AddBenchCommands(CLI::App& app, int& exit_code);
+void AddServeCommand(CLI::App& app, int& exit_code);
+void AddDemoCommands(CLI::App& app, int& exit_code);
 
 }  // namespace kvferry::cli

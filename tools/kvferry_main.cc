@@ -11,6 +11,8 @@ int main(int argc, char** argv) {
   kvferry::cli::AddRanktableCommands(app, exit_code);
   kvferry::cli::AddPlanCommand(app, exit_code);
   kvferry::cli::AddBenchCommands(app, exit_code);
+  kvferry::cli::AddServeCommand(app, exit_code);
+  kvferry::cli::AddDemoCommands(app, exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

@@ -250,7 +250,8 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
         std::to_string(spec.tp_size()) + " but this worker is rank " +
         std::to_string(cfg_.tp_rank) + " of " + std::to_string(cfg_.tp_size));
   }
-  KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses, CacheAddresses::Create(spec, std::move(bases)));
+  KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses,
+                           CacheAddresses::Create(spec, std::move(bases)));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (spec_) return Status::InvalidArgument("KV caches are already registered");

@@ -1,0 +1,448 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "common/clock.h"
+#include "common/log.h"
+
+namespace kvferry::engine {
+namespace {
+
+std::uint64_t Mix(std::uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+std::vector<std::uint64_t> PrefixHashes(const std::vector<std::int32_t>& prompt) {
+  std::vector<std::uint64_t> out(prompt.size());
+  std::uint64_t h = 0x6b76666572727931ull;
+  for (std::size_t i = 0; i < prompt.size(); ++i) {
+    h = Mix(h ^ static_cast<std::uint32_t>(prompt[i]));
+    out[i] = h;
+  }
+  return out;
+}
+
+BlockAllocator::BlockAllocator(std::int64_t num_blocks)
+    : total_(num_blocks), refs_(static_cast<std::size_t>(num_blocks), 0) {
+  for (std::int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
+}
+
+Result<std::vector<std::int64_t>> BlockAllocator::Allocate(std::size_t n) {
+  if (n > free_.size()) {
+    return Status::ResourceExhausted("need " + std::to_string(n) + " blocks, " +
+                                     std::to_string(free_.size()) + " free");
+  }
+  std::vector<std::int64_t> out(free_.end() - static_cast<std::ptrdiff_t>(n), free_.end());
+  free_.resize(free_.size() - n);
+  std::reverse(out.begin(), out.end());
+  for (std::int64_t b : out) refs_[static_cast<std::size_t>(b)] = 1;
+  return out;
+}
+
+void BlockAllocator::Ref(std::int64_t block) { ++refs_[static_cast<std::size_t>(block)]; }
+
+bool BlockAllocator::Unref(std::int64_t block) {
+  if (--refs_[static_cast<std::size_t>(block)] == 0) {
+    free_.push_back(block);
+    return true;
+  }
+  return false;
+}
+
+struct Instance::Running {
+  EngineRequest request;
+  std::vector<std::uint64_t> hashes;
+  std::vector<std::int64_t> blocks;  // all blocks of the prompt, prefix hits first
+  std::int64_t prefix_hit = 0;
+  Clock::time_point submitted = Clock::now();
+  Clock::time_point scheduled{};
+  EngineResult result;
+};
+
+Result<std::unique_ptr<Instance>> Instance::Create(InstanceConfig config) {
+  std::unique_ptr<Instance> i(new Instance(std::move(config)));
+  KVFERRY_RETURN_IF_ERROR(i->Init());
+  return i;
+}
+
+Instance::Instance(InstanceConfig config) : config_(std::move(config)) {}
+Instance::~Instance() = default;
+
+Status Instance::Init() {
+  const InstanceConfig& c = config_;
+  for (int r = 0; r < c.tp_size; ++r) {
+    CacheSpecOptions o = c.model;
+    o.tp_size = c.tp_size;
+    o.tp_rank = r;
+    KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
+    std::vector<std::vector<std::uint64_t>> regions;
+    std::vector<std::vector<std::uint64_t>> bases(static_cast<std::size_t>(spec.num_layers()));
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      for (int p = 0; p < spec.num_parts(); ++p) {
+        regions.emplace_back(static_cast<std::size_t>((spec.PartBytes(p) + 7) / 8), 0);
+        bases[static_cast<std::size_t>(l)].push_back(
+            reinterpret_cast<std::uint64_t>(regions.back().data()));
+      }
+    }
+    WorkerConfig w;
+    w.role = c.role;
+    w.engine_id = c.engine_id;
+    w.dp_rank = c.dp_rank;
+    w.tp_size = c.tp_size;
+    w.tp_rank = r;
+    w.host = c.host;
+    w.base_port = c.base_port;
+    w.secret = c.secret;
+    w.rank_table = c.rank_table;
+    w.server_id = c.host;
+    w.transport.kind = c.transport;
+    w.hold_lease = c.hold_lease;
+    KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));
+    KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(spec, bases));
+    specs_.push_back(spec);
+    memory_.push_back(std::move(regions));
+    workers_.push_back(std::move(worker));
+  }
+  SchedulerConfig s;
+  s.role = c.role;
+  s.engine_id = c.engine_id;
+  s.host = c.host;
+  s.base_port = c.base_port;
+  s.dp_rank = c.dp_rank;
+  s.tp_size = c.tp_size;
+  s.hold_lease = c.hold_lease;
+  scheduler_ = std::make_unique<Scheduler>(s);
+  allocator_ = std::make_unique<BlockAllocator>(c.model.num_blocks);
+  return Status::Ok();
+}
+
+const CacheSpec& Instance::spec(int rank) const { return specs_[static_cast<std::size_t>(rank)]; }
+
+void Instance::Submit(EngineRequest request) {
+  auto r = std::make_unique<Running>();
+  r->hashes = PrefixHashes(request.prompt);
+  r->result.request_id = request.request_id;
+  r->request = std::move(request);
+  waiting_.push_back(std::move(r));
+}
+
+bool Instance::Idle() const { return waiting_.empty() && running_.empty() && held_.empty(); }
+
+// Writes the KV of the prompt's tokens in blocks [first, first + count) on every rank.
+void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
+  const std::int64_t tpb = config_.model.tokens_per_block;
+  for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
+    const CacheSpec& spec = specs_[rank];
+    const std::int64_t esize = DTypeSize(spec.dtype());
+    for (std::int64_t bi = first; bi < first + count; ++bi) {
+      const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
+      for (int l = 0; l < spec.num_layers(); ++l) {
+        for (int p = 0; p < spec.num_parts(); ++p) {
+          auto* base = reinterpret_cast<std::uint8_t*>(
+                           memory_[rank][static_cast<std::size_t>(l * spec.num_parts() + p)].data()) +
+                       block * spec.BlockBytes(p);
+          const std::int64_t heads = spec.LocalHeads(p);
+          const std::int64_t first_head = spec.FirstLocalHead(p);
+          const std::int64_t dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
+          for (std::int64_t s = 0; s < tpb; ++s) {
+            const std::int64_t t = bi * tpb + s;
+            const std::uint64_t token = t < static_cast<std::int64_t>(r.hashes.size())
+                                            ? r.hashes[static_cast<std::size_t>(t)]
+                                            : 0;  // the unfilled tail of the last block
+            for (std::int64_t h = 0; h < heads; ++h) {
+              const std::uint64_t seed =
+                  Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
+                      (static_cast<std::uint64_t>(p) << 40) ^
+                      static_cast<std::uint64_t>(first_head + h));
+              const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
+                                           ? (s * heads + h) * dim
+                                           : (h * tpb + s) * dim;
+              std::uint8_t* out = base + idx * esize;
+              for (std::int64_t d = 0; d < dim; ++d) {
+                const std::uint64_t v = seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
+                std::memcpy(out + d * esize, &v, static_cast<std::size_t>(esize));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Checks blocks [first, first + count) on every rank against what Compute would write.
+std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_t count,
+                               Status* status) {
+  const std::int64_t tpb = config_.model.tokens_per_block;
+  std::uint64_t bytes = 0;
+  for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
+    const CacheSpec& spec = specs_[rank];
+    const std::int64_t esize = DTypeSize(spec.dtype());
+    for (std::int64_t bi = first; bi < first + count; ++bi) {
+      const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
+      for (int l = 0; l < spec.num_layers(); ++l) {
+        for (int p = 0; p < spec.num_parts(); ++p) {
+          const auto* base = reinterpret_cast<const std::uint8_t*>(
+                                 memory_[rank][static_cast<std::size_t>(l * spec.num_parts() + p)].data()) +
+                             block * spec.BlockBytes(p);
+          const std::int64_t heads = spec.LocalHeads(p);
+          const std::int64_t first_head = spec.FirstLocalHead(p);
+          const std::int64_t dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
+          for (std::int64_t s = 0; s < tpb; ++s) {
+            const std::int64_t t = bi * tpb + s;
+            if (t >= static_cast<std::int64_t>(r.hashes.size())) break;  // tail slots: unused
+            const std::uint64_t token = r.hashes[static_cast<std::size_t>(t)];
+            for (std::int64_t h = 0; h < heads; ++h) {
+              const std::uint64_t seed =
+                  Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
+                      (static_cast<std::uint64_t>(p) << 40) ^
+                      static_cast<std::uint64_t>(first_head + h));
+              const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
+                                           ? (s * heads + h) * dim
+                                           : (h * tpb + s) * dim;
+              const std::uint8_t* in = base + idx * esize;
+              for (std::int64_t d = 0; d < dim; ++d) {
+                const std::uint64_t v = seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
+                if (std::memcmp(in + d * esize, &v, static_cast<std::size_t>(esize)) != 0) {
+                  if (status->ok()) {
+                    *status = Status::Internal(
+                        "request " + r.request.request_id + ": KV byte mismatch at rank " +
+                        std::to_string(rank) + " layer " + std::to_string(l) + " part " +
+                        std::to_string(p) + " block index " + std::to_string(bi) + " token " +
+                        std::to_string(s) + " head " + std::to_string(first_head + h));
+                  }
+                  return bytes;
+                }
+              }
+              bytes += static_cast<std::uint64_t>(dim * esize);
+            }
+          }
+        }
+      }
+    }
+  }
+  return bytes;
+}
+
+void Instance::FreeBlocks(const std::vector<std::int64_t>& blocks) {
+  for (std::int64_t b : blocks) allocator_->Unref(b);
+}
+
+Result<std::vector<std::int64_t>> Instance::AllocateEvicting(std::size_t n) {
+  // Evict cached prefix blocks, least recently used first, until n blocks are free.
+  auto it = lru_.begin();
+  while (static_cast<std::size_t>(allocator_->free_blocks()) < n && it != lru_.end()) {
+    const std::uint64_t key = *it;
+    const std::int64_t block = prefix_.at(key);
+    if (allocator_->refs(block) == 1) {  // only the cache holds it
+      allocator_->Unref(block);
+      prefix_.erase(key);
+      lru_pos_.erase(key);
+      it = lru_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return allocator_->Allocate(n);
+}
+
+void Instance::AddToPrefixCache(const Running& r) {
+  const std::int64_t tpb = config_.model.tokens_per_block;
+  const auto full = static_cast<std::int64_t>(r.hashes.size()) / tpb;
+  for (std::int64_t bi = 0; bi < full; ++bi) {
+    const std::uint64_t key = r.hashes[static_cast<std::size_t>((bi + 1) * tpb - 1)];
+    const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
+    auto found = prefix_.find(key);
+    if (found != prefix_.end()) {
+      lru_.splice(lru_.end(), lru_, lru_pos_.at(key));  // touched
+      continue;
+    }
+    allocator_->Ref(block);  // the cache's own reference
+    prefix_[key] = block;
+    lru_.push_back(key);
+    lru_pos_[key] = std::prev(lru_.end());
+  }
+}
+
+std::vector<EngineResult> Instance::Step() {
+  std::vector<EngineResult> out;
+  if (config_.role == Role::kPrefill) {
+    StepPrefill(out);
+  } else {
+    StepDecode(out);
+  }
+  return out;
+}
+
+void Instance::StepPrefill(std::vector<EngineResult>& out) {
+  const std::int64_t tpb = config_.model.tokens_per_block;
+  // Schedule what fits; "compute" it; finish it on its length cap (max_tokens 1).
+  while (!waiting_.empty()) {
+    Running& r = *waiting_.front();
+    const auto need = static_cast<std::size_t>(
+        (static_cast<std::int64_t>(r.request.prompt.size()) + tpb - 1) / tpb);
+    Result<std::vector<std::int64_t>> blocks = allocator_->Allocate(need);
+    if (!blocks.ok()) break;  // wait for holds to end
+    r.scheduled = Clock::now();
+    r.blocks = std::move(blocks).value();
+    Compute(r, 0, static_cast<std::int64_t>(need));
+    if (config_.compute_per_token.count() > 0) {
+      std::this_thread::sleep_for(config_.compute_per_token * r.request.prompt.size());
+    }
+    const Clock::time_point computed = Clock::now();
+    Scheduler::FinishedResult f = scheduler_->RequestFinished(
+        r.request.request_id, r.request.params, FinishReason::kLengthCapped, r.blocks);
+    r.result.queue_ms = Ms(r.submitted, r.scheduled);
+    r.result.compute_ms = Ms(r.scheduled, computed);
+    if (f.params) r.result.params = *f.params;
+    if (f.delay_free) {
+      held_[r.request.request_id] = r.blocks;
+    } else {
+      FreeBlocks(r.blocks);
+    }
+    ++done_;
+    out.push_back(r.result);
+    waiting_.pop_front();
+  }
+  const ConnectorMetadata meta = scheduler_->BuildConnectorMeta();
+  for (auto& w : workers_) w->StartLoadKv(meta);
+  // Free held blocks once every TP rank's hold has ended.
+  for (std::size_t rank = 0; rank < workers_.size(); ++rank) {
+    for (const std::string& id : workers_[rank]->GetFinished().sending) {
+      std::set<int>& ranks = rank_reports_[id];
+      ranks.insert(static_cast<int>(rank));
+      if (ranks.size() == workers_.size()) {
+        auto it = held_.find(id);
+        if (it != held_.end()) {
+          FreeBlocks(it->second);
+          held_.erase(it);
+        }
+        rank_reports_.erase(id);
+      }
+    }
+  }
+}
+
+void Instance::StepDecode(std::vector<EngineResult>& out) {
+  const std::int64_t tpb = config_.model.tokens_per_block;
+  while (!waiting_.empty()) {
+    Running& r = *waiting_.front();
+    const auto prompt = static_cast<std::int64_t>(r.request.prompt.size());
+    const std::int64_t total = (prompt + tpb - 1) / tpb;
+    // Prefix cache: full blocks whose chain hash is cached.
+    std::vector<std::int64_t> hit;
+    for (std::int64_t bi = 0; bi < prompt / tpb; ++bi) {
+      auto it = prefix_.find(r.hashes[static_cast<std::size_t>((bi + 1) * tpb - 1)]);
+      if (it == prefix_.end()) break;
+      hit.push_back(it->second);
+    }
+    // Like vLLM, the last prompt token is always computed: never hit the whole prompt.
+    if (static_cast<std::int64_t>(hit.size()) * tpb >= prompt && !hit.empty()) hit.pop_back();
+    Result<std::vector<std::int64_t>> fresh =
+        AllocateEvicting(static_cast<std::size_t>(total) - hit.size());
+    if (!fresh.ok()) break;
+    for (std::size_t bi = 0; bi < hit.size(); ++bi) {
+      allocator_->Ref(hit[bi]);
+      const std::uint64_t key = r.hashes[(bi + 1) * static_cast<std::size_t>(tpb) - 1];
+      lru_.splice(lru_.end(), lru_, lru_pos_.at(key));  // touched
+    }
+    r.scheduled = Clock::now();
+    r.prefix_hit = static_cast<std::int64_t>(hit.size());
+    r.blocks = hit;
+    r.blocks.insert(r.blocks.end(), fresh->begin(), fresh->end());
+    auto [tokens, async] =
+        scheduler_->GetNumNewMatchedTokens(r.request.params, prompt, r.prefix_hit * tpb);
+    (void)tokens;
+    (void)async;
+    Status s = scheduler_->UpdateStateAfterAlloc(r.request.request_id, r.request.params, *fresh);
+    r.result.queue_ms = Ms(r.submitted, r.scheduled);
+    r.result.prefix_hit_blocks = r.prefix_hit;
+    r.result.loaded_blocks = static_cast<std::int64_t>(fresh->size());
+    std::unique_ptr<Running> owned = std::move(waiting_.front());
+    waiting_.pop_front();
+    if (!s.ok()) {
+      // The error reaches the request (rule 2): it fails, nothing is loaded.
+      owned->result.status = s;
+      FreeBlocks(owned->blocks);
+      ++failed_;
+      out.push_back(owned->result);
+      continue;
+    }
+    running_[owned->request.request_id] = std::move(owned);
+  }
+  const ConnectorMetadata meta = scheduler_->BuildConnectorMeta();
+  for (auto& w : workers_) w->StartLoadKv(meta);
+  std::map<std::string, Status> errors;
+  for (std::size_t rank = 0; rank < workers_.size(); ++rank) {
+    for (LoadError& e : workers_[rank]->TakeLoadErrors()) errors[e.request_id] = e.status;
+    for (const std::string& id : workers_[rank]->GetFinished().receiving) {
+      std::set<int>& ranks = rank_reports_[id];
+      ranks.insert(static_cast<int>(rank));
+      if (ranks.size() != workers_.size()) continue;
+      rank_reports_.erase(id);
+      auto it = running_.find(id);
+      if (it == running_.end()) continue;
+      Running& r = *it->second;
+      r.result.load_ms = Ms(r.scheduled, Clock::now());
+      auto err = errors.find(id);
+      if (err != errors.end()) {
+        // Recompute policy: the engine computes the blocks the load could not deliver.
+        Log().warn("request {}: load failed ({}); recomputing {} blocks", id,
+                   err->second.ToString(), r.result.loaded_blocks);
+        Compute(r, r.prefix_hit, r.result.loaded_blocks);
+        r.result.recomputed_blocks = r.result.loaded_blocks;
+      }
+      Status verify;
+      r.result.verified_bytes = Verify(r, 0, static_cast<std::int64_t>(r.blocks.size()), &verify);
+      r.result.status = verify;
+      if (verify.ok()) {
+        ++done_;
+        AddToPrefixCache(r);
+      } else {
+        ++failed_;
+      }
+      FreeBlocks(r.blocks);
+      out.push_back(r.result);
+      running_.erase(it);
+    }
+  }
+}
+
+InstanceStats Instance::Stats() const {
+  InstanceStats s;
+  // Cached blocks that only the cache references are free for the taking, not in use.
+  std::int64_t evictable = 0;
+  for (const auto& [key, block] : prefix_) evictable += allocator_->refs(block) == 1 ? 1 : 0;
+  s.cached_blocks = static_cast<std::int64_t>(prefix_.size());
+  s.used_blocks = allocator_->used_blocks() - evictable;
+  LatencyHistogram transfers;
+  for (const auto& w : workers_) {
+    const WorkerStats ws = w->Stats();
+    transfers.count += ws.transfer_latency.count;
+    for (std::size_t b = 0; b < transfers.buckets.size(); ++b) {
+      transfers.buckets[b] += ws.transfer_latency.buckets[b];
+    }
+    s.holds += ws.holds_outstanding;
+    s.loads_outstanding += ws.loads_outstanding;
+    s.bytes_read += ws.bytes_read;
+  }
+  s.transfer_p50_us = transfers.Quantile(0.5);
+  s.transfer_p99_us = transfers.Quantile(0.99);
+  s.requests_done = done_;
+  s.requests_failed = failed_;
+  return s;
+}
+
+}  // namespace kvferry::engine

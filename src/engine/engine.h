@@ -1,0 +1,141 @@
+// A small paged-KV serving engine for the demo, the end-to-end benchmark and tests: a block
+// allocator with reference counts, a decode-side prefix cache, and a step loop that calls the
+// connector as vLLM does. "Compute" writes KV bytes derived from (token prefix, layer, part, head,
+// dim), so the decode side can verify every byte it receives.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvferry/connector.h"
+
+namespace kvferry::engine {
+
+/// Fixed-size block pool with reference counts. Not thread-safe (the engine loop owns it).
+class BlockAllocator {
+ public:
+  explicit BlockAllocator(std::int64_t num_blocks);
+  /// `n` fresh blocks with one reference each, or ResourceExhausted.
+  Result<std::vector<std::int64_t>> Allocate(std::size_t n);
+  void Ref(std::int64_t block);
+  /// Drops a reference; returns true when the block became free.
+  bool Unref(std::int64_t block);
+  int refs(std::int64_t block) const { return refs_[static_cast<std::size_t>(block)]; }
+  std::int64_t free_blocks() const { return static_cast<std::int64_t>(free_.size()); }
+  std::int64_t used_blocks() const { return total_ - free_blocks(); }
+
+ private:
+  std::int64_t total_;
+  std::vector<std::int64_t> free_;
+  std::vector<int> refs_;
+};
+
+struct InstanceConfig {
+  Role role = Role::kPrefill;
+  std::string engine_id;
+  int tp_size = 1;
+  int dp_rank = 0;
+  std::string host = "127.0.0.1";
+  int base_port = 5557;
+  std::string secret;
+  TransportKind transport = TransportKind::kAuto;
+  std::optional<RankTable> rank_table;
+  /// Model shape, for every TP rank (the spec's TP fields are set per rank).
+  CacheSpecOptions model;
+  std::chrono::milliseconds hold_lease{30000};
+  std::chrono::microseconds compute_per_token{0};  ///< simulated prefill compute
+};
+
+/// A request as the proxy sends it.
+struct EngineRequest {
+  std::string request_id;
+  std::vector<std::int32_t> prompt;
+  KvTransferParams params;
+};
+
+/// What the engine reports when a request finishes.
+struct EngineResult {
+  std::string request_id;
+  Status status;
+  KvTransferParams params;        ///< prefill: for the decode side
+  std::int64_t prefix_hit_blocks = 0;
+  std::int64_t loaded_blocks = 0;
+  std::int64_t recomputed_blocks = 0;
+  std::uint64_t verified_bytes = 0;
+  double queue_ms = 0;    ///< submitted to scheduled
+  double compute_ms = 0;  ///< prefill compute
+  double load_ms = 0;     ///< decode: load started to finished
+};
+
+struct InstanceStats {
+  std::int64_t used_blocks = 0;       ///< allocated to running requests or held for transfer
+  std::int64_t cached_blocks = 0;     ///< decode prefix cache, evictable
+  std::uint64_t holds = 0;
+  std::uint64_t loads_outstanding = 0;
+  std::uint64_t bytes_read = 0;
+  std::uint64_t requests_done = 0;
+  std::uint64_t requests_failed = 0;
+  /// The connector's own transfer latency over all TP ranks (bucket upper bounds, µs).
+  std::uint64_t transfer_p50_us = 0;
+  std::uint64_t transfer_p99_us = 0;
+};
+
+/// One engine instance: TP workers (each with its own cache), one scheduler. Single-threaded:
+/// Submit and Step from one thread.
+class Instance {
+ public:
+  static Result<std::unique_ptr<Instance>> Create(InstanceConfig config);
+  ~Instance();
+
+  void Submit(EngineRequest request);
+  /// One engine step; returns the requests that finished in it.
+  std::vector<EngineResult> Step();
+  InstanceStats Stats() const;
+  const CacheSpec& spec(int rank) const;
+  bool Idle() const;
+
+ private:
+  struct Running;
+  explicit Instance(InstanceConfig config);
+  Status Init();
+  void StepPrefill(std::vector<EngineResult>& out);
+  void StepDecode(std::vector<EngineResult>& out);
+  void Compute(const Running& r, std::int64_t first_block_index, std::int64_t count);
+  std::uint64_t Verify(const Running& r, std::int64_t first_block_index, std::int64_t count,
+                       Status* status);
+  void FreeBlocks(const std::vector<std::int64_t>& blocks);
+  Result<std::vector<std::int64_t>> AllocateEvicting(std::size_t n);
+  void AddToPrefixCache(const Running& r);
+
+  InstanceConfig config_;
+  std::vector<CacheSpec> specs_;
+  std::vector<std::vector<std::vector<std::uint64_t>>> memory_;  // [rank][layer*parts+part]
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<BlockAllocator> allocator_;
+
+  std::deque<std::unique_ptr<Running>> waiting_;
+  std::map<std::string, std::unique_ptr<Running>> running_;      // decode: loading
+  std::map<std::string, std::vector<std::int64_t>> held_;        // prefill: blocks held
+  std::map<std::string, std::set<int>> rank_reports_;            // per request: ranks reported
+  // Decode prefix cache: chain hash of a full block's tokens -> block; LRU of evictable blocks.
+  std::unordered_map<std::uint64_t, std::int64_t> prefix_;
+  std::list<std::uint64_t> lru_;
+  std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> lru_pos_;
+  std::uint64_t done_ = 0;
+  std::uint64_t failed_ = 0;
+};
+
+/// Chain hashes of a prompt's positions: hash[t] covers tokens[0..t].
+std::vector<std::uint64_t> PrefixHashes(const std::vector<std::int32_t>& prompt);
+
+}  // namespace kvferry::engine

@@ -1,0 +1,463 @@
+// kvferry demo: a prefill and a decode instance (kvferry serve, TP workers each) on this host,
+// driven through a proxy that forwards kv_transfer_params, with every byte verified.
+// kvferry bench e2e: the same pipeline over a sweep of prompt lengths.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/subprocess.h"
+#include "kvferry/rank_table.h"
+#include "sidechannel/zmq_util.h"
+#include "tools/commands.h"
+#include "tools/engine_protocol.h"
+
+namespace kvferry::cli {
+namespace {
+
+using Json = nlohmann::json;
+using std::chrono::milliseconds;
+
+struct PipelineArgs {
+  int prefill_tp = 2;
+  int decode_tp = 2;
+  ModelArgs model;
+  std::string transport = "auto";
+  int concurrency = 16;
+  int hold_lease_ms = 30000;
+  int compute_us_per_token = 0;
+  bool progress = true;
+};
+
+struct DemoArgs {
+  PipelineArgs pipeline;
+  int requests = 200;
+  int min_prompt = 32;
+  int max_prompt = 2048;
+  double shared_prefix = 0.3;
+  bool json = false;
+};
+
+struct RequestTiming {
+  double prefill_ms = 0;  // proxy sent to prefill -> prefill answered
+  double decode_ms = 0;   // proxy sent to decode -> decode answered (load and verify)
+  double load_ms = 0;     // decode side: load started -> finished
+  double ttft_ms = 0;     // proxy sent to prefill -> decode answered
+  std::uint64_t loaded_bytes = 0;
+};
+
+struct PipelineResult {
+  int done = 0;
+  int failed = 0;
+  std::vector<std::string> errors;
+  std::vector<RequestTiming> timings;
+  std::uint64_t bytes_moved = 0;
+  std::uint64_t bytes_verified = 0;
+  std::int64_t prefix_hit_blocks = 0;
+  std::int64_t recomputed_blocks = 0;
+  double wall_s = 0;
+  Json prefill_end;
+  Json decode_end;
+  bool leaked = false;
+};
+
+std::string SelfExe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "kvferry";
+}
+
+bool PortFree(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  close(fd);
+  return ok;
+}
+
+// A run of `count` consecutive free ports, not overlapping `taken`.
+int FreePorts(int count, std::vector<int>& taken, std::mt19937& rng) {
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int base = 20000 + static_cast<int>(rng() % 40000);
+    bool ok = true;
+    for (int i = 0; i < count && ok; ++i) {
+      ok = PortFree(base + i) &&
+           std::find(taken.begin(), taken.end(), base + i) == taken.end();
+    }
+    if (ok) {
+      for (int i = 0; i < count; ++i) taken.push_back(base + i);
+      return base;
+    }
+  }
+  return 0;
+}
+
+// One control connection to a kvferry serve instance.
+class Control {
+ public:
+  explicit Control(const std::string& endpoint) : socket_(ZMQ_DEALER) {
+    (void)socket_.SetInt(ZMQ_SNDTIMEO, 5000);
+    zmq_connect(socket_.get(), endpoint.c_str());
+  }
+  void Send(const Json& j) {
+    const std::string text = j.dump();
+    (void)sidechannel::SendFrames(
+        socket_.get(), {std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size())});
+  }
+  // A reply if one is ready.
+  std::optional<Json> TryRecv() {
+    int events = 0;
+    std::size_t len = sizeof(events);
+    zmq_getsockopt(socket_.get(), ZMQ_EVENTS, &events, &len);
+    if ((events & ZMQ_POLLIN) == 0) return std::nullopt;
+    std::vector<std::vector<std::uint8_t>> frames;
+    bool truncated = false;
+    if (!sidechannel::RecvFrames(socket_.get(), &frames, 1, 64 << 20, &truncated).ok() ||
+        frames.empty()) {
+      return std::nullopt;
+    }
+    Json j = Json::parse(frames[0].begin(), frames[0].end(), nullptr, false);
+    if (j.is_discarded()) return std::nullopt;
+    return j;
+  }
+  // Request and wait for its reply (no generate in flight).
+  Result<Json> Call(const Json& j, milliseconds timeout) {
+    Send(j);
+    const Deadline deadline = DeadlineAfter(timeout);
+    while (Clock::now() < deadline) {
+      zmq_pollitem_t item{socket_.get(), 0, ZMQ_POLLIN, 0};
+      zmq_poll(&item, 1, 50);
+      if (std::optional<Json> r = TryRecv()) return *r;
+    }
+    return Status::Timeout("instance did not answer '" + j.value("op", "") + "'");
+  }
+  void* socket() const { return socket_.get(); }
+
+ private:
+  sidechannel::ZmqSocket socket_;
+};
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto i = static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+// Bytes one block occupies across all layers, parts and TP ranks of an instance.
+Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
+  KVFERRY_ASSIGN_OR_RETURN(CacheSpecOptions o, BuildModel(m));
+  std::uint64_t total = 0;
+  for (int r = 0; r < tp; ++r) {
+    o.tp_size = tp;
+    o.tp_rank = r;
+    KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
+    for (int p = 0; p < spec.num_parts(); ++p) {
+      total += static_cast<std::uint64_t>(spec.BlockBytes(p)) *
+               static_cast<std::uint64_t>(spec.num_layers());
+    }
+  }
+  return total;
+}
+
+Result<PipelineResult> RunPipeline(const PipelineArgs& a,
+                                   const std::vector<std::vector<std::int32_t>>& prompts) {
+  std::mt19937 rng(static_cast<unsigned>(getpid()) ^ static_cast<unsigned>(Clock::now().time_since_epoch().count()));
+  std::vector<int> taken;
+  const int prefill_base = FreePorts(a.prefill_tp, taken, rng);
+  const int decode_base = FreePorts(a.decode_tp, taken, rng);
+  const int prefill_control = FreePorts(1, taken, rng);
+  const int decode_control = FreePorts(1, taken, rng);
+  if (prefill_base == 0 || decode_base == 0 || prefill_control == 0 || decode_control == 0) {
+    return Status::Unavailable("could not find free ports on 127.0.0.1");
+  }
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t block_bytes, BytesPerBlock(a.model, a.decode_tp));
+
+  // The deployment's rank table: one prefill and one decode instance on this host.
+  RankTableGenOptions gen;
+  gen.hosts = {"127.0.0.1"};
+  gen.devices_per_host = a.prefill_tp + a.decode_tp;
+  gen.prefill_count = a.prefill_tp;
+  gen.decode_count = a.decode_tp;
+  KVFERRY_ASSIGN_OR_RETURN(RankTable table, GenerateRankTable(gen));
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("kvferry-demo-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string table_path = (dir / "ranktable.json").string();
+  std::ofstream(table_path) << table.ToJson();
+
+  auto spawn = [&](const char* role, int tp, int base, int control) -> Result<Subprocess> {
+    std::vector<std::string> argv = {SelfExe(), "serve", "--role", role, "--tp", std::to_string(tp),
+                                     "--base-port", std::to_string(base), "--control-port",
+                                     std::to_string(control), "--rank-table", table_path,
+                                     "--transport", a.transport, "--hold-lease-ms",
+                                     std::to_string(a.hold_lease_ms), "--compute-us-per-token",
+                                     std::to_string(a.compute_us_per_token)};
+    for (const std::string& s : ModelArgv(a.model)) argv.push_back(s);
+    KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv));
+    KVFERRY_ASSIGN_OR_RETURN(std::string line, p.ReadLine(milliseconds(60000)));
+    if (line.rfind("READY ", 0) != 0) {
+      return Status::Internal(std::string(role) + " instance did not start: " + line);
+    }
+    return p;
+  };
+  KVFERRY_ASSIGN_OR_RETURN(Subprocess prefill_proc,
+                           spawn("prefill", a.prefill_tp, prefill_base, prefill_control));
+  KVFERRY_ASSIGN_OR_RETURN(Subprocess decode_proc,
+                           spawn("decode", a.decode_tp, decode_base, decode_control));
+  Control prefill("tcp://127.0.0.1:" + std::to_string(prefill_control));
+  Control decode("tcp://127.0.0.1:" + std::to_string(decode_control));
+
+  // The proxy: prefill first (asking for remote decode), then decode with the params the prefill
+  // instance returned, as disaggregated-serving proxies forward them.
+  PipelineResult out;
+  struct InFlight {
+    Clock::time_point sent;
+    Clock::time_point forwarded;
+  };
+  std::map<std::string, InFlight> inflight;
+  std::size_t next = 0;
+  int finished = 0;
+  const auto start = Clock::now();
+  auto last_progress = start;
+  const Deadline deadline = DeadlineAfter(milliseconds(600000));
+  while (finished < static_cast<int>(prompts.size()) && Clock::now() < deadline) {
+    while (next < prompts.size() && static_cast<int>(inflight.size()) < a.concurrency) {
+      const std::string id = "req-" + std::to_string(next);
+      Json params = ParamsToJson(KvTransferParams{});
+      params["do_remote_decode"] = true;
+      prefill.Send({{"op", "generate"}, {"request_id", id}, {"prompt", prompts[next]},
+                    {"kv_transfer_params", params}});
+      inflight[id] = {Clock::now(), {}};
+      ++next;
+    }
+    zmq_pollitem_t items[2] = {{prefill.socket(), 0, ZMQ_POLLIN, 0},
+                               {decode.socket(), 0, ZMQ_POLLIN, 0}};
+    zmq_poll(items, 2, 20);
+    while (std::optional<Json> r = prefill.TryRecv()) {
+      const std::string id = r->value("request_id", "");
+      auto it = inflight.find(id);
+      if (it == inflight.end()) continue;
+      if (!r->value("ok", false)) {
+        ++out.failed;
+        out.errors.push_back(id + " (prefill): " + r->value("error", ""));
+        inflight.erase(it);
+        ++finished;
+        continue;
+      }
+      it->second.forwarded = Clock::now();
+      const std::size_t index = static_cast<std::size_t>(std::stoul(id.substr(4)));
+      decode.Send({{"op", "generate"}, {"request_id", id}, {"prompt", prompts[index]},
+                   {"kv_transfer_params", (*r)["kv_transfer_params"]}});
+    }
+    while (std::optional<Json> r = decode.TryRecv()) {
+      const std::string id = r->value("request_id", "");
+      auto it = inflight.find(id);
+      if (it == inflight.end()) continue;
+      const auto now = Clock::now();
+      if (r->value("ok", false)) {
+        ++out.done;
+        RequestTiming t;
+        t.prefill_ms = std::chrono::duration<double, std::milli>(it->second.forwarded - it->second.sent).count();
+        t.decode_ms = std::chrono::duration<double, std::milli>(now - it->second.forwarded).count();
+        t.ttft_ms = std::chrono::duration<double, std::milli>(now - it->second.sent).count();
+        t.load_ms = r->value("load_ms", 0.0);
+        t.loaded_bytes = static_cast<std::uint64_t>(r->value("loaded_blocks", 0)) * block_bytes;
+        out.timings.push_back(t);
+        out.bytes_verified += r->value("verified_bytes", std::uint64_t{0});
+        out.prefix_hit_blocks += r->value("prefix_hit_blocks", 0);
+        out.recomputed_blocks += r->value("recomputed_blocks", 0);
+      } else {
+        ++out.failed;
+        out.errors.push_back(id + " (decode): " + r->value("error", ""));
+      }
+      inflight.erase(it);
+      ++finished;
+    }
+    // On a terminal one line that updates in place; elsewhere (CI logs) a line every 2 s.
+    const bool tty = isatty(STDERR_FILENO) != 0;
+    if (a.progress && Clock::now() - last_progress > milliseconds(tty ? 500 : 2000)) {
+      last_progress = Clock::now();
+      std::fprintf(stderr, "%s[kvferry] %d/%zu requests done, %d failed, %zu in flight%s",
+                   tty ? "\r" : "", out.done, prompts.size(), out.failed, inflight.size(),
+                   tty ? "   " : "\n");
+    }
+  }
+  out.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+  if (a.progress && isatty(STDERR_FILENO) != 0) std::fprintf(stderr, "\r%80s\r", "");
+  for (const auto& [id, f] : inflight) {
+    ++out.failed;
+    out.errors.push_back(id + ": no answer before the run's deadline");
+  }
+  // Everything must be released: holds end as notices arrive, so give them a moment.
+  const Deadline settle = DeadlineAfter(milliseconds(10000));
+  for (;;) {
+    Result<Json> p = prefill.Call({{"op", "stats"}}, milliseconds(5000));
+    Result<Json> d = decode.Call({{"op", "stats"}}, milliseconds(5000));
+    if (!p.ok() || !d.ok()) return p.ok() ? d.status() : p.status();
+    out.prefill_end = *p;
+    out.decode_end = *d;
+    out.bytes_moved = d->value("bytes_read", std::uint64_t{0});
+    out.leaked = p->value("holds", 0) != 0 || p->value("used_blocks", 0) != 0 ||
+                 d->value("used_blocks", 0) != 0 || d->value("loads_outstanding", 0) != 0;
+    if (!out.leaked || Clock::now() > settle) break;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  (void)prefill.Call({{"op", "shutdown"}}, milliseconds(5000));
+  (void)decode.Call({{"op", "shutdown"}}, milliseconds(5000));
+  (void)prefill_proc.CloseAndWait(milliseconds(10000));
+  (void)decode_proc.CloseAndWait(milliseconds(10000));
+  std::filesystem::remove_all(dir);
+  return out;
+}
+
+// Prompt lengths spread log-uniformly; a share of them start with one of a few common system
+// prompts, so the decode side's prefix cache gets hits.
+std::vector<std::vector<std::int32_t>> MakePrompts(int n, int min_len, int max_len, double shared,
+                                                   std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<std::int32_t>> prefixes(4);
+  for (auto& p : prefixes) {
+    for (int i = 0; i < 256; ++i) p.push_back(static_cast<std::int32_t>(rng() % 32000));
+  }
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<std::vector<std::int32_t>> out;
+  for (int i = 0; i < n; ++i) {
+    const double x = std::log(min_len) + u(rng) * (std::log(max_len) - std::log(min_len));
+    const auto len = static_cast<std::size_t>(std::exp(x));
+    std::vector<std::int32_t> p;
+    if (u(rng) < shared) p = prefixes[rng() % prefixes.size()];
+    while (p.size() < std::max<std::size_t>(len, 1)) p.push_back(static_cast<std::int32_t>(rng() % 32000));
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+int RunDemo(const DemoArgs& a) {
+  if (!a.json) {
+    std::cout << "kvferry demo: prefill TP " << a.pipeline.prefill_tp << " -> decode TP "
+              << a.pipeline.decode_tp << ", " << a.requests << " requests, prompts "
+              << a.min_prompt << ".." << a.max_prompt << " tokens, transport "
+              << a.pipeline.transport << ", model " << a.pipeline.model.kind << " "
+              << a.pipeline.model.layers << " layers" << std::endl;
+  }
+  const auto prompts = MakePrompts(a.requests, a.min_prompt, a.max_prompt, a.shared_prefix, 7);
+  Result<PipelineResult> r = RunPipeline(a.pipeline, prompts);
+  if (!r.ok()) {
+    std::cerr << "kvferry demo: " << r.status().ToString() << "\n";
+    return 1;
+  }
+  std::vector<double> load, ttft, prefill, decode;
+  for (const RequestTiming& t : r->timings) {
+    load.push_back(t.load_ms);
+    ttft.push_back(t.ttft_ms);
+    prefill.push_back(t.prefill_ms);
+    decode.push_back(t.decode_ms);
+  }
+  const double gb = static_cast<double>(r->bytes_moved) / 1e9;
+  double load_s = 0;
+  for (double ms : load) load_s += ms / 1000;
+  Json report = {
+      {"requests", a.requests},
+      {"done", r->done},
+      {"failed", r->failed},
+      {"bytes_moved", r->bytes_moved},
+      {"bytes_verified", r->bytes_verified},
+      {"wall_s", r->wall_s},
+      {"throughput_gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
+      {"load_p50_ms", Percentile(load, 0.5)},
+      {"load_p99_ms", Percentile(load, 0.99)},
+      {"transfer_p50_us_bucket", r->decode_end.value("transfer_p50_us", 0)},
+      {"transfer_p99_us_bucket", r->decode_end.value("transfer_p99_us", 0)},
+      {"ttft_p50_ms", Percentile(ttft, 0.5)},
+      {"ttft_p99_ms", Percentile(ttft, 0.99)},
+      {"prefill_p50_ms", Percentile(prefill, 0.5)},
+      {"decode_p50_ms", Percentile(decode, 0.5)},
+      {"prefix_hit_blocks", r->prefix_hit_blocks},
+      {"recomputed_blocks", r->recomputed_blocks},
+      {"prefill_end", r->prefill_end},
+      {"decode_end", r->decode_end},
+      {"leaked", r->leaked}};
+  if (a.json) {
+    std::cout << report.dump(2) << std::endl;
+  } else {
+    char line[2048];
+    std::snprintf(line, sizeof(line),
+                  "requests      %d done, %d failed (of %d)\n"
+                  "moved         %.3f GB in %.2f s: %.2f GB/s across the run\n"
+                  "transfer      p50 <= %.2f ms, p99 <= %.2f ms per request in the connector\n"
+                  "load          p50 %.2f ms, p99 %.2f ms as the decode engine saw it (queued "
+                  "behind verification)\n"
+                  "TTFT          p50 %.2f ms, p99 %.2f ms = prefill p50 %.2f ms + transfer and "
+                  "decode p50 %.2f ms\n"
+                  "verified      %.3f GB, every byte; %lld blocks from the decode prefix cache, "
+                  "%lld recomputed\n"
+                  "held at end   prefill %d blocks, %d holds; decode %d blocks\n",
+                  r->done, r->failed, a.requests, gb, r->wall_s, r->wall_s > 0 ? gb / r->wall_s : 0,
+                  r->decode_end.value("transfer_p50_us", 0) / 1000.0,
+                  r->decode_end.value("transfer_p99_us", 0) / 1000.0, Percentile(load, 0.5), Percentile(load, 0.99), Percentile(ttft, 0.5),
+                  Percentile(ttft, 0.99), Percentile(prefill, 0.5), Percentile(decode, 0.5),
+                  static_cast<double>(r->bytes_verified) / 1e9,
+                  static_cast<long long>(r->prefix_hit_blocks),
+                  static_cast<long long>(r->recomputed_blocks),
+                  r->prefill_end.value("used_blocks", -1), r->prefill_end.value("holds", -1),
+                  r->decode_end.value("used_blocks", -1));
+    std::cout << line;
+    for (std::size_t i = 0; i < std::min<std::size_t>(r->errors.size(), 10); ++i) {
+      std::cout << "error         " << r->errors[i] << "\n";
+    }
+  }
+  const bool ok = r->failed == 0 && !r->leaked && r->done == a.requests;
+  if (!a.json) std::cout << (ok ? "demo: ok" : "demo: FAILED") << std::endl;
+  return ok ? 0 : 1;
+}
+
+void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
+  cmd.add_option("--prefill-tp", p.prefill_tp, "TP size of the prefill instance")
+      ->capture_default_str();
+  cmd.add_option("--decode-tp", p.decode_tp, "TP size of the decode instance")
+      ->capture_default_str();
+  cmd.add_option("--transport", p.transport, "auto|shm|tcp")->capture_default_str();
+  cmd.add_option("--concurrency", p.concurrency, "Requests in flight")->capture_default_str();
+  cmd.add_option("--compute-us-per-token", p.compute_us_per_token,
+                 "Simulated prefill compute per token");
+  AddModelOptions(cmd, p.model);
+}
+
+}  // namespace
+
+void AddDemoCommands(CLI::App& app, int& exit_code) {
+  auto a = std::make_shared<DemoArgs>();
+  CLI::App* demo = app.add_subcommand(
+      "demo", "Prefill and decode instances on this host moving real KV bytes, all verified");
+  demo->add_option("--requests", a->requests, "Requests to drive")->capture_default_str();
+  demo->add_option("--min-prompt", a->min_prompt, "Shortest prompt, tokens")->capture_default_str();
+  demo->add_option("--max-prompt", a->max_prompt, "Longest prompt, tokens")->capture_default_str();
+  demo->add_option("--shared-prefix", a->shared_prefix,
+                   "Share of prompts starting with a common system prompt")
+      ->capture_default_str();
+  demo->add_flag("--json", a->json, "Machine-readable report");
+  demo->add_flag("!--no-progress", a->pipeline.progress, "No progress line");
+  AddPipelineOptions(*demo, a->pipeline);
+  demo->callback([a, &exit_code] { exit_code = RunDemo(*a); });
+}
+
+}  // namespace kvferry::cli

@@ -1,0 +1,178 @@
+// kvferry serve: one engine instance (prefill or decode) with its TP workers, driven over a
+// ZeroMQ control socket by a proxy (kvferry demo, bench e2e, or your own).
+#include <zmq.h>
+
+#include <iostream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "common/clock.h"
+#include "engine/engine.h"
+#include "sidechannel/zmq_util.h"
+#include "tools/commands.h"
+#include "tools/engine_protocol.h"
+
+namespace kvferry::cli {
+namespace {
+
+using Json = nlohmann::json;
+
+struct ServeArgs {
+  std::string role = "prefill";
+  std::string engine_id;
+  int tp = 1;
+  int dp_rank = 0;
+  std::string host = "127.0.0.1";
+  int base_port = 5557;
+  int control_port = 0;
+  std::string rank_table;
+  std::string transport = "auto";
+  ModelArgs model;
+  int hold_lease_ms = 30000;
+  int compute_us_per_token = 0;
+};
+
+int RunServe(const ServeArgs& a) {
+  engine::InstanceConfig c;
+  Result<Role> role = ParseRole(a.role);
+  Result<TransportKind> transport = ParseTransportKind(a.transport);
+  Result<CacheSpecOptions> model = BuildModel(a.model);
+  for (const Status& s : {role.status(), transport.status(), model.status()}) {
+    if (!s.ok()) {
+      std::cerr << "kvferry serve: " << s.ToString() << "\n";
+      return 2;
+    }
+  }
+  c.role = *role;
+  c.engine_id = a.engine_id.empty() ? std::string(RoleName(*role)) + "-0" : a.engine_id;
+  c.tp_size = a.tp;
+  c.dp_rank = a.dp_rank;
+  c.host = a.host;
+  c.base_port = a.base_port;
+  const char* secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe): startup
+  if (secret != nullptr) c.secret = secret;
+  c.transport = *transport;
+  c.model = *model;
+  c.hold_lease = std::chrono::milliseconds(a.hold_lease_ms);
+  c.compute_per_token = std::chrono::microseconds(a.compute_us_per_token);
+  if (!a.rank_table.empty()) {
+    Result<RankTable> t = RankTable::Load(a.rank_table);
+    if (!t.ok()) {
+      std::cerr << "kvferry serve: " << t.status().ToString() << "\n";
+      return 1;
+    }
+    c.rank_table = *t;
+  }
+  Result<std::unique_ptr<engine::Instance>> instance = engine::Instance::Create(c);
+  if (!instance.ok()) {
+    std::cerr << "kvferry serve: " << instance.status().ToString() << "\n";
+    return 1;
+  }
+  sidechannel::ZmqSocket control(ZMQ_ROUTER);
+  const std::string endpoint = "tcp://" + a.host + ":" + std::to_string(a.control_port);
+  if (zmq_bind(control.get(), endpoint.c_str()) != 0) {
+    std::cerr << "kvferry serve: cannot bind the control socket " << endpoint << ": "
+              << sidechannel::ZmqError() << "\n";
+    return 1;
+  }
+  std::cout << "READY " << endpoint << std::endl;
+
+  std::map<std::string, std::vector<std::uint8_t>> reply_to;  // request id -> proxy identity
+  auto reply = [&](const std::vector<std::uint8_t>& identity, const Json& j) {
+    const std::string text = j.dump();
+    (void)sidechannel::SendFrames(
+        control.get(), {identity, std::span(reinterpret_cast<const std::uint8_t*>(text.data()),
+                                            text.size())});
+  };
+  bool running = true;
+  while (running) {
+    zmq_pollitem_t item{control.get(), 0, ZMQ_POLLIN, 0};
+    zmq_poll(&item, 1, (*instance)->Idle() ? 5 : 0);
+    for (;;) {
+      int events = 0;
+      std::size_t len = sizeof(events);
+      zmq_getsockopt(control.get(), ZMQ_EVENTS, &events, &len);
+      if ((events & ZMQ_POLLIN) == 0) break;
+      std::vector<std::vector<std::uint8_t>> frames;
+      bool truncated = false;
+      if (!sidechannel::RecvFrames(control.get(), &frames, 2, 64 << 20, &truncated).ok() ||
+          frames.size() != 2) {
+        continue;
+      }
+      const Json req = Json::parse(frames[1].begin(), frames[1].end(), nullptr, false);
+      if (req.is_discarded() || !req.is_object()) {
+        reply(frames[0], {{"error", "expected a JSON object"}});
+        continue;
+      }
+      const std::string op = req.value("op", "");
+      if (op == "generate") {
+        engine::EngineRequest r;
+        r.request_id = req.value("request_id", "");
+        r.prompt = req.value("prompt", std::vector<std::int32_t>{});
+        r.params = ParamsFromJson(req.value("kv_transfer_params", Json::object()));
+        reply_to[r.request_id] = frames[0];
+        (*instance)->Submit(std::move(r));
+      } else if (op == "stats") {
+        const engine::InstanceStats s = (*instance)->Stats();
+        reply(frames[0], {{"used_blocks", s.used_blocks},
+                          {"cached_blocks", s.cached_blocks},
+                          {"holds", s.holds},
+                          {"loads_outstanding", s.loads_outstanding},
+                          {"bytes_read", s.bytes_read},
+                          {"requests_done", s.requests_done},
+                          {"requests_failed", s.requests_failed},
+                          {"transfer_p50_us", s.transfer_p50_us},
+                          {"transfer_p99_us", s.transfer_p99_us}});
+      } else if (op == "shutdown") {
+        reply(frames[0], {{"ok", true}});
+        running = false;
+      } else {
+        reply(frames[0], {{"error", "unknown op '" + op + "'"}});
+      }
+    }
+    for (const engine::EngineResult& r : (*instance)->Step()) {
+      auto it = reply_to.find(r.request_id);
+      if (it == reply_to.end()) continue;
+      reply(it->second, {{"request_id", r.request_id},
+                         {"ok", r.status.ok()},
+                         {"error", r.status.ok() ? "" : r.status.ToString()},
+                         {"kv_transfer_params", ParamsToJson(r.params)},
+                         {"prefix_hit_blocks", r.prefix_hit_blocks},
+                         {"loaded_blocks", r.loaded_blocks},
+                         {"recomputed_blocks", r.recomputed_blocks},
+                         {"verified_bytes", r.verified_bytes},
+                         {"queue_ms", r.queue_ms},
+                         {"compute_ms", r.compute_ms},
+                         {"load_ms", r.load_ms}});
+      reply_to.erase(it);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddServeCommand(CLI::App& app, int& exit_code) {
+  auto a = std::make_shared<ServeArgs>();
+  CLI::App* serve = app.add_subcommand("serve", "Run a prefill or decode engine instance");
+  serve->add_option("--role", a->role, "prefill|decode (kv_producer|kv_consumer)")->required();
+  serve->add_option("--engine-id", a->engine_id, "Engine id (default: <role>-0)");
+  serve->add_option("--tp", a->tp, "TP size: one worker with its own cache per rank")
+      ->capture_default_str();
+  serve->add_option("--dp-rank", a->dp_rank, "DP rank")->capture_default_str();
+  serve->add_option("--host", a->host, "Address to bind and advertise")->capture_default_str();
+  serve->add_option("--base-port", a->base_port, "Side-channel base port")->capture_default_str();
+  serve->add_option("--control-port", a->control_port, "Proxy control port")->required();
+  serve->add_option("--rank-table", a->rank_table, "Global rank table (JSON)");
+  serve->add_option("--transport", a->transport, "auto|shm|tcp")->capture_default_str();
+  serve->add_option("--hold-lease-ms", a->hold_lease_ms, "Prefill hold lease")
+      ->capture_default_str();
+  serve->add_option("--compute-us-per-token", a->compute_us_per_token,
+                    "Simulated prefill compute time per token");
+  AddModelOptions(*serve, a->model);
+  serve->callback([a, &exit_code] { exit_code = RunServe(*a); });
+}
+
+}  // namespace kvferry::cli
