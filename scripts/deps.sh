@@ -15,6 +15,7 @@ PACKAGES=(
   libcli11-dev                         # CLI
   libgtest-dev libgmock-dev            # tests
   libbenchmark-dev                     # micro-benchmarks
+  gnuplot-nox                          # bench e2e --chart
 )
 
 missing=()

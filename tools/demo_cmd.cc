@@ -442,6 +442,114 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
   AddModelOptions(cmd, p.model);
 }
 
+struct E2eArgs {
+  PipelineArgs pipeline;
+  std::vector<int> prompts = {128, 512, 2048};
+  int requests = 24;
+  bool json = false;
+  std::string chart;
+};
+
+// The transport baselines for the model's block size, measured now by bench transport.
+Json TransportBaselines(const ModelArgs& m, int tp) {
+  Result<CacheSpecOptions> o = BuildModel(m);
+  if (!o.ok()) return Json::object();
+  o->tp_size = tp;
+  Result<CacheSpec> spec = CacheSpec::Create(*o);
+  if (!spec.ok()) return Json::object();
+  const std::string block = std::to_string(spec->BlockBytes(0));
+  Result<Subprocess> p = Subprocess::Spawn({SelfExe(), "bench", "transport", "--sizes", block,
+                                            "--repeat", "1", "--min-seconds", "0.3", "--json"});
+  if (!p.ok()) return Json::object();
+  Result<std::string> line = p->ReadLine(milliseconds(120000));
+  (void)p->CloseAndWait(milliseconds(5000));
+  if (!line.ok()) return Json::object();
+  Json j = Json::parse(*line, nullptr, false);
+  return j.is_discarded() ? Json::object() : j;
+}
+
+int RunE2e(const E2eArgs& a) {
+  Json points = Json::array();
+  for (int len : a.prompts) {
+    const auto prompts = MakePrompts(a.requests, len, len, 0.0, static_cast<std::uint32_t>(len));
+    PipelineArgs p = a.pipeline;
+    p.progress = false;
+    Result<PipelineResult> r = RunPipeline(p, prompts);
+    if (!r.ok()) {
+      std::cerr << "kvferry bench e2e: " << r.status().ToString() << "\n";
+      return 1;
+    }
+    std::vector<double> ttft;
+    for (const RequestTiming& t : r->timings) ttft.push_back(t.ttft_ms);
+    const double gb = static_cast<double>(r->bytes_moved) / 1e9;
+    points.push_back({{"prompt_tokens", len},
+                      {"requests", a.requests},
+                      {"failed", r->failed},
+                      {"leaked", r->leaked},
+                      {"bytes_moved", r->bytes_moved},
+                      {"wall_s", r->wall_s},
+                      {"gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
+                      {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
+                      {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
+                      {"ttft_p50_ms", Percentile(ttft, 0.5)},
+                      {"ttft_p99_ms", Percentile(ttft, 0.99)}});
+    if (!a.json) {
+      std::fprintf(stdout,
+                   "prompt %6d tokens: %3d requests, %d failed, %.3f GB in %.2f s = %.2f GB/s; "
+                   "transfer p50 <= %.2f ms p99 <= %.2f ms; TTFT p50 %.1f ms\n",
+                   len, a.requests, r->failed, gb, r->wall_s, r->wall_s > 0 ? gb / r->wall_s : 0,
+                   r->decode_end.value("transfer_p50_us", 0) / 1000.0,
+                   r->decode_end.value("transfer_p99_us", 0) / 1000.0, Percentile(ttft, 0.5));
+      std::fflush(stdout);
+    }
+  }
+  const Json baselines = TransportBaselines(a.pipeline.model, a.pipeline.decode_tp);
+  const Json report = {{"points", points}, {"transport_baselines", baselines}};
+  if (a.json) {
+    std::cout << report.dump(2) << std::endl;
+  } else if (baselines.contains("results")) {
+    for (const Json& b : baselines["results"]) {
+      std::fprintf(stdout, "baseline %s at %llu-byte blocks: %.2f GB/s (%s %.2f GB/s)\n",
+                   b.value("backend", "").c_str(),
+                   static_cast<unsigned long long>(b.value("block_bytes", 0)),
+                   b.value("gbps", 0.0), b.value("baseline", "").c_str(),
+                   b.value("baseline_gbps", 0.0));
+    }
+  }
+  if (!a.chart.empty()) {
+    const std::string data = a.chart + ".dat";
+    {
+      std::ofstream out(data);
+      for (const Json& pt : points) {
+        out << pt["prompt_tokens"].get<int>() << " " << pt["gbps"].get<double>() << "\n";
+      }
+    }
+    const std::string script = a.chart + ".gp";
+    {
+      std::ofstream gp(script);
+      gp << "set terminal png size 800,500\n"
+         << "set output '" << a.chart << "'\n"
+         << "set title 'kvferry end to end: prefill TP " << a.pipeline.prefill_tp
+         << " -> decode TP " << a.pipeline.decode_tp << "'\n"
+         << "set xlabel 'prompt length (tokens)'\nset ylabel 'GB/s moved across the run'\n"
+         << "set logscale x 2\nset grid\nset key off\n"
+         << "plot '" << data << "' using 1:2 with linespoints lw 2 pt 7\n";
+    }
+    const std::string cmd = "gnuplot " + script;
+    if (std::system(cmd.c_str()) != 0) {  // NOLINT(concurrency-mt-unsafe): one thread here
+      std::cerr << "kvferry bench e2e: gnuplot failed; is gnuplot installed (make deps)?\n";
+      return 1;
+    }
+    std::filesystem::remove(data);
+    std::filesystem::remove(script);
+    if (!a.json) std::cout << "chart: " << a.chart << "\n";
+  }
+  for (const Json& pt : points) {
+    if (pt["failed"].get<int>() != 0 || pt["leaked"].get<bool>()) return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 void AddDemoCommands(CLI::App& app, int& exit_code) {
@@ -458,6 +566,17 @@ void AddDemoCommands(CLI::App& app, int& exit_code) {
   demo->add_flag("!--no-progress", a->pipeline.progress, "No progress line");
   AddPipelineOptions(*demo, a->pipeline);
   demo->callback([a, &exit_code] { exit_code = RunDemo(*a); });
+
+  auto e = std::make_shared<E2eArgs>();
+  CLI::App* bench = app.get_subcommand("bench");
+  CLI::App* e2e = bench->add_subcommand(
+      "e2e", "The demo pipeline over a sweep of prompt lengths, with transport baselines");
+  e2e->add_option("--prompts", e->prompts, "Prompt lengths in tokens")->delimiter(',');
+  e2e->add_option("--requests", e->requests, "Requests per prompt length")->capture_default_str();
+  e2e->add_flag("--json", e->json, "Machine-readable output");
+  e2e->add_option("--chart", e->chart, "Write a PNG chart of GB/s against prompt length (gnuplot)");
+  AddPipelineOptions(*e2e, e->pipeline);
+  e2e->callback([e, &exit_code] { exit_code = RunE2e(*e); });
 }
 
 }  // namespace kvferry::cli
