@@ -14,6 +14,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -42,6 +43,9 @@ struct PipelineArgs {
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
   bool progress = true;
+  /// Drive instances that already run (kvferry serve) instead of starting two here.
+  std::string prefill_control;
+  std::string decode_control;
 };
 
 struct DemoArgs {
@@ -99,8 +103,7 @@ int FreePorts(int count, std::vector<int>& taken, std::mt19937& rng) {
     const int base = 20000 + static_cast<int>(rng() % 40000);
     bool ok = true;
     for (int i = 0; i < count && ok; ++i) {
-      ok = PortFree(base + i) &&
-           std::find(taken.begin(), taken.end(), base + i) == taken.end();
+      ok = PortFree(base + i) && std::find(taken.begin(), taken.end(), base + i) == taken.end();
     }
     if (ok) {
       for (int i = 0; i < count; ++i) taken.push_back(base + i);
@@ -120,7 +123,8 @@ class Control {
   void Send(const Json& j) {
     const std::string text = j.dump();
     (void)sidechannel::SendFrames(
-        socket_.get(), {std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size())});
+        socket_.get(),
+        {std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size())});
   }
   // A reply if one is ready.
   std::optional<Json> TryRecv() {
@@ -180,7 +184,8 @@ Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
 
 Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                    const std::vector<std::vector<std::int32_t>>& prompts) {
-  std::mt19937 rng(static_cast<unsigned>(getpid()) ^ static_cast<unsigned>(Clock::now().time_since_epoch().count()));
+  std::mt19937 rng(static_cast<unsigned>(getpid()) ^
+                   static_cast<unsigned>(Clock::now().time_since_epoch().count()));
   std::vector<int> taken;
   const int prefill_base = FreePorts(a.prefill_tp, taken, rng);
   const int decode_base = FreePorts(a.decode_tp, taken, rng);
@@ -205,11 +210,23 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
   std::ofstream(table_path) << table.ToJson();
 
   auto spawn = [&](const char* role, int tp, int base, int control) -> Result<Subprocess> {
-    std::vector<std::string> argv = {SelfExe(), "serve", "--role", role, "--tp", std::to_string(tp),
-                                     "--base-port", std::to_string(base), "--control-port",
-                                     std::to_string(control), "--rank-table", table_path,
-                                     "--transport", a.transport, "--hold-lease-ms",
-                                     std::to_string(a.hold_lease_ms), "--compute-us-per-token",
+    std::vector<std::string> argv = {SelfExe(),
+                                     "serve",
+                                     "--role",
+                                     role,
+                                     "--tp",
+                                     std::to_string(tp),
+                                     "--base-port",
+                                     std::to_string(base),
+                                     "--control-port",
+                                     std::to_string(control),
+                                     "--rank-table",
+                                     table_path,
+                                     "--transport",
+                                     a.transport,
+                                     "--hold-lease-ms",
+                                     std::to_string(a.hold_lease_ms),
+                                     "--compute-us-per-token",
                                      std::to_string(a.compute_us_per_token)};
     for (const std::string& s : ModelArgv(a.model)) argv.push_back(s);
     KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv));
@@ -219,12 +236,18 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
     }
     return p;
   };
-  KVFERRY_ASSIGN_OR_RETURN(Subprocess prefill_proc,
-                           spawn("prefill", a.prefill_tp, prefill_base, prefill_control));
-  KVFERRY_ASSIGN_OR_RETURN(Subprocess decode_proc,
-                           spawn("decode", a.decode_tp, decode_base, decode_control));
-  Control prefill("tcp://127.0.0.1:" + std::to_string(prefill_control));
-  Control decode("tcp://127.0.0.1:" + std::to_string(decode_control));
+  const bool external = !a.prefill_control.empty() && !a.decode_control.empty();
+  std::optional<Subprocess> prefill_proc;
+  std::optional<Subprocess> decode_proc;
+  if (!external) {
+    KVFERRY_ASSIGN_OR_RETURN(prefill_proc,
+                             spawn("prefill", a.prefill_tp, prefill_base, prefill_control));
+    KVFERRY_ASSIGN_OR_RETURN(decode_proc,
+                             spawn("decode", a.decode_tp, decode_base, decode_control));
+  }
+  Control prefill(external ? a.prefill_control
+                           : "tcp://127.0.0.1:" + std::to_string(prefill_control));
+  Control decode(external ? a.decode_control : "tcp://127.0.0.1:" + std::to_string(decode_control));
 
   // The proxy: prefill first (asking for remote decode), then decode with the params the prefill
   // instance returned, as disaggregated-serving proxies forward them.
@@ -244,7 +267,9 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
       const std::string id = "req-" + std::to_string(next);
       Json params = ParamsToJson(KvTransferParams{});
       params["do_remote_decode"] = true;
-      prefill.Send({{"op", "generate"}, {"request_id", id}, {"prompt", prompts[next]},
+      prefill.Send({{"op", "generate"},
+                    {"request_id", id},
+                    {"prompt", prompts[next]},
                     {"kv_transfer_params", params}});
       inflight[id] = {Clock::now(), {}};
       ++next;
@@ -265,7 +290,9 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
       }
       it->second.forwarded = Clock::now();
       const std::size_t index = static_cast<std::size_t>(std::stoul(id.substr(4)));
-      decode.Send({{"op", "generate"}, {"request_id", id}, {"prompt", prompts[index]},
+      decode.Send({{"op", "generate"},
+                   {"request_id", id},
+                   {"prompt", prompts[index]},
                    {"kv_transfer_params", (*r)["kv_transfer_params"]}});
     }
     while (std::optional<Json> r = decode.TryRecv()) {
@@ -276,7 +303,9 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
       if (r->value("ok", false)) {
         ++out.done;
         RequestTiming t;
-        t.prefill_ms = std::chrono::duration<double, std::milli>(it->second.forwarded - it->second.sent).count();
+        t.prefill_ms =
+            std::chrono::duration<double, std::milli>(it->second.forwarded - it->second.sent)
+                .count();
         t.decode_ms = std::chrono::duration<double, std::milli>(now - it->second.forwarded).count();
         t.ttft_ms = std::chrono::duration<double, std::milli>(now - it->second.sent).count();
         t.load_ms = r->value("load_ms", 0.0);
@@ -321,10 +350,12 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
     if (!out.leaked || Clock::now() > settle) break;
     std::this_thread::sleep_for(milliseconds(50));
   }
-  (void)prefill.Call({{"op", "shutdown"}}, milliseconds(5000));
-  (void)decode.Call({{"op", "shutdown"}}, milliseconds(5000));
-  (void)prefill_proc.CloseAndWait(milliseconds(10000));
-  (void)decode_proc.CloseAndWait(milliseconds(10000));
+  if (!external) {
+    (void)prefill.Call({{"op", "shutdown"}}, milliseconds(5000));
+    (void)decode.Call({{"op", "shutdown"}}, milliseconds(5000));
+    (void)prefill_proc->CloseAndWait(milliseconds(10000));
+    (void)decode_proc->CloseAndWait(milliseconds(10000));
+  }
   std::filesystem::remove_all(dir);
   return out;
 }
@@ -345,7 +376,8 @@ std::vector<std::vector<std::int32_t>> MakePrompts(int n, int min_len, int max_l
     const auto len = static_cast<std::size_t>(std::exp(x));
     std::vector<std::int32_t> p;
     if (u(rng) < shared) p = prefixes[rng() % prefixes.size()];
-    while (p.size() < std::max<std::size_t>(len, 1)) p.push_back(static_cast<std::int32_t>(rng() % 32000));
+    while (p.size() < std::max<std::size_t>(len, 1))
+      p.push_back(static_cast<std::int32_t>(rng() % 32000));
     out.push_back(std::move(p));
   }
   return out;
@@ -354,10 +386,9 @@ std::vector<std::vector<std::int32_t>> MakePrompts(int n, int min_len, int max_l
 int RunDemo(const DemoArgs& a) {
   if (!a.json) {
     std::cout << "kvferry demo: prefill TP " << a.pipeline.prefill_tp << " -> decode TP "
-              << a.pipeline.decode_tp << ", " << a.requests << " requests, prompts "
-              << a.min_prompt << ".." << a.max_prompt << " tokens, transport "
-              << a.pipeline.transport << ", model " << a.pipeline.model.kind << " "
-              << a.pipeline.model.layers << " layers" << std::endl;
+              << a.pipeline.decode_tp << ", " << a.requests << " requests, prompts " << a.min_prompt
+              << ".." << a.max_prompt << " tokens, transport " << a.pipeline.transport << ", model "
+              << a.pipeline.model.kind << " " << a.pipeline.model.layers << " layers" << std::endl;
   }
   const auto prompts = MakePrompts(a.requests, a.min_prompt, a.max_prompt, a.shared_prefix, 7);
   Result<PipelineResult> r = RunPipeline(a.pipeline, prompts);
@@ -375,51 +406,50 @@ int RunDemo(const DemoArgs& a) {
   const double gb = static_cast<double>(r->bytes_moved) / 1e9;
   double load_s = 0;
   for (double ms : load) load_s += ms / 1000;
-  Json report = {
-      {"requests", a.requests},
-      {"done", r->done},
-      {"failed", r->failed},
-      {"bytes_moved", r->bytes_moved},
-      {"bytes_verified", r->bytes_verified},
-      {"wall_s", r->wall_s},
-      {"throughput_gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
-      {"load_p50_ms", Percentile(load, 0.5)},
-      {"load_p99_ms", Percentile(load, 0.99)},
-      {"transfer_p50_us_bucket", r->decode_end.value("transfer_p50_us", 0)},
-      {"transfer_p99_us_bucket", r->decode_end.value("transfer_p99_us", 0)},
-      {"ttft_p50_ms", Percentile(ttft, 0.5)},
-      {"ttft_p99_ms", Percentile(ttft, 0.99)},
-      {"prefill_p50_ms", Percentile(prefill, 0.5)},
-      {"decode_p50_ms", Percentile(decode, 0.5)},
-      {"prefix_hit_blocks", r->prefix_hit_blocks},
-      {"recomputed_blocks", r->recomputed_blocks},
-      {"prefill_end", r->prefill_end},
-      {"decode_end", r->decode_end},
-      {"leaked", r->leaked}};
+  Json report = {{"requests", a.requests},
+                 {"done", r->done},
+                 {"failed", r->failed},
+                 {"bytes_moved", r->bytes_moved},
+                 {"bytes_verified", r->bytes_verified},
+                 {"wall_s", r->wall_s},
+                 {"throughput_gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
+                 {"load_p50_ms", Percentile(load, 0.5)},
+                 {"load_p99_ms", Percentile(load, 0.99)},
+                 {"transfer_p50_us_bucket", r->decode_end.value("transfer_p50_us", 0)},
+                 {"transfer_p99_us_bucket", r->decode_end.value("transfer_p99_us", 0)},
+                 {"ttft_p50_ms", Percentile(ttft, 0.5)},
+                 {"ttft_p99_ms", Percentile(ttft, 0.99)},
+                 {"prefill_p50_ms", Percentile(prefill, 0.5)},
+                 {"decode_p50_ms", Percentile(decode, 0.5)},
+                 {"prefix_hit_blocks", r->prefix_hit_blocks},
+                 {"recomputed_blocks", r->recomputed_blocks},
+                 {"prefill_end", r->prefill_end},
+                 {"decode_end", r->decode_end},
+                 {"leaked", r->leaked}};
   if (a.json) {
     std::cout << report.dump(2) << std::endl;
   } else {
     char line[2048];
-    std::snprintf(line, sizeof(line),
-                  "requests      %d done, %d failed (of %d)\n"
-                  "moved         %.3f GB in %.2f s: %.2f GB/s across the run\n"
-                  "transfer      p50 <= %.2f ms, p99 <= %.2f ms per request in the connector\n"
-                  "load          p50 %.2f ms, p99 %.2f ms as the decode engine saw it (queued "
-                  "behind verification)\n"
-                  "TTFT          p50 %.2f ms, p99 %.2f ms = prefill p50 %.2f ms + transfer and "
-                  "decode p50 %.2f ms\n"
-                  "verified      %.3f GB, every byte; %lld blocks from the decode prefix cache, "
-                  "%lld recomputed\n"
-                  "held at end   prefill %d blocks, %d holds; decode %d blocks\n",
-                  r->done, r->failed, a.requests, gb, r->wall_s, r->wall_s > 0 ? gb / r->wall_s : 0,
-                  r->decode_end.value("transfer_p50_us", 0) / 1000.0,
-                  r->decode_end.value("transfer_p99_us", 0) / 1000.0, Percentile(load, 0.5), Percentile(load, 0.99), Percentile(ttft, 0.5),
-                  Percentile(ttft, 0.99), Percentile(prefill, 0.5), Percentile(decode, 0.5),
-                  static_cast<double>(r->bytes_verified) / 1e9,
-                  static_cast<long long>(r->prefix_hit_blocks),
-                  static_cast<long long>(r->recomputed_blocks),
-                  r->prefill_end.value("used_blocks", -1), r->prefill_end.value("holds", -1),
-                  r->decode_end.value("used_blocks", -1));
+    std::snprintf(
+        line, sizeof(line),
+        "requests      %d done, %d failed (of %d)\n"
+        "moved         %.3f GB in %.2f s: %.2f GB/s across the run\n"
+        "transfer      p50 <= %.2f ms, p99 <= %.2f ms per request in the connector\n"
+        "load          p50 %.2f ms, p99 %.2f ms as the decode engine saw it (queued "
+        "behind verification)\n"
+        "TTFT          p50 %.2f ms, p99 %.2f ms = prefill p50 %.2f ms + transfer and "
+        "decode p50 %.2f ms\n"
+        "verified      %.3f GB, every byte; %lld blocks from the decode prefix cache, "
+        "%lld recomputed\n"
+        "held at end   prefill %d blocks, %d holds; decode %d blocks\n",
+        r->done, r->failed, a.requests, gb, r->wall_s, r->wall_s > 0 ? gb / r->wall_s : 0,
+        r->decode_end.value("transfer_p50_us", 0) / 1000.0,
+        r->decode_end.value("transfer_p99_us", 0) / 1000.0, Percentile(load, 0.5),
+        Percentile(load, 0.99), Percentile(ttft, 0.5), Percentile(ttft, 0.99),
+        Percentile(prefill, 0.5), Percentile(decode, 0.5),
+        static_cast<double>(r->bytes_verified) / 1e9, static_cast<long long>(r->prefix_hit_blocks),
+        static_cast<long long>(r->recomputed_blocks), r->prefill_end.value("used_blocks", -1),
+        r->prefill_end.value("holds", -1), r->decode_end.value("used_blocks", -1));
     std::cout << line;
     for (std::size_t i = 0; i < std::min<std::size_t>(r->errors.size(), 10); ++i) {
       std::cout << "error         " << r->errors[i] << "\n";
@@ -439,6 +469,11 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
   cmd.add_option("--concurrency", p.concurrency, "Requests in flight")->capture_default_str();
   cmd.add_option("--compute-us-per-token", p.compute_us_per_token,
                  "Simulated prefill compute per token");
+  cmd.add_option("--prefill-control", p.prefill_control,
+                 "Control endpoint of a running prefill instance (with --decode-control: drive "
+                 "those instead of starting two here)");
+  cmd.add_option("--decode-control", p.decode_control,
+                 "Control endpoint of a running decode instance");
   AddModelOptions(cmd, p.model);
 }
 
@@ -511,9 +546,8 @@ int RunE2e(const E2eArgs& a) {
     for (const Json& b : baselines["results"]) {
       std::fprintf(stdout, "baseline %s at %llu-byte blocks: %.2f GB/s (%s %.2f GB/s)\n",
                    b.value("backend", "").c_str(),
-                   static_cast<unsigned long long>(b.value("block_bytes", 0)),
-                   b.value("gbps", 0.0), b.value("baseline", "").c_str(),
-                   b.value("baseline_gbps", 0.0));
+                   static_cast<unsigned long long>(b.value("block_bytes", 0)), b.value("gbps", 0.0),
+                   b.value("baseline", "").c_str(), b.value("baseline_gbps", 0.0));
     }
   }
   if (!a.chart.empty()) {

@@ -45,16 +45,26 @@ Result<CacheSpecOptions> BuildModel(const ModelArgs& m) {
 }
 
 std::vector<std::string> ModelArgv(const ModelArgs& m) {
-  return {"--kind",       m.kind,
-          "--layers",     std::to_string(m.layers),
-          "--kv-heads",   std::to_string(m.kv_heads),
-          "--head-dim",   std::to_string(m.head_dim),
-          "--latent-dim", std::to_string(m.latent_dim),
-          "--rope-dim",   std::to_string(m.rope_dim),
-          "--tokens-per-block", std::to_string(m.tokens_per_block),
-          "--num-blocks", std::to_string(m.num_blocks),
-          "--dtype",      m.dtype,
-          "--layout",     m.layout};
+  return {"--kind",
+          m.kind,
+          "--layers",
+          std::to_string(m.layers),
+          "--kv-heads",
+          std::to_string(m.kv_heads),
+          "--head-dim",
+          std::to_string(m.head_dim),
+          "--latent-dim",
+          std::to_string(m.latent_dim),
+          "--rope-dim",
+          std::to_string(m.rope_dim),
+          "--tokens-per-block",
+          std::to_string(m.tokens_per_block),
+          "--num-blocks",
+          std::to_string(m.num_blocks),
+          "--dtype",
+          m.dtype,
+          "--layout",
+          m.layout};
 }
 
 }  // namespace kvferry::cli

@@ -29,6 +29,7 @@ struct ServeArgs {
   int control_port = 0;
   std::string rank_table;
   std::string transport = "auto";
+  std::string visible_devices;
   ModelArgs model;
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
@@ -51,6 +52,7 @@ int RunServe(const ServeArgs& a) {
   c.dp_rank = a.dp_rank;
   c.host = a.host;
   c.base_port = a.base_port;
+  c.visible_devices = ParseVisibleDevices(a.visible_devices);
   const char* secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe): startup
   if (secret != nullptr) c.secret = secret;
   c.transport = *transport;
@@ -83,8 +85,8 @@ int RunServe(const ServeArgs& a) {
   auto reply = [&](const std::vector<std::uint8_t>& identity, const Json& j) {
     const std::string text = j.dump();
     (void)sidechannel::SendFrames(
-        control.get(), {identity, std::span(reinterpret_cast<const std::uint8_t*>(text.data()),
-                                            text.size())});
+        control.get(),
+        {identity, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size())});
   };
   bool running = true;
   while (running) {
@@ -154,8 +156,20 @@ int RunServe(const ServeArgs& a) {
 
 }  // namespace
 
+// The reference connector's environment variables, honoured as defaults.
+std::string Env(const char* name) {
+  const char* v = std::getenv(name);  // NOLINT(concurrency-mt-unsafe): read at startup
+  return v == nullptr ? "" : v;
+}
+
 void AddServeCommand(CLI::App& app, int& exit_code) {
   auto a = std::make_shared<ServeArgs>();
+  if (!Env("VLLM_ASCEND_LLMDD_RPC_IP").empty()) a->host = Env("VLLM_ASCEND_LLMDD_RPC_IP");
+  if (!Env("VLLM_ASCEND_LLMDD_RPC_PORT").empty()) {
+    a->base_port = std::atoi(Env("VLLM_ASCEND_LLMDD_RPC_PORT").c_str());
+  }
+  a->rank_table = Env("DISAGGREGATED_PREFILL_RANK_TABLE_PATH");
+  a->visible_devices = Env("ASCEND_RT_VISIBLE_DEVICES");
   CLI::App* serve = app.add_subcommand("serve", "Run a prefill or decode engine instance");
   serve->add_option("--role", a->role, "prefill|decode (kv_producer|kv_consumer)")->required();
   serve->add_option("--engine-id", a->engine_id, "Engine id (default: <role>-0)");
@@ -165,7 +179,11 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
   serve->add_option("--host", a->host, "Address to bind and advertise")->capture_default_str();
   serve->add_option("--base-port", a->base_port, "Side-channel base port")->capture_default_str();
   serve->add_option("--control-port", a->control_port, "Proxy control port")->required();
-  serve->add_option("--rank-table", a->rank_table, "Global rank table (JSON)");
+  serve->add_option("--rank-table", a->rank_table,
+                    "Global rank table (JSON; default DISAGGREGATED_PREFILL_RANK_TABLE_PATH)");
+  serve->add_option("--visible-devices", a->visible_devices,
+                    "Device ids of this instance in the rank table (default "
+                    "ASCEND_RT_VISIBLE_DEVICES)");
   serve->add_option("--transport", a->transport, "auto|shm|tcp")->capture_default_str();
   serve->add_option("--hold-lease-ms", a->hold_lease_ms, "Prefill hold lease")
       ->capture_default_str();

@@ -107,6 +107,7 @@ Status Instance::Init() {
     w.secret = c.secret;
     w.rank_table = c.rank_table;
     w.server_id = c.host;
+    w.visible_devices = c.visible_devices;
     w.transport.kind = c.transport;
     w.hold_lease = c.hold_lease;
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));
@@ -150,9 +151,10 @@ void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count)
       const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
       for (int l = 0; l < spec.num_layers(); ++l) {
         for (int p = 0; p < spec.num_parts(); ++p) {
-          auto* base = reinterpret_cast<std::uint8_t*>(
-                           memory_[rank][static_cast<std::size_t>(l * spec.num_parts() + p)].data()) +
-                       block * spec.BlockBytes(p);
+          auto* base =
+              reinterpret_cast<std::uint8_t*>(
+                  memory_[rank][static_cast<std::size_t>(l * spec.num_parts() + p)].data()) +
+              block * spec.BlockBytes(p);
           const std::int64_t heads = spec.LocalHeads(p);
           const std::int64_t first_head = spec.FirstLocalHead(p);
           const std::int64_t dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
@@ -162,16 +164,16 @@ void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count)
                                             ? r.hashes[static_cast<std::size_t>(t)]
                                             : 0;  // the unfilled tail of the last block
             for (std::int64_t h = 0; h < heads; ++h) {
-              const std::uint64_t seed =
-                  Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
-                      (static_cast<std::uint64_t>(p) << 40) ^
-                      static_cast<std::uint64_t>(first_head + h));
+              const std::uint64_t seed = Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
+                                             (static_cast<std::uint64_t>(p) << 40) ^
+                                             static_cast<std::uint64_t>(first_head + h));
               const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
                                            ? (s * heads + h) * dim
                                            : (h * tpb + s) * dim;
               std::uint8_t* out = base + idx * esize;
               for (std::int64_t d = 0; d < dim; ++d) {
-                const std::uint64_t v = seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
+                const std::uint64_t v =
+                    seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
                 std::memcpy(out + d * esize, &v, static_cast<std::size_t>(esize));
               }
             }
@@ -194,9 +196,10 @@ std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_
       const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
       for (int l = 0; l < spec.num_layers(); ++l) {
         for (int p = 0; p < spec.num_parts(); ++p) {
-          const auto* base = reinterpret_cast<const std::uint8_t*>(
-                                 memory_[rank][static_cast<std::size_t>(l * spec.num_parts() + p)].data()) +
-                             block * spec.BlockBytes(p);
+          const auto* base =
+              reinterpret_cast<const std::uint8_t*>(
+                  memory_[rank][static_cast<std::size_t>(l * spec.num_parts() + p)].data()) +
+              block * spec.BlockBytes(p);
           const std::int64_t heads = spec.LocalHeads(p);
           const std::int64_t first_head = spec.FirstLocalHead(p);
           const std::int64_t dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
@@ -205,16 +208,16 @@ std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_
             if (t >= static_cast<std::int64_t>(r.hashes.size())) break;  // tail slots: unused
             const std::uint64_t token = r.hashes[static_cast<std::size_t>(t)];
             for (std::int64_t h = 0; h < heads; ++h) {
-              const std::uint64_t seed =
-                  Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
-                      (static_cast<std::uint64_t>(p) << 40) ^
-                      static_cast<std::uint64_t>(first_head + h));
+              const std::uint64_t seed = Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
+                                             (static_cast<std::uint64_t>(p) << 40) ^
+                                             static_cast<std::uint64_t>(first_head + h));
               const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
                                            ? (s * heads + h) * dim
                                            : (h * tpb + s) * dim;
               const std::uint8_t* in = base + idx * esize;
               for (std::int64_t d = 0; d < dim; ++d) {
-                const std::uint64_t v = seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
+                const std::uint64_t v =
+                    seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
                 if (std::memcmp(in + d * esize, &v, static_cast<std::size_t>(esize)) != 0) {
                   if (status->ok()) {
                     *status = Status::Internal(

@@ -49,6 +49,7 @@ struct InstanceConfig {
   std::string secret;
   TransportKind transport = TransportKind::kAuto;
   std::optional<RankTable> rank_table;
+  std::vector<std::string> visible_devices;
   /// Model shape, for every TP rank (the spec's TP fields are set per rank).
   CacheSpecOptions model;
   std::chrono::milliseconds hold_lease{30000};
@@ -66,7 +67,7 @@ struct EngineRequest {
 struct EngineResult {
   std::string request_id;
   Status status;
-  KvTransferParams params;        ///< prefill: for the decode side
+  KvTransferParams params;  ///< prefill: for the decode side
   std::int64_t prefix_hit_blocks = 0;
   std::int64_t loaded_blocks = 0;
   std::int64_t recomputed_blocks = 0;
@@ -77,8 +78,8 @@ struct EngineResult {
 };
 
 struct InstanceStats {
-  std::int64_t used_blocks = 0;       ///< allocated to running requests or held for transfer
-  std::int64_t cached_blocks = 0;     ///< decode prefix cache, evictable
+  std::int64_t used_blocks = 0;    ///< allocated to running requests or held for transfer
+  std::int64_t cached_blocks = 0;  ///< decode prefix cache, evictable
   std::uint64_t holds = 0;
   std::uint64_t loads_outstanding = 0;
   std::uint64_t bytes_read = 0;
@@ -124,9 +125,9 @@ class Instance {
   std::unique_ptr<BlockAllocator> allocator_;
 
   std::deque<std::unique_ptr<Running>> waiting_;
-  std::map<std::string, std::unique_ptr<Running>> running_;      // decode: loading
-  std::map<std::string, std::vector<std::int64_t>> held_;        // prefill: blocks held
-  std::map<std::string, std::set<int>> rank_reports_;            // per request: ranks reported
+  std::map<std::string, std::unique_ptr<Running>> running_;  // decode: loading
+  std::map<std::string, std::vector<std::int64_t>> held_;    // prefill: blocks held
+  std::map<std::string, std::set<int>> rank_reports_;        // per request: ranks reported
   // Decode prefix cache: chain hash of a full block's tokens -> block; LRU of evictable blocks.
   std::unordered_map<std::uint64_t, std::int64_t> prefix_;
   std::list<std::uint64_t> lru_;
