@@ -162,7 +162,7 @@ class Control {
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  const auto i = static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  const auto i = static_cast<std::size_t>(std::lround(q * static_cast<double>(v.size() - 1)));
   return v[std::min(i, v.size() - 1)];
 }
 
@@ -404,8 +404,6 @@ int RunDemo(const DemoArgs& a) {
     decode.push_back(t.decode_ms);
   }
   const double gb = static_cast<double>(r->bytes_moved) / 1e9;
-  double load_s = 0;
-  for (double ms : load) load_s += ms / 1000;
   Json report = {{"requests", a.requests},
                  {"done", r->done},
                  {"failed", r->failed},

@@ -151,10 +151,12 @@ void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count)
       const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
       for (int l = 0; l < spec.num_layers(); ++l) {
         for (int p = 0; p < spec.num_parts(); ++p) {
-          auto* base =
-              reinterpret_cast<std::uint8_t*>(
-                  memory_[rank][static_cast<std::size_t>(l * spec.num_parts() + p)].data()) +
-              block * spec.BlockBytes(p);
+          auto* base = reinterpret_cast<std::uint8_t*>(
+                           memory_[rank][static_cast<std::size_t>(l) *
+                                             static_cast<std::size_t>(spec.num_parts()) +
+                                         static_cast<std::size_t>(p)]
+                               .data()) +
+                       block * spec.BlockBytes(p);
           const std::int64_t heads = spec.LocalHeads(p);
           const std::int64_t first_head = spec.FirstLocalHead(p);
           const std::int64_t dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
@@ -196,10 +198,12 @@ std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_
       const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
       for (int l = 0; l < spec.num_layers(); ++l) {
         for (int p = 0; p < spec.num_parts(); ++p) {
-          const auto* base =
-              reinterpret_cast<const std::uint8_t*>(
-                  memory_[rank][static_cast<std::size_t>(l * spec.num_parts() + p)].data()) +
-              block * spec.BlockBytes(p);
+          const auto* base = reinterpret_cast<const std::uint8_t*>(
+                                 memory_[rank][static_cast<std::size_t>(l) *
+                                                   static_cast<std::size_t>(spec.num_parts()) +
+                                               static_cast<std::size_t>(p)]
+                                     .data()) +
+                             block * spec.BlockBytes(p);
           const std::int64_t heads = spec.LocalHeads(p);
           const std::int64_t first_head = spec.FirstLocalHead(p);
           const std::int64_t dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
