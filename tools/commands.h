@@ -16,6 +16,7 @@ struct ModelArgs {
   std::int64_t head_dim = 64;
   std::int64_t latent_dim = 512;
   std::int64_t rope_dim = 64;
+  std::int64_t indexer_dim = 128;
   std::int64_t tokens_per_block = 16;
   std::int64_t num_blocks = 2048;
   std::string dtype = "bf16";

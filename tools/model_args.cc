@@ -6,12 +6,14 @@
 namespace kvferry::cli {
 
 void AddModelOptions(CLI::App& cmd, ModelArgs& m) {
-  cmd.add_option("--kind", m.kind, "Cache kind: mha|mla")->capture_default_str();
+  cmd.add_option("--kind", m.kind, "Cache kind: mha|mla|sparse_mla")->capture_default_str();
   cmd.add_option("--layers", m.layers, "Attention layers")->capture_default_str();
   cmd.add_option("--kv-heads", m.kv_heads, "Model-wide KV heads (mha)")->capture_default_str();
   cmd.add_option("--head-dim", m.head_dim, "Head dim (mha)")->capture_default_str();
   cmd.add_option("--latent-dim", m.latent_dim, "Latent width (mla)")->capture_default_str();
   cmd.add_option("--rope-dim", m.rope_dim, "Rope width (mla)")->capture_default_str();
+  cmd.add_option("--indexer-dim", m.indexer_dim, "Indexer width (sparse_mla)")
+      ->capture_default_str();
   cmd.add_option("--tokens-per-block", m.tokens_per_block, "Tokens per block")
       ->capture_default_str();
   cmd.add_option("--num-blocks", m.num_blocks, "Blocks per TP rank")->capture_default_str();
@@ -31,7 +33,8 @@ Result<CacheSpecOptions> BuildModel(const ModelArgs& m) {
   } else if (kind == CacheKind::kMla) {
     layer.parts = {{"latent", 1, m.latent_dim}, {"rope", 1, m.rope_dim}};
   } else {
-    return Status::NotSupported("the demo engine runs mha and mla caches");
+    layer.parts = {
+        {"latent", 1, m.latent_dim}, {"rope", 1, m.rope_dim}, {"indexer", 1, m.indexer_dim}};
   }
   CacheSpecOptions o;
   o.layers.assign(static_cast<std::size_t>(m.layers), layer);
@@ -57,6 +60,8 @@ std::vector<std::string> ModelArgv(const ModelArgs& m) {
           std::to_string(m.latent_dim),
           "--rope-dim",
           std::to_string(m.rope_dim),
+          "--indexer-dim",
+          std::to_string(m.indexer_dim),
           "--tokens-per-block",
           std::to_string(m.tokens_per_block),
           "--num-blocks",

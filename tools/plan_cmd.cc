@@ -16,17 +16,7 @@ namespace kvferry::cli {
 namespace {
 
 struct PlanArgs {
-  std::string kind = "mha";
-  int layers = 32;
-  std::int64_t kv_heads = 8;
-  std::int64_t head_dim = 128;
-  std::int64_t latent_dim = 512;
-  std::int64_t rope_dim = 64;
-  std::int64_t indexer_dim = 128;
-  std::int64_t tokens_per_block = 16;
-  std::int64_t num_blocks = 1024;
-  std::string dtype = "bf16";
-  std::string layout = "token_major";
+  ModelArgs model;
   int prefill_tp = 1;
   int decode_tp = 1;
   std::vector<std::int64_t> remote_blocks;
@@ -34,21 +24,10 @@ struct PlanArgs {
 };
 
 Result<CacheSpec> BuildSpec(const PlanArgs& a, int tp_size, int tp_rank) {
-  KVFERRY_ASSIGN_OR_RETURN(CacheKind kind, ParseCacheKind(a.kind));
-  KVFERRY_ASSIGN_OR_RETURN(DType dtype, ParseDType(a.dtype));
-  KVFERRY_ASSIGN_OR_RETURN(BlockLayout layout, ParseBlockLayout(a.layout));
-  switch (kind) {
-    case CacheKind::kMha:
-      return CacheSpec::Mha(a.layers, a.kv_heads, a.head_dim, a.num_blocks, a.tokens_per_block,
-                            dtype, tp_size, tp_rank, layout);
-    case CacheKind::kMla:
-      return CacheSpec::Mla(a.layers, a.latent_dim, a.rope_dim, a.num_blocks, a.tokens_per_block,
-                            dtype, tp_size, tp_rank);
-    case CacheKind::kSparseMla:
-      return CacheSpec::SparseMla(a.layers, a.latent_dim, a.rope_dim, a.indexer_dim, a.num_blocks,
-                                  a.tokens_per_block, dtype, tp_size, tp_rank);
-  }
-  return Status::InvalidArgument("unknown cache kind");
+  KVFERRY_ASSIGN_OR_RETURN(CacheSpecOptions o, BuildModel(a.model));
+  o.tp_size = tp_size;
+  o.tp_rank = tp_rank;
+  return CacheSpec::Create(std::move(o));
 }
 
 Status RunPlan(const PlanArgs& a) {
@@ -66,7 +45,7 @@ Status RunPlan(const PlanArgs& a) {
   KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote,
                            TailOfRemote(a.remote_blocks, local));
   KVFERRY_ASSIGN_OR_RETURN(std::vector<BlockRun> runs,
-                           MergeBlockRuns(remote, local, a.num_blocks, a.num_blocks));
+                           MergeBlockRuns(remote, local, a.model.num_blocks, a.model.num_blocks));
   std::cout << "blocks: " << local.size() << " in " << runs.size() << " run"
             << (runs.size() == 1 ? "" : "s");
   for (const BlockRun& r : runs) {
@@ -105,21 +84,7 @@ void AddPlanCommand(CLI::App& app, int& exit_code) {
   auto args = std::make_shared<PlanArgs>();
   CLI::App* plan = app.add_subcommand(
       "plan", "Show the reads, TP mapping and reader counts for a model shape and block lists");
-  plan->add_option("--kind", args->kind, "mha|mla|sparse_mla")->capture_default_str();
-  plan->add_option("--layers", args->layers, "Attention layers")->capture_default_str();
-  plan->add_option("--kv-heads", args->kv_heads, "Model-wide KV heads (mha)")
-      ->capture_default_str();
-  plan->add_option("--head-dim", args->head_dim, "Head dim (mha)")->capture_default_str();
-  plan->add_option("--latent-dim", args->latent_dim, "Latent width (mla)")->capture_default_str();
-  plan->add_option("--rope-dim", args->rope_dim, "Rope width (mla)")->capture_default_str();
-  plan->add_option("--indexer-dim", args->indexer_dim, "Indexer width (sparse_mla)")
-      ->capture_default_str();
-  plan->add_option("--tokens-per-block", args->tokens_per_block, "Tokens per block")
-      ->capture_default_str();
-  plan->add_option("--num-blocks", args->num_blocks, "Blocks per cache")->capture_default_str();
-  plan->add_option("--dtype", args->dtype, "fp16|bf16|fp32|int8|int32|int64")
-      ->capture_default_str();
-  plan->add_option("--layout", args->layout, "token_major|head_major")->capture_default_str();
+  AddModelOptions(*plan, args->model);
   plan->add_option("--prefill-tp", args->prefill_tp, "Prefill TP size")->capture_default_str();
   plan->add_option("--decode-tp", args->decode_tp, "Decode TP size")->capture_default_str();
   plan->add_option("--remote-blocks", args->remote_blocks, "Prefill block ids")

@@ -141,105 +141,95 @@ void Instance::Submit(EngineRequest request) {
 
 bool Instance::Idle() const { return waiting_.empty() && running_.empty() && held_.empty(); }
 
-// Writes the KV of the prompt's tokens in blocks [first, first + count) on every rank.
-void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
-  const std::int64_t tpb = config_.model.tokens_per_block;
-  for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
-    const CacheSpec& spec = specs_[rank];
-    const std::int64_t esize = DTypeSize(spec.dtype());
-    for (std::int64_t bi = first; bi < first + count; ++bi) {
-      const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
-      for (int l = 0; l < spec.num_layers(); ++l) {
-        for (int p = 0; p < spec.num_parts(); ++p) {
-          auto* base = reinterpret_cast<std::uint8_t*>(
-                           memory_[rank][static_cast<std::size_t>(l) *
-                                             static_cast<std::size_t>(spec.num_parts()) +
-                                         static_cast<std::size_t>(p)]
-                               .data()) +
-                       block * spec.BlockBytes(p);
-          const std::int64_t heads = spec.LocalHeads(p);
-          const std::int64_t first_head = spec.FirstLocalHead(p);
-          const std::int64_t dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
-          for (std::int64_t s = 0; s < tpb; ++s) {
-            const std::int64_t t = bi * tpb + s;
-            const std::uint64_t token = t < static_cast<std::int64_t>(r.hashes.size())
-                                            ? r.hashes[static_cast<std::size_t>(t)]
-                                            : 0;  // the unfilled tail of the last block
-            for (std::int64_t h = 0; h < heads; ++h) {
-              const std::uint64_t seed = Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
-                                             (static_cast<std::uint64_t>(p) << 40) ^
-                                             static_cast<std::uint64_t>(first_head + h));
-              const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
-                                           ? (s * heads + h) * dim
-                                           : (h * tpb + s) * dim;
-              std::uint8_t* out = base + idx * esize;
-              for (std::int64_t d = 0; d < dim; ++d) {
-                const std::uint64_t v =
-                    seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
-                std::memcpy(out + d * esize, &v, static_cast<std::size_t>(esize));
-              }
-            }
-          }
-        }
-      }
-    }
-  }
+// The value of element d of a row whose seed is `seed`.
+inline std::uint64_t RowValue(std::uint64_t seed, std::int64_t d) {
+  return seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
 }
 
-// Checks blocks [first, first + count) on every rank against what Compute would write.
-std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_t count,
-                               Status* status) {
+// Visits every (rank, layer, part, block, token slot, head) row of blocks [first, first + count)
+// of a request: `dim` elements of `esize` bytes whose values derive from the token prefix at
+// that slot, the layer, the part and the model-wide head. `fn` returns false to stop.
+template <typename Fn>
+bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Fn&& fn) {
   const std::int64_t tpb = config_.model.tokens_per_block;
-  std::uint64_t bytes = 0;
   for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
     const CacheSpec& spec = specs_[rank];
-    const std::int64_t esize = DTypeSize(spec.dtype());
+    KvRow row;
+    row.rank = rank;
+    row.esize = DTypeSize(spec.dtype());
     for (std::int64_t bi = first; bi < first + count; ++bi) {
+      row.block_index = bi;
       const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
       for (int l = 0; l < spec.num_layers(); ++l) {
         for (int p = 0; p < spec.num_parts(); ++p) {
-          const auto* base = reinterpret_cast<const std::uint8_t*>(
-                                 memory_[rank][static_cast<std::size_t>(l) *
-                                                   static_cast<std::size_t>(spec.num_parts()) +
-                                               static_cast<std::size_t>(p)]
-                                     .data()) +
-                             block * spec.BlockBytes(p);
+          row.layer = l;
+          row.part = p;
+          std::uint8_t* base = reinterpret_cast<std::uint8_t*>(
+                                   memory_[rank][static_cast<std::size_t>(l) *
+                                                     static_cast<std::size_t>(spec.num_parts()) +
+                                                 static_cast<std::size_t>(p)]
+                                       .data()) +
+                               block * spec.BlockBytes(p);
           const std::int64_t heads = spec.LocalHeads(p);
           const std::int64_t first_head = spec.FirstLocalHead(p);
-          const std::int64_t dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
+          row.dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
           for (std::int64_t s = 0; s < tpb; ++s) {
             const std::int64_t t = bi * tpb + s;
-            if (t >= static_cast<std::int64_t>(r.hashes.size())) break;  // tail slots: unused
-            const std::uint64_t token = r.hashes[static_cast<std::size_t>(t)];
+            row.slot = s;
+            row.past_prompt = t >= static_cast<std::int64_t>(r.hashes.size());
+            // The unfilled tail of the last block gets values too, from a fixed token.
+            const std::uint64_t token = row.past_prompt ? 0 : r.hashes[static_cast<std::size_t>(t)];
             for (std::int64_t h = 0; h < heads; ++h) {
-              const std::uint64_t seed = Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
-                                             (static_cast<std::uint64_t>(p) << 40) ^
-                                             static_cast<std::uint64_t>(first_head + h));
+              row.head = first_head + h;
+              row.seed =
+                  Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
+                      (static_cast<std::uint64_t>(p) << 40) ^ static_cast<std::uint64_t>(row.head));
               const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
-                                           ? (s * heads + h) * dim
-                                           : (h * tpb + s) * dim;
-              const std::uint8_t* in = base + idx * esize;
-              for (std::int64_t d = 0; d < dim; ++d) {
-                const std::uint64_t v =
-                    seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
-                if (std::memcmp(in + d * esize, &v, static_cast<std::size_t>(esize)) != 0) {
-                  if (status->ok()) {
-                    *status = Status::Internal(
-                        "request " + r.request.request_id + ": KV byte mismatch at rank " +
-                        std::to_string(rank) + " layer " + std::to_string(l) + " part " +
-                        std::to_string(p) + " block index " + std::to_string(bi) + " token " +
-                        std::to_string(s) + " head " + std::to_string(first_head + h));
-                  }
-                  return bytes;
-                }
-              }
-              bytes += static_cast<std::uint64_t>(dim * esize);
+                                           ? (s * heads + h) * row.dim
+                                           : (h * tpb + s) * row.dim;
+              row.data = base + idx * row.esize;
+              if (!fn(row)) return false;
             }
           }
         }
       }
     }
   }
+  return true;
+}
+
+// Writes the KV of the prompt's tokens in blocks [first, first + count) on every rank.
+void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
+  ForEachRow(r, first, count, [](const KvRow& row) {
+    for (std::int64_t d = 0; d < row.dim; ++d) {
+      const std::uint64_t v = RowValue(row.seed, d);
+      std::memcpy(row.data + d * row.esize, &v, static_cast<std::size_t>(row.esize));
+    }
+    return true;
+  });
+}
+
+// Checks blocks [first, first + count) on every rank against what Compute wrote; returns the
+// bytes checked and sets *status at the first difference.
+std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_t count,
+                               Status* status) {
+  std::uint64_t bytes = 0;
+  ForEachRow(r, first, count, [&](const KvRow& row) {
+    if (row.past_prompt) return true;  // slots past the prompt are never read
+    for (std::int64_t d = 0; d < row.dim; ++d) {
+      const std::uint64_t v = RowValue(row.seed, d);
+      if (std::memcmp(row.data + d * row.esize, &v, static_cast<std::size_t>(row.esize)) != 0) {
+        *status = Status::Internal(
+            "request " + r.request.request_id + ": KV byte mismatch at rank " +
+            std::to_string(row.rank) + " layer " + std::to_string(row.layer) + " part " +
+            std::to_string(row.part) + " block index " + std::to_string(row.block_index) +
+            " token " + std::to_string(row.slot) + " head " + std::to_string(row.head));
+        return false;
+      }
+    }
+    bytes += static_cast<std::uint64_t>(row.dim * row.esize);
+    return true;
+  });
   return bytes;
 }
 

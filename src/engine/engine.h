@@ -110,6 +110,21 @@ class Instance {
   Status Init();
   void StepPrefill(std::vector<EngineResult>& out);
   void StepDecode(std::vector<EngineResult>& out);
+  struct KvRow {
+    std::size_t rank = 0;
+    int layer = 0;
+    int part = 0;
+    std::int64_t block_index = 0;
+    std::int64_t slot = 0;
+    std::int64_t head = 0;
+    std::uint8_t* data = nullptr;
+    std::int64_t dim = 0;
+    std::int64_t esize = 0;
+    std::uint64_t seed = 0;
+    bool past_prompt = false;
+  };
+  template <typename Fn>
+  bool ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Fn&& fn);
   void Compute(const Running& r, std::int64_t first_block_index, std::int64_t count);
   std::uint64_t Verify(const Running& r, std::int64_t first_block_index, std::int64_t count,
                        Status* status);

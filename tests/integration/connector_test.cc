@@ -21,6 +21,7 @@
 #include "common/subprocess.h"
 #include "kv_test_cache.h"
 #include "sidechannel/client.h"
+#include "tests/test_timing.h"
 
 namespace kvferry {
 namespace {
@@ -425,7 +426,8 @@ TEST(ConnectorTest, PrefillKilledFailsExactlyItsRequestsWithTheirBlocks) {
   ASSERT_TRUE(decode.WaitReceived("req-a", {}, milliseconds(8000)));
   ASSERT_TRUE(decode.WaitReceived("req-b", {}, milliseconds(8000)));
   ASSERT_TRUE(decode.WaitReceived("req-c", {}, milliseconds(8000)));
-  EXPECT_LT(Clock::now() - killed, milliseconds(6000)) << "within the transfer deadline";
+  EXPECT_LT(Clock::now() - killed, milliseconds(6000) * testing::kTimingSlack)
+      << "within the transfer deadline";
   ASSERT_EQ(decode.Errors("req-a").size(), 1u);
   ASSERT_EQ(decode.Errors("req-b").size(), 1u);
   EXPECT_EQ(decode.Errors("req-a")[0].local_block_ids, decode.LocalBlocks("req-a"));
@@ -467,7 +469,8 @@ TEST(ConnectorTest, LeaseRenewalsKeepAHoldAndAbortEndsItEarly) {
                         DeadlineAfter(milliseconds(1000)))
                   .ok());
   EXPECT_TRUE(prefill.WaitLine("FREED req-slow", milliseconds(2000)));
-  EXPECT_LT(Clock::now() - abort_at, milliseconds(250)) << "abort did not free early";
+  EXPECT_LT(Clock::now() - abort_at, milliseconds(250) * testing::kTimingSlack)
+      << "abort did not free early";
   ExpectNothingLeft(prefill, decode);
 }
 

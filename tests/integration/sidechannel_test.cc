@@ -15,6 +15,7 @@
 #include "sidechannel/listener.h"
 #include "sidechannel/notifier.h"
 #include "sidechannel/zmq_util.h"
+#include "tests/test_timing.h"
 
 namespace kvferry::sidechannel {
 namespace {
@@ -263,13 +264,13 @@ TEST(SideChannelTest, DeadPeerFailsInBoundedTimeWithoutDelayingOthers) {
         client.Call(f.listener->endpoint(), wire::MetadataRequest{{"d", 0, 0}},
                     DeadlineAfter(milliseconds(3000)));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_LT(Clock::now() - call, milliseconds(250));
+    EXPECT_LT(Clock::now() - call, milliseconds(250) * testing::kTimingSlack);
   }
   t.join();
   EXPECT_TRUE(dead_status.code() == StatusCode::kUnavailable ||
               dead_status.code() == StatusCode::kTimeout)
       << dead_status.ToString();
-  EXPECT_LT(Clock::now() - start, milliseconds(2000));
+  EXPECT_LT(Clock::now() - start, milliseconds(2000) * testing::kTimingSlack);
 }
 
 TEST(SideChannelTest, DeadlineBoundsACallToAFrozenHandler) {
@@ -279,7 +280,7 @@ TEST(SideChannelTest, DeadlineBoundsACallToAFrozenHandler) {
   Result<wire::Message> r = f.client->Call(
       f.listener->endpoint(), wire::MetadataRequest{{"d", 0, 0}}, DeadlineAfter(milliseconds(400)));
   EXPECT_EQ(r.status().code(), StatusCode::kTimeout);
-  EXPECT_LT(Clock::now() - start, milliseconds(900));
+  EXPECT_LT(Clock::now() - start, milliseconds(900) * testing::kTimingSlack);
 }
 
 TEST(SideChannelTest, SlowHandlerDoesNotBlockTheListenerThread) {
@@ -293,7 +294,8 @@ TEST(SideChannelTest, SlowHandlerDoesNotBlockTheListenerThread) {
   RawPeer raw(f.listener->endpoint());
   const auto start = Clock::now();
   EXPECT_EQ(ErrorCode(raw.Exchange({{1, 2, 3}, {4}})), StatusCode::kUnauthenticated);
-  EXPECT_LT(Clock::now() - start, milliseconds(300)) << "the listener waited for the handler";
+  EXPECT_LT(Clock::now() - start, milliseconds(300) * testing::kTimingSlack)
+      << "the listener waited for the handler";
   slow.join();
 }
 

@@ -15,6 +15,7 @@
 #include "common/clock.h"
 #include "common/pattern.h"
 #include "common/subprocess.h"
+#include "tests/test_timing.h"
 #include "transport/descriptor.h"
 #include "transport/fault_transport.h"
 #include "transport/tcp/frames.h"
@@ -216,10 +217,10 @@ TEST_P(TransportTest, PeerKilledMidBatchIsPeerDisconnectedWithinTwoSeconds) {
   ASSERT_EQ(client_->Poll(*b).state, BatchState::kInProgress) << "the batch ended too early";
   const auto killed = Clock::now();
   peer_->process.Signal(SIGKILL);
-  BatchResult r = client_->Wait(*b, killed + milliseconds(2000));
+  BatchResult r = client_->Wait(*b, killed + milliseconds(2000) * testing::kTimingSlack);
   EXPECT_EQ(r.state, BatchState::kFailed);
   EXPECT_EQ(r.status.code(), StatusCode::kPeerDisconnected) << r.status.ToString();
-  EXPECT_LT(Clock::now() - killed, milliseconds(2000));
+  EXPECT_LT(Clock::now() - killed, milliseconds(2000) * testing::kTimingSlack);
 }
 
 TEST_P(TransportTest, CancelStopsEveryWriteBeforeItReturns) {
@@ -229,7 +230,7 @@ TEST_P(TransportTest, CancelStopsEveryWriteBeforeItReturns) {
   std::this_thread::sleep_for(milliseconds(20));
   const auto start = Clock::now();
   client_->Cancel(*b);
-  EXPECT_LT(Clock::now() - start, milliseconds(1000));
+  EXPECT_LT(Clock::now() - start, milliseconds(1000) * testing::kTimingSlack);
   EXPECT_EQ(client_->Poll(*b).state, BatchState::kCancelled);
   EXPECT_EQ(client_->Poll(*b).status.code(), StatusCode::kCancelled);
   // After Cancel returned the memory is the caller's again: nothing may write into it.
@@ -307,7 +308,8 @@ TEST(TcpTransportTest, FrozenPeerIsTimeoutAtTheDeadline) {
   EXPECT_EQ(r.state, BatchState::kFailed);
   EXPECT_EQ(r.status.code(), StatusCode::kTimeout) << r.status.ToString();
   EXPECT_GE(Clock::now(), deadline);
-  EXPECT_LT(Clock::now(), deadline + milliseconds(1000)) << "Timeout came well after the deadline";
+  EXPECT_LT(Clock::now(), deadline + milliseconds(1000) * testing::kTimingSlack)
+      << "Timeout came well after the deadline";
   peer.process.Signal(SIGCONT);
 }
 
