@@ -227,7 +227,8 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                      "--hold-lease-ms",
                                      std::to_string(a.hold_lease_ms),
                                      "--compute-us-per-token",
-                                     std::to_string(a.compute_us_per_token)};
+                                     std::to_string(a.compute_us_per_token),
+                                     "--exit-on-stdin-eof"};
     for (const std::string& s : ModelArgv(a.model)) argv.push_back(s);
     KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv));
     KVFERRY_ASSIGN_OR_RETURN(std::string line, p.ReadLine(milliseconds(60000)));

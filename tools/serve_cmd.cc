@@ -1,5 +1,6 @@
 // kvferry serve: one engine instance (prefill or decode) with its TP workers, driven over a
 // ZeroMQ control socket by a proxy (kvferry demo, bench e2e, or your own).
+#include <unistd.h>
 #include <zmq.h>
 
 #include <iostream>
@@ -33,6 +34,7 @@ struct ServeArgs {
   ModelArgs model;
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
+  bool exit_on_stdin_eof = false;
 };
 
 int RunServe(const ServeArgs& a) {
@@ -90,8 +92,17 @@ int RunServe(const ServeArgs& a) {
   };
   bool running = true;
   while (running) {
-    zmq_pollitem_t item{control.get(), 0, ZMQ_POLLIN, 0};
-    zmq_poll(&item, 1, (*instance)->Idle() ? 5 : 0);
+    // With --exit-on-stdin-eof (kvferry demo passes it) the instance ends with its parent.
+    zmq_pollitem_t items[2] = {{control.get(), 0, ZMQ_POLLIN, 0},
+                               {nullptr, STDIN_FILENO, ZMQ_POLLIN, 0}};
+    zmq_poll(items, a.exit_on_stdin_eof ? 2 : 1, (*instance)->Idle() ? 5 : 0);
+    if (a.exit_on_stdin_eof && (items[1].revents & ZMQ_POLLIN) != 0) {
+      char byte = 0;
+      if (read(STDIN_FILENO, &byte, 1) <= 0) {
+        std::cerr << "kvferry serve: parent went away; exiting\n";
+        break;
+      }
+    }
     for (;;) {
       int events = 0;
       std::size_t len = sizeof(events);
@@ -189,6 +200,8 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   serve->add_option("--compute-us-per-token", a->compute_us_per_token,
                     "Simulated prefill compute time per token");
+  serve->add_flag("--exit-on-stdin-eof", a->exit_on_stdin_eof,
+                  "Exit when stdin closes (for instances started by another process)");
   AddModelOptions(*serve, a->model);
   serve->callback([a, &exit_code] { exit_code = RunServe(*a); });
 }
