@@ -96,7 +96,7 @@ int RunServe(const ServeArgs& a) {
     zmq_pollitem_t items[2] = {{control.get(), 0, ZMQ_POLLIN, 0},
                                {nullptr, STDIN_FILENO, ZMQ_POLLIN, 0}};
     zmq_poll(items, a.exit_on_stdin_eof ? 2 : 1, (*instance)->Idle() ? 5 : 0);
-    if (a.exit_on_stdin_eof && (items[1].revents & ZMQ_POLLIN) != 0) {
+    if (a.exit_on_stdin_eof && (items[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) != 0) {
       char byte = 0;
       if (read(STDIN_FILENO, &byte, 1) <= 0) {
         std::cerr << "kvferry serve: parent went away; exiting\n";
