@@ -16,6 +16,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev            # tests
   libbenchmark-dev                     # micro-benchmarks
   gnuplot-nox                          # bench e2e --chart
+  pybind11-dev python3-dev             # the Python module
+  python3-pytest python3-numpy         # its tests
 )
 
 missing=()

@@ -1,0 +1,30 @@
+"""kvferry: moves the KV cache of LLM requests from prefill to decode instances.
+
+The native module ``_kvferry`` holds the connector (Scheduler, Worker), the cache spec and the
+rank table; ``kvferry.vllm`` adapts them to vLLM's KV connector interface.
+"""
+
+from ._kvferry import (  # noqa: F401
+    CacheSpec,
+    CancelledError,
+    Error,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    NotSupportedError,
+    PeerDisconnectedError,
+    RankTable,
+    ResourceExhaustedError,
+    Scheduler,
+    TimeoutError,
+    UnauthenticatedError,
+    UnavailableError,
+    Worker,
+)
+
+__all__ = [
+    "CacheSpec", "RankTable", "Scheduler", "Worker", "Error", "InvalidArgumentError",
+    "NotFoundError", "UnavailableError", "PeerDisconnectedError", "TimeoutError",
+    "CancelledError", "ResourceExhaustedError", "NotSupportedError", "InternalError",
+    "UnauthenticatedError",
+]

@@ -1,0 +1,333 @@
+// kvferry's Python module (_kvferry): the connector's scheduler and worker, the cache spec, the
+// rank table. Every call that may block releases the GIL. Errors become Python exceptions through
+// one mapping function, ThrowIfError.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "kvferry/cache_spec.h"
+#include "kvferry/connector.h"
+#include "kvferry/rank_table.h"
+#include "kvferry/status.h"
+
+namespace py = pybind11;
+using namespace kvferry;
+
+namespace {
+
+// One Python exception class per status code; all derive from kvferry.Error.
+std::map<StatusCode, py::object>& Exceptions() {
+  static std::map<StatusCode, py::object> map;
+  return map;
+}
+
+// The one place a Status becomes a Python exception.
+void ThrowIfError(const Status& s) {
+  if (s.ok()) return;
+  auto it = Exceptions().find(s.code());
+  py::object type = it != Exceptions().end() ? it->second : Exceptions().at(StatusCode::kInternal);
+  PyErr_SetString(type.ptr(), std::string(s.message()).c_str());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T Unwrap(Result<T> r) {
+  ThrowIfError(r.status());
+  return std::move(r).value();
+}
+
+// vLLM's kv_transfer_params dict <-> KvTransferParams.
+KvTransferParams ParamsFromDict(const py::dict& d) {
+  KvTransferParams p;
+  if (d.contains("do_remote_prefill")) p.do_remote_prefill = py::bool_(d["do_remote_prefill"]);
+  if (d.contains("do_remote_decode")) p.do_remote_decode = py::bool_(d["do_remote_decode"]);
+  auto opt = [&](const char* key) { return d.contains(key) && !d[key].is_none(); };
+  if (opt("remote_block_ids")) p.remote_block_ids = d["remote_block_ids"].cast<std::vector<std::int64_t>>();
+  if (opt("remote_engine_id")) p.remote_engine_id = d["remote_engine_id"].cast<std::string>();
+  if (opt("remote_host")) p.remote_host = d["remote_host"].cast<std::string>();
+  if (opt("remote_port")) p.remote_port = d["remote_port"].cast<int>();
+  if (opt("remote_tp_size")) p.remote_tp_size = d["remote_tp_size"].cast<int>();
+  if (opt("remote_request_id")) p.remote_request_id = d["remote_request_id"].cast<std::string>();
+  return p;
+}
+
+py::dict ParamsToDict(const KvTransferParams& p) {
+  py::dict d;
+  d["do_remote_prefill"] = p.do_remote_prefill;
+  d["do_remote_decode"] = p.do_remote_decode;
+  if (p.remote_block_ids) d["remote_block_ids"] = *p.remote_block_ids;
+  if (p.remote_engine_id) d["remote_engine_id"] = *p.remote_engine_id;
+  if (p.remote_host) d["remote_host"] = *p.remote_host;
+  if (p.remote_port) d["remote_port"] = *p.remote_port;
+  if (p.remote_tp_size) d["remote_tp_size"] = *p.remote_tp_size;
+  if (p.remote_request_id) d["remote_request_id"] = *p.remote_request_id;
+  return d;
+}
+
+FinishReason ParseReason(const std::string& r) {
+  if (r == "length" || r == "FINISHED_LENGTH_CAPPED" || r == "length_capped") {
+    return FinishReason::kLengthCapped;
+  }
+  if (r == "stop" || r == "FINISHED_STOPPED") return FinishReason::kStopped;
+  if (r == "abort" || r == "FINISHED_ABORTED") return FinishReason::kAborted;
+  return FinishReason::kError;
+}
+
+CacheSpec MakeSpec(CacheSpecOptions o) { return Unwrap(CacheSpec::Create(std::move(o))); }
+
+}  // namespace
+
+PYBIND11_MODULE(_kvferry, m) {
+  m.doc() = "kvferry: KV-cache transfer for disaggregated prefill/decode serving";
+
+  py::object base = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
+  static py::exception<std::runtime_error> error(m, "Error", base.ptr());
+  const std::pair<StatusCode, const char*> names[] = {
+      {StatusCode::kInvalidArgument, "InvalidArgumentError"},
+      {StatusCode::kNotFound, "NotFoundError"},
+      {StatusCode::kUnavailable, "UnavailableError"},
+      {StatusCode::kPeerDisconnected, "PeerDisconnectedError"},
+      {StatusCode::kTimeout, "TimeoutError"},
+      {StatusCode::kCancelled, "CancelledError"},
+      {StatusCode::kResourceExhausted, "ResourceExhaustedError"},
+      {StatusCode::kNotSupported, "NotSupportedError"},
+      {StatusCode::kInternal, "InternalError"},
+      {StatusCode::kUnauthenticated, "UnauthenticatedError"},
+  };
+  for (const auto& [code, name] : names) {
+    py::object type = py::reinterpret_steal<py::object>(
+        PyErr_NewException((std::string("kvferry.") + name).c_str(), error.ptr(), nullptr));
+    m.attr(name) = type;
+    Exceptions()[code] = type;
+  }
+
+  py::class_<CacheSpec>(m, "CacheSpec", "The validated geometry of one TP rank's KV cache.")
+      .def_static(
+          "mha",
+          [](int layers, std::int64_t kv_heads, std::int64_t head_dim, std::int64_t num_blocks,
+             std::int64_t tokens_per_block, const std::string& dtype, int tp_size, int tp_rank,
+             const std::string& layout) {
+            return Unwrap(CacheSpec::Mha(layers, kv_heads, head_dim, num_blocks, tokens_per_block,
+                                         Unwrap(ParseDType(dtype)), tp_size, tp_rank,
+                                         Unwrap(ParseBlockLayout(layout))));
+          },
+          py::arg("layers"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("num_blocks"),
+          py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("tp_size") = 1,
+          py::arg("tp_rank") = 0, py::arg("layout") = "token_major")
+      .def_static(
+          "mla",
+          [](int layers, std::int64_t latent_dim, std::int64_t rope_dim, std::int64_t num_blocks,
+             std::int64_t tokens_per_block, const std::string& dtype, int tp_size, int tp_rank) {
+            return Unwrap(CacheSpec::Mla(layers, latent_dim, rope_dim, num_blocks,
+                                         tokens_per_block, Unwrap(ParseDType(dtype)), tp_size,
+                                         tp_rank));
+          },
+          py::arg("layers"), py::arg("latent_dim"), py::arg("rope_dim"), py::arg("num_blocks"),
+          py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("tp_size") = 1,
+          py::arg("tp_rank") = 0)
+      .def_static(
+          "sparse_mla",
+          [](int layers, std::int64_t latent_dim, std::int64_t rope_dim, std::int64_t indexer_dim,
+             std::int64_t num_blocks, std::int64_t tokens_per_block, const std::string& dtype,
+             int tp_size, int tp_rank) {
+            return Unwrap(CacheSpec::SparseMla(layers, latent_dim, rope_dim, indexer_dim,
+                                               num_blocks, tokens_per_block,
+                                               Unwrap(ParseDType(dtype)), tp_size, tp_rank));
+          },
+          py::arg("layers"), py::arg("latent_dim"), py::arg("rope_dim"), py::arg("indexer_dim"),
+          py::arg("num_blocks"), py::arg("tokens_per_block"), py::arg("dtype") = "bf16",
+          py::arg("tp_size") = 1, py::arg("tp_rank") = 0)
+      .def_property_readonly("kind", [](const CacheSpec& s) { return CacheKindName(s.kind()); })
+      .def_property_readonly("num_layers", &CacheSpec::num_layers)
+      .def_property_readonly("num_parts", &CacheSpec::num_parts)
+      .def_property_readonly("num_blocks", &CacheSpec::num_blocks)
+      .def_property_readonly("tokens_per_block", &CacheSpec::tokens_per_block)
+      .def_property_readonly("dtype", [](const CacheSpec& s) { return DTypeName(s.dtype()); })
+      .def_property_readonly("tp_size", &CacheSpec::tp_size)
+      .def_property_readonly("tp_rank", &CacheSpec::tp_rank)
+      .def_property_readonly("total_bytes", &CacheSpec::TotalBytes)
+      .def("block_bytes", &CacheSpec::BlockBytes, py::arg("part"))
+      .def("part_bytes", &CacheSpec::PartBytes, py::arg("part"))
+      .def("local_heads", &CacheSpec::LocalHeads, py::arg("part"))
+      .def_property_readonly("hash", [](const CacheSpec& s) {
+        const CompatibilityHash h = s.Hash();
+        return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+      })
+      .def_property_readonly("canonical_text", &CacheSpec::CanonicalText)
+      .def("__repr__", [](const CacheSpec& s) { return "CacheSpec(" + s.CanonicalText() + ")"; });
+
+  py::class_<RankTable>(m, "RankTable", "The global rank table (reference format).")
+      .def_static("load", [](const std::string& path) { return Unwrap(RankTable::Load(path)); })
+      .def_static("parse", [](const std::string& text, const std::string& source) {
+        return Unwrap(RankTable::Parse(text, source));
+      }, py::arg("text"), py::arg("source") = "<string>")
+      .def("to_json", &RankTable::ToJson)
+      .def("select_local",
+           [](const RankTable& t, const std::string& role, const std::string& server_id,
+              const std::string& visible_devices, int tp_rank) {
+             DeviceEntry e = Unwrap(t.SelectLocal(Unwrap(ParseRole(role)), server_id,
+                                                  ParseVisibleDevices(visible_devices), tp_rank));
+             py::dict d;
+             d["server_id"] = e.server_id;
+             d["device_id"] = e.device_id;
+             d["device_ip"] = e.device_ip;
+             d["cluster_id"] = e.cluster_id;
+             if (e.super_pod_id) d["super_pod_id"] = *e.super_pod_id;
+             if (e.super_device_id) d["super_device_id"] = *e.super_device_id;
+             return d;
+           },
+           py::arg("role"), py::arg("server_id"), py::arg("visible_devices") = "",
+           py::arg("tp_rank") = 0);
+
+  py::class_<Scheduler>(m, "Scheduler",
+                        "The scheduler side: pure bookkeeping; call it from one thread.")
+      .def(py::init([](const std::string& role, const std::string& engine_id,
+                       const std::string& host, int base_port, int dp_rank, int tp_size,
+                       int hold_lease_ms) {
+             SchedulerConfig c;
+             c.role = Unwrap(ParseRole(role));
+             c.engine_id = engine_id;
+             c.host = host;
+             c.base_port = base_port;
+             c.dp_rank = dp_rank;
+             c.tp_size = tp_size;
+             c.hold_lease = std::chrono::milliseconds(hold_lease_ms);
+             return std::make_unique<Scheduler>(c);
+           }),
+           py::arg("role"), py::arg("engine_id"), py::arg("host") = "127.0.0.1",
+           py::arg("base_port") = 5557, py::arg("dp_rank") = 0, py::arg("tp_size") = 1,
+           py::arg("hold_lease_ms") = 120000)
+      .def("get_num_new_matched_tokens",
+           [](const Scheduler& s, const py::dict& params, std::int64_t prompt, std::int64_t computed) {
+             return s.GetNumNewMatchedTokens(ParamsFromDict(params), prompt, computed);
+           })
+      .def("update_state_after_alloc",
+           [](Scheduler& s, const std::string& request_id, py::dict params,
+              const std::vector<std::int64_t>& block_ids) {
+             KvTransferParams p = ParamsFromDict(params);
+             Status st = s.UpdateStateAfterAlloc(request_id, p, block_ids);
+             params["do_remote_prefill"] = p.do_remote_prefill;  // cleared: not loaded twice
+             ThrowIfError(st);
+           },
+           py::arg("request_id"), py::arg("params"), py::arg("block_ids"))
+      .def("build_connector_meta",
+           [](Scheduler& s) {
+             const std::vector<std::uint8_t> b = s.BuildConnectorMeta().Encode();
+             return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+           })
+      .def("request_finished",
+           [](Scheduler& s, const std::string& request_id, const py::dict& params,
+              const std::string& reason, const std::vector<std::int64_t>& block_ids) {
+             Scheduler::FinishedResult r =
+                 s.RequestFinished(request_id, ParamsFromDict(params), ParseReason(reason), block_ids);
+             py::object out = r.params ? py::object(ParamsToDict(*r.params)) : py::none();
+             return py::make_tuple(r.delay_free, out);
+           },
+           py::arg("request_id"), py::arg("params"), py::arg("reason"), py::arg("block_ids"));
+
+  py::class_<Worker>(m, "Worker", "The worker side, one per TP worker. Thread-safe.")
+      .def(py::init([](const std::string& role, const std::string& engine_id, int tp_size,
+                       int tp_rank, int dp_rank, const std::string& host, int base_port,
+                       const std::string& secret, const std::string& transport,
+                       const std::string& rank_table_path, const std::string& server_id,
+                       const std::string& visible_devices, int transfer_timeout_ms,
+                       int hold_lease_ms, const std::string& failure_policy) {
+             WorkerConfig c;
+             c.role = Unwrap(ParseRole(role));
+             c.engine_id = engine_id;
+             c.tp_size = tp_size;
+             c.tp_rank = tp_rank;
+             c.dp_rank = dp_rank;
+             c.host = host;
+             c.base_port = base_port;
+             c.secret = secret;
+             c.transport.kind = Unwrap(ParseTransportKind(transport));
+             if (!rank_table_path.empty()) c.rank_table = Unwrap(RankTable::Load(rank_table_path));
+             c.server_id = server_id;
+             c.visible_devices = ParseVisibleDevices(visible_devices);
+             c.transfer_timeout = std::chrono::milliseconds(transfer_timeout_ms);
+             c.hold_lease = std::chrono::milliseconds(hold_lease_ms);
+             if (failure_policy == "fail") {
+               c.failure_policy = LoadFailurePolicy::kFail;
+             } else if (failure_policy != "recompute") {
+               ThrowIfError(Status::InvalidArgument("failure_policy must be 'recompute' or 'fail', found '" +
+                                                    failure_policy + "'"));
+             }
+             py::gil_scoped_release release;
+             return Unwrap(Worker::Create(std::move(c)));
+           }),
+           py::arg("role"), py::arg("engine_id"), py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
+           py::arg("dp_rank") = 0, py::arg("host") = "127.0.0.1", py::arg("base_port") = 5557,
+           py::arg("secret") = "", py::arg("transport") = "auto", py::arg("rank_table_path") = "",
+           py::arg("server_id") = "", py::arg("visible_devices") = "",
+           py::arg("transfer_timeout_ms") = 30000, py::arg("hold_lease_ms") = 120000,
+           py::arg("failure_policy") = "recompute")
+      .def("register_kv_caches",
+           [](Worker& w, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases) {
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = w.RegisterKvCaches(spec, std::move(bases));
+             }
+             ThrowIfError(s);
+           },
+           py::arg("spec"), py::arg("bases"))
+      .def("start_load_kv",
+           [](Worker& w, const py::bytes& metadata) {
+             const std::string b = metadata;
+             ConnectorMetadata md = Unwrap(ConnectorMetadata::Decode(
+                 std::span(reinterpret_cast<const std::uint8_t*>(b.data()), b.size())));
+             py::gil_scoped_release release;
+             w.StartLoadKv(md);
+           })
+      .def("get_finished",
+           [](Worker& w) {
+             FinishedRequests f;
+             {
+               py::gil_scoped_release release;
+               f = w.GetFinished();
+             }
+             return py::make_tuple(std::set<std::string>(f.sending.begin(), f.sending.end()),
+                                   std::set<std::string>(f.receiving.begin(), f.receiving.end()));
+           })
+      .def("take_load_errors",
+           [](Worker& w) {
+             std::vector<LoadError> errors;
+             {
+               py::gil_scoped_release release;
+               errors = w.TakeLoadErrors();
+             }
+             py::list out;
+             for (const LoadError& e : errors) {
+               py::dict d;
+               d["request_id"] = e.request_id;
+               d["block_ids"] = e.local_block_ids;
+               d["code"] = StatusCodeName(e.status.code());
+               d["message"] = std::string(e.status.message());
+               d["recompute"] = e.recompute;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("stats",
+           [](Worker& w) {
+             const WorkerStats s = w.Stats();
+             py::dict d;
+             d["bytes_read"] = s.bytes_read;
+             d["reads"] = s.reads;
+             d["merged_runs"] = s.merged_runs;
+             d["loads_done"] = s.loads_done;
+             d["loads_failed"] = s.loads_failed;
+             d["handshakes"] = s.handshakes;
+             d["failures"] = s.failures;
+             d["holds_outstanding"] = s.holds_outstanding;
+             d["loads_outstanding"] = s.loads_outstanding;
+             d["transfer_p50_us"] = s.transfer_latency.Quantile(0.5);
+             d["transfer_p99_us"] = s.transfer_latency.Quantile(0.99);
+             return d;
+           })
+      .def_property_readonly("listener_endpoint", &Worker::listener_endpoint);
+}
