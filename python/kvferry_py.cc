@@ -45,7 +45,8 @@ KvTransferParams ParamsFromDict(const py::dict& d) {
   if (d.contains("do_remote_prefill")) p.do_remote_prefill = py::bool_(d["do_remote_prefill"]);
   if (d.contains("do_remote_decode")) p.do_remote_decode = py::bool_(d["do_remote_decode"]);
   auto opt = [&](const char* key) { return d.contains(key) && !d[key].is_none(); };
-  if (opt("remote_block_ids")) p.remote_block_ids = d["remote_block_ids"].cast<std::vector<std::int64_t>>();
+  if (opt("remote_block_ids"))
+    p.remote_block_ids = d["remote_block_ids"].cast<std::vector<std::int64_t>>();
   if (opt("remote_engine_id")) p.remote_engine_id = d["remote_engine_id"].cast<std::string>();
   if (opt("remote_host")) p.remote_host = d["remote_host"].cast<std::string>();
   if (opt("remote_port")) p.remote_port = d["remote_port"].cast<int>();
@@ -121,9 +122,8 @@ PYBIND11_MODULE(_kvferry, m) {
           "mla",
           [](int layers, std::int64_t latent_dim, std::int64_t rope_dim, std::int64_t num_blocks,
              std::int64_t tokens_per_block, const std::string& dtype, int tp_size, int tp_rank) {
-            return Unwrap(CacheSpec::Mla(layers, latent_dim, rope_dim, num_blocks,
-                                         tokens_per_block, Unwrap(ParseDType(dtype)), tp_size,
-                                         tp_rank));
+            return Unwrap(CacheSpec::Mla(layers, latent_dim, rope_dim, num_blocks, tokens_per_block,
+                                         Unwrap(ParseDType(dtype)), tp_size, tp_rank));
           },
           py::arg("layers"), py::arg("latent_dim"), py::arg("rope_dim"), py::arg("num_blocks"),
           py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("tp_size") = 1,
@@ -152,35 +152,40 @@ PYBIND11_MODULE(_kvferry, m) {
       .def("block_bytes", &CacheSpec::BlockBytes, py::arg("part"))
       .def("part_bytes", &CacheSpec::PartBytes, py::arg("part"))
       .def("local_heads", &CacheSpec::LocalHeads, py::arg("part"))
-      .def_property_readonly("hash", [](const CacheSpec& s) {
-        const CompatibilityHash h = s.Hash();
-        return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
-      })
+      .def_property_readonly("hash",
+                             [](const CacheSpec& s) {
+                               const CompatibilityHash h = s.Hash();
+                               return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+                             })
       .def_property_readonly("canonical_text", &CacheSpec::CanonicalText)
       .def("__repr__", [](const CacheSpec& s) { return "CacheSpec(" + s.CanonicalText() + ")"; });
 
   py::class_<RankTable>(m, "RankTable", "The global rank table (reference format).")
       .def_static("load", [](const std::string& path) { return Unwrap(RankTable::Load(path)); })
-      .def_static("parse", [](const std::string& text, const std::string& source) {
-        return Unwrap(RankTable::Parse(text, source));
-      }, py::arg("text"), py::arg("source") = "<string>")
+      .def_static(
+          "parse",
+          [](const std::string& text, const std::string& source) {
+            return Unwrap(RankTable::Parse(text, source));
+          },
+          py::arg("text"), py::arg("source") = "<string>")
       .def("to_json", &RankTable::ToJson)
-      .def("select_local",
-           [](const RankTable& t, const std::string& role, const std::string& server_id,
-              const std::string& visible_devices, int tp_rank) {
-             DeviceEntry e = Unwrap(t.SelectLocal(Unwrap(ParseRole(role)), server_id,
-                                                  ParseVisibleDevices(visible_devices), tp_rank));
-             py::dict d;
-             d["server_id"] = e.server_id;
-             d["device_id"] = e.device_id;
-             d["device_ip"] = e.device_ip;
-             d["cluster_id"] = e.cluster_id;
-             if (e.super_pod_id) d["super_pod_id"] = *e.super_pod_id;
-             if (e.super_device_id) d["super_device_id"] = *e.super_device_id;
-             return d;
-           },
-           py::arg("role"), py::arg("server_id"), py::arg("visible_devices") = "",
-           py::arg("tp_rank") = 0);
+      .def(
+          "select_local",
+          [](const RankTable& t, const std::string& role, const std::string& server_id,
+             const std::string& visible_devices, int tp_rank) {
+            DeviceEntry e = Unwrap(t.SelectLocal(Unwrap(ParseRole(role)), server_id,
+                                                 ParseVisibleDevices(visible_devices), tp_rank));
+            py::dict d;
+            d["server_id"] = e.server_id;
+            d["device_id"] = e.device_id;
+            d["device_ip"] = e.device_ip;
+            d["cluster_id"] = e.cluster_id;
+            if (e.super_pod_id) d["super_pod_id"] = *e.super_pod_id;
+            if (e.super_device_id) d["super_device_id"] = *e.super_device_id;
+            return d;
+          },
+          py::arg("role"), py::arg("server_id"), py::arg("visible_devices") = "",
+          py::arg("tp_rank") = 0);
 
   py::class_<Scheduler>(m, "Scheduler",
                         "The scheduler side: pure bookkeeping; call it from one thread.")
@@ -201,32 +206,35 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("base_port") = 5557, py::arg("dp_rank") = 0, py::arg("tp_size") = 1,
            py::arg("hold_lease_ms") = 120000)
       .def("get_num_new_matched_tokens",
-           [](const Scheduler& s, const py::dict& params, std::int64_t prompt, std::int64_t computed) {
+           [](const Scheduler& s, const py::dict& params, std::int64_t prompt,
+              std::int64_t computed) {
              return s.GetNumNewMatchedTokens(ParamsFromDict(params), prompt, computed);
            })
-      .def("update_state_after_alloc",
-           [](Scheduler& s, const std::string& request_id, py::dict params,
-              const std::vector<std::int64_t>& block_ids) {
-             KvTransferParams p = ParamsFromDict(params);
-             Status st = s.UpdateStateAfterAlloc(request_id, p, block_ids);
-             params["do_remote_prefill"] = p.do_remote_prefill;  // cleared: not loaded twice
-             ThrowIfError(st);
-           },
-           py::arg("request_id"), py::arg("params"), py::arg("block_ids"))
+      .def(
+          "update_state_after_alloc",
+          [](Scheduler& s, const std::string& request_id, py::dict params,
+             const std::vector<std::int64_t>& block_ids) {
+            KvTransferParams p = ParamsFromDict(params);
+            Status st = s.UpdateStateAfterAlloc(request_id, p, block_ids);
+            params["do_remote_prefill"] = p.do_remote_prefill;  // cleared: not loaded twice
+            ThrowIfError(st);
+          },
+          py::arg("request_id"), py::arg("params"), py::arg("block_ids"))
       .def("build_connector_meta",
            [](Scheduler& s) {
              const std::vector<std::uint8_t> b = s.BuildConnectorMeta().Encode();
              return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
            })
-      .def("request_finished",
-           [](Scheduler& s, const std::string& request_id, const py::dict& params,
-              const std::string& reason, const std::vector<std::int64_t>& block_ids) {
-             Scheduler::FinishedResult r =
-                 s.RequestFinished(request_id, ParamsFromDict(params), ParseReason(reason), block_ids);
-             py::object out = r.params ? py::object(ParamsToDict(*r.params)) : py::none();
-             return py::make_tuple(r.delay_free, out);
-           },
-           py::arg("request_id"), py::arg("params"), py::arg("reason"), py::arg("block_ids"));
+      .def(
+          "request_finished",
+          [](Scheduler& s, const std::string& request_id, const py::dict& params,
+             const std::string& reason, const std::vector<std::int64_t>& block_ids) {
+            Scheduler::FinishedResult r = s.RequestFinished(request_id, ParamsFromDict(params),
+                                                            ParseReason(reason), block_ids);
+            py::object out = r.params ? py::object(ParamsToDict(*r.params)) : py::none();
+            return py::make_tuple(r.delay_free, out);
+          },
+          py::arg("request_id"), py::arg("params"), py::arg("reason"), py::arg("block_ids"));
 
   py::class_<Worker>(m, "Worker", "The worker side, one per TP worker. Thread-safe.")
       .def(py::init([](const std::string& role, const std::string& engine_id, int tp_size,
@@ -253,8 +261,8 @@ PYBIND11_MODULE(_kvferry, m) {
              if (failure_policy == "fail") {
                c.failure_policy = LoadFailurePolicy::kFail;
              } else if (failure_policy != "recompute") {
-               ThrowIfError(Status::InvalidArgument("failure_policy must be 'recompute' or 'fail', found '" +
-                                                    failure_policy + "'"));
+               ThrowIfError(Status::InvalidArgument(
+                   "failure_policy must be 'recompute' or 'fail', found '" + failure_policy + "'"));
              }
              py::gil_scoped_release release;
              return Unwrap(Worker::Create(std::move(c)));
@@ -265,16 +273,17 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("server_id") = "", py::arg("visible_devices") = "",
            py::arg("transfer_timeout_ms") = 30000, py::arg("hold_lease_ms") = 120000,
            py::arg("failure_policy") = "recompute")
-      .def("register_kv_caches",
-           [](Worker& w, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases) {
-             Status s;
-             {
-               py::gil_scoped_release release;
-               s = w.RegisterKvCaches(spec, std::move(bases));
-             }
-             ThrowIfError(s);
-           },
-           py::arg("spec"), py::arg("bases"))
+      .def(
+          "register_kv_caches",
+          [](Worker& w, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases) {
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = w.RegisterKvCaches(spec, std::move(bases));
+            }
+            ThrowIfError(s);
+          },
+          py::arg("spec"), py::arg("bases"))
       .def("start_load_kv",
            [](Worker& w, const py::bytes& metadata) {
              const std::string b = metadata;
