@@ -64,39 +64,34 @@ BatchResult FaultInjectingTransport::Shape(const Entry& e, BatchResult r) const 
   return r;
 }
 
+std::optional<FaultInjectingTransport::Entry> FaultInjectingTransport::Find(BatchId batch) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = batches_.find(batch);
+  if (it == batches_.end()) return std::nullopt;
+  return it->second;
+}
+
+BatchResult FaultInjectingTransport::Unknown(BatchId batch) {
+  return {BatchState::kFailed, Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
+}
+
 BatchResult FaultInjectingTransport::Poll(BatchId batch) {
-  Entry e;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = batches_.find(batch);
-    if (it == batches_.end()) {
-      return {BatchState::kFailed,
-              Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
-    }
-    e = it->second;
-  }
-  if (!e.inner) return Shape(e, {BatchState::kFailed, Status::Ok()});
-  return Shape(e, inner_->Poll(*e.inner));
+  std::optional<Entry> e = Find(batch);
+  if (!e) return Unknown(batch);
+  if (!e->inner) return Shape(*e, {BatchState::kFailed, Status::Ok()});
+  return Shape(*e, inner_->Poll(*e->inner));
 }
 
 BatchResult FaultInjectingTransport::Wait(BatchId batch, Deadline deadline) {
-  Entry e;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = batches_.find(batch);
-    if (it == batches_.end()) {
-      return {BatchState::kFailed,
-              Status::NotFound("batch " + std::to_string(batch) + " is unknown")};
-    }
-    e = it->second;
-  }
-  if (!e.inner) return Shape(e, {BatchState::kFailed, Status::Ok()});
-  BatchResult r = inner_->Wait(*e.inner, deadline);
+  std::optional<Entry> e = Find(batch);
+  if (!e) return Unknown(batch);
+  if (!e->inner) return Shape(*e, {BatchState::kFailed, Status::Ok()});
+  BatchResult r = inner_->Wait(*e->inner, deadline);
   if (r.state == BatchState::kInProgress) return r;
   // A delayed batch reports its end at ready_at, or fails at its deadline, whichever is first.
-  const Clock::time_point until = std::min({e.ready_at, e.deadline, deadline});
+  const Clock::time_point until = std::min({e->ready_at, e->deadline, deadline});
   if (Clock::now() < until) std::this_thread::sleep_until(until);
-  return Shape(e, r);
+  return Shape(*e, r);
 }
 
 void FaultInjectingTransport::Cancel(BatchId batch) {

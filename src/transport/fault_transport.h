@@ -62,6 +62,8 @@ class FaultInjectingTransport final : public Transport {
     Deadline deadline{};
   };
   BatchResult Shape(const Entry& e, BatchResult inner_result) const;
+  std::optional<Entry> Find(BatchId batch) const;
+  static BatchResult Unknown(BatchId batch);
 
   std::unique_ptr<Transport> inner_;
   mutable std::mutex mu_;
