@@ -149,7 +149,11 @@ class PrefillProcess {
     }
     return "no stats";
   }
-  void Kill() { process_->Signal(SIGKILL); }
+  // Kills the process and waits until it is gone: a process that is dying can still be read.
+  void Kill() {
+    process_->Signal(SIGKILL);
+    (void)process_->CloseAndWait(milliseconds(5000));
+  }
   int base_port() const { return base_port_; }
   const std::string& engine() const { return engine_; }
 
