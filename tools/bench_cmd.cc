@@ -64,12 +64,6 @@ std::vector<std::uint8_t> FromHex(const std::string& hex) {
   return out;
 }
 
-std::string SelfExe() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "kvferry";
-}
-
 // ---------------------------------------------------------------------------------------------
 // bench peer
 

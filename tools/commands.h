@@ -25,6 +25,8 @@ struct ModelArgs {
 void AddModelOptions(CLI::App& cmd, ModelArgs& model);
 /// The CacheSpecOptions of the model (TP fields left at 1/0; each rank sets its own).
 Result<CacheSpecOptions> BuildModel(const ModelArgs& model);
+/// This executable's path, for starting child kvferry processes (bench peer, serve).
+std::string SelfExe();
 /// Arguments that pass `model` on to a child `kvferry serve`.
 std::vector<std::string> ModelArgv(const ModelArgs& model);
 

@@ -80,12 +80,6 @@ struct PipelineResult {
   bool leaked = false;
 };
 
-std::string SelfExe() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "kvferry";
-}
-
 bool PortFree(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};

@@ -1,9 +1,17 @@
+#include <unistd.h>
+
 #include <string>
 #include <vector>
 
 #include "tools/commands.h"
 
 namespace kvferry::cli {
+
+std::string SelfExe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "kvferry";
+}
 
 void AddModelOptions(CLI::App& cmd, ModelArgs& m) {
   cmd.add_option("--kind", m.kind, "Cache kind: mha|mla|sparse_mla")->capture_default_str();
