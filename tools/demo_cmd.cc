@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/clock.h"
+#include "common/ports.h"
 #include "common/subprocess.h"
 #include "kvferry/rank_table.h"
 #include "sidechannel/zmq_util.h"
@@ -79,33 +80,6 @@ struct PipelineResult {
   Json decode_end;
   bool leaked = false;
 };
-
-bool PortFree(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  close(fd);
-  return ok;
-}
-
-// A run of `count` consecutive free ports, not overlapping `taken`.
-int FreePorts(int count, std::vector<int>& taken, std::mt19937& rng) {
-  for (int attempt = 0; attempt < 200; ++attempt) {
-    const int base = 20000 + static_cast<int>(rng() % 40000);
-    bool ok = true;
-    for (int i = 0; i < count && ok; ++i) {
-      ok = PortFree(base + i) && std::find(taken.begin(), taken.end(), base + i) == taken.end();
-    }
-    if (ok) {
-      for (int i = 0; i < count; ++i) taken.push_back(base + i);
-      return base;
-    }
-  }
-  return 0;
-}
 
 // One control connection to a kvferry serve instance.
 class Control {
@@ -178,13 +152,11 @@ Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
 
 Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                    const std::vector<std::vector<std::int32_t>>& prompts) {
-  std::mt19937 rng(static_cast<unsigned>(getpid()) ^
-                   static_cast<unsigned>(Clock::now().time_since_epoch().count()));
   std::vector<int> taken;
-  const int prefill_base = FreePorts(a.prefill_tp, taken, rng);
-  const int decode_base = FreePorts(a.decode_tp, taken, rng);
-  const int prefill_control = FreePorts(1, taken, rng);
-  const int decode_control = FreePorts(1, taken, rng);
+  const int prefill_base = FreeLoopbackPorts(a.prefill_tp, taken);
+  const int decode_base = FreeLoopbackPorts(a.decode_tp, taken);
+  const int prefill_control = FreeLoopbackPorts(1, taken);
+  const int decode_control = FreeLoopbackPorts(1, taken);
   if (prefill_base == 0 || decode_base == 0 || prefill_control == 0 || decode_control == 0) {
     return Status::Unavailable("could not find free ports on 127.0.0.1");
   }

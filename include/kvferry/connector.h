@@ -222,6 +222,12 @@ class Worker {
   FinishedRequests GetFinished();
   /// Failed loads with their local block ids, since the last call.
   std::vector<LoadError> TakeLoadErrors();
+  /// The engine aborted the request whose load runs or waits here: the load stops (reads in
+  /// flight are cancelled; when this returns none of them writes any more), the prefill ranks
+  /// are told to release their holds, and the load is still reported once in `receiving`, with a
+  /// Cancelled LoadError that asks for no recompute. Keep the blocks allocated until then.
+  /// NotFound when this worker has no such load (it already ended, or never started).
+  Status AbortLoad(const std::string& request_id, const std::string& reason);
 
   WorkerStats Stats() const;
   /// "tcp://host:port" of this worker's side-channel listener.

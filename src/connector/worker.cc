@@ -67,6 +67,7 @@ class WorkerImpl {
   void StartLoadKv(const ConnectorMetadata& metadata);
   FinishedRequests GetFinished();
   std::vector<LoadError> TakeLoadErrors();
+  Status AbortLoad(const std::string& request_id, const std::string& reason);
   WorkerStats Stats() const;
   const std::string& endpoint() const { return listener_->endpoint(); }
 
@@ -93,6 +94,8 @@ class WorkerImpl {
   struct LoadState {
     LoadSpec spec;
     std::vector<std::string> endpoints;  // prefill ranks whose leases this load renews
+    std::vector<BatchId> batches;        // submitted and not yet released
+    std::optional<std::string> aborted;  // the engine's reason, once AbortLoad was called
   };
 
   wire::Message Handle(const wire::Message& request);
@@ -108,6 +111,8 @@ class WorkerImpl {
   Status Handshake(Agent& agent, const std::string& endpoint, const LoadSpec& load, int rank,
                    Deadline deadline);
   void InvalidateAgent(const std::string& endpoint, const std::shared_ptr<Agent>& agent);
+  // Cancelled with the engine's reason when the load was aborted; Ok otherwise.
+  Status AbortedLocked(const std::string& request_id) const;
   void SendAborts(const LoadSpec& load, const std::string& reason);
   void RenewLeases();
 
@@ -154,6 +159,9 @@ Status Worker::RegisterKvCaches(const CacheSpec& spec,
 void Worker::StartLoadKv(const ConnectorMetadata& metadata) { impl_->StartLoadKv(metadata); }
 FinishedRequests Worker::GetFinished() { return impl_->GetFinished(); }
 std::vector<LoadError> Worker::TakeLoadErrors() { return impl_->TakeLoadErrors(); }
+Status Worker::AbortLoad(const std::string& request_id, const std::string& reason) {
+  return impl_->AbortLoad(request_id, reason);
+}
 WorkerStats Worker::Stats() const { return impl_->Stats(); }
 const std::string& Worker::listener_endpoint() const { return impl_->endpoint(); }
 
@@ -393,7 +401,7 @@ void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
     }
     for (const LoadSpec& load : metadata.loads) {
       if (loads_.count(load.request_id) != 0) continue;  // already loading
-      loads_[load.request_id] = LoadState{load, {}};
+      loads_[load.request_id] = LoadState{load, {}, {}, std::nullopt};
       to_start.push_back(load);
     }
   }
@@ -438,6 +446,27 @@ std::vector<LoadError> WorkerImpl::TakeLoadErrors() {
   return out;
 }
 
+Status WorkerImpl::AbortLoad(const std::string& request_id, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = loads_.find(request_id);
+  if (it == loads_.end()) {
+    return Status::NotFound("no load of request " + request_id +
+                            " is running on this worker (it ended, or never started)");
+  }
+  if (it->second.aborted) return Status::Ok();
+  it->second.aborted = reason;
+  // Held under mu_, so DoLoad cannot release these batches meanwhile; Cancel returns once no
+  // read of them runs, after which the engine may reuse the blocks.
+  for (BatchId b : it->second.batches) transport_->Cancel(b);
+  return Status::Ok();
+}
+
+Status WorkerImpl::AbortedLocked(const std::string& request_id) const {
+  auto it = loads_.find(request_id);
+  if (it == loads_.end() || !it->second.aborted) return Status::Ok();
+  return Status::Cancelled("the engine aborted the load: " + *it->second.aborted);
+}
+
 WorkerStats WorkerImpl::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   WorkerStats s = stats_;
@@ -467,8 +496,10 @@ void WorkerImpl::RunLoad(const LoadSpec& load) {
   } else {
     ++stats_.loads_failed;
     ++stats_.failures[StatusCodeName(s.code())];
+    // An aborted load has nothing to recompute: the engine has dropped the request.
     load_errors_.push_back({load.request_id, load.local_block_ids, s,
-                            cfg_.failure_policy == LoadFailurePolicy::kRecompute});
+                            s.code() != StatusCode::kCancelled &&
+                                cfg_.failure_policy == LoadFailurePolicy::kRecompute});
   }
 }
 
@@ -508,6 +539,7 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
   const std::vector<std::string> endpoints = NoticeEndpoints(load, sources);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    KVFERRY_RETURN_IF_ERROR(AbortedLocked(load.request_id));  // aborted while queued
     auto it = loads_.find(load.request_id);
     if (it != loads_.end()) it->second.endpoints = endpoints;
   }
@@ -528,6 +560,16 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
       Result<std::shared_ptr<Agent>> agent = GetAgent(load, source.prefill_rank, hs_deadline);
       if (!agent.ok()) {
         failure = agent.status();
+        break;
+      }
+      // A restarted prefill instance answers on the same endpoint under a new engine id; its
+      // blocks are not this request's.
+      if ((*agent)->metadata->agent.peer.engine_id != load.remote_engine_id) {
+        failure = Status::Unavailable(
+            "the prefill instance at " +
+            Endpoint(load.remote_host, load.remote_port + source.prefill_rank) + " is now engine " +
+            (*agent)->metadata->agent.peer.engine_id + ", but request " + load.request_id +
+            " was held by engine " + load.remote_engine_id + ", which is gone");
         break;
       }
       const CacheSpec& remote = (*agent)->metadata->cache;
@@ -553,7 +595,15 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
       }
       reads += ops.size();
       runs_total += runs->size();
+      std::unique_lock<std::mutex> lock(mu_);
+      if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
+        failure = aborted;
+        break;
+      }
+      // Submitted under mu_ so an AbortLoad either sees this batch or ran before the check above.
       Result<BatchId> b = transport_->SubmitReads((*agent)->peer, std::move(ops), deadline);
+      if (b.ok()) loads_.at(load.request_id).batches.push_back(*b);
+      lock.unlock();
       if (!b.ok()) {
         failure = b.status();
         if (PeerFault(failure))
@@ -578,6 +628,12 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
           // Rule 12: a dead or restarted peer is dropped and re-handshaken on next use.
           if (PeerFault(r.status)) InvalidateAgent(s.endpoint, s.agent);
         }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::vector<BatchId>& mine = loads_.at(load.request_id).batches;
+        mine.erase(std::remove(mine.begin(), mine.end(), s.batch), mine.end());
+        if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) failure = aborted;
       }
       transport_->Release(s.batch);
     }

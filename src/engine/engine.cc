@@ -69,6 +69,7 @@ struct Instance::Running {
   Clock::time_point submitted = Clock::now();
   Clock::time_point scheduled{};
   EngineResult result;
+  bool aborted = false;
 };
 
 Result<std::unique_ptr<Instance>> Instance::Create(InstanceConfig config) {
@@ -139,7 +140,30 @@ void Instance::Submit(EngineRequest request) {
   waiting_.push_back(std::move(r));
 }
 
-bool Instance::Idle() const { return waiting_.empty() && running_.empty() && held_.empty(); }
+void Instance::Abort(const std::string& request_id) {
+  const Status cancelled = Status::Cancelled("request " + request_id + " was aborted");
+  auto waiting = std::find_if(waiting_.begin(), waiting_.end(),
+                              [&](const auto& r) { return r->request.request_id == request_id; });
+  if (waiting != waiting_.end()) {
+    (*waiting)->result.status = cancelled;
+    aborted_now_.push_back((*waiting)->result);
+    waiting_.erase(waiting);
+    ++aborted_;
+    return;
+  }
+  auto running = running_.find(request_id);
+  if (running == running_.end() || running->second->aborted) return;
+  running->second->aborted = true;
+  running->second->result.status = cancelled;
+  for (auto& w : workers_) {
+    // NotFound: this rank's load already ended; it is (or was) reported in GetFinished.
+    (void)w->AbortLoad(request_id, "the client went away");
+  }
+}
+
+bool Instance::Idle() const {
+  return waiting_.empty() && running_.empty() && held_.empty() && aborted_now_.empty();
+}
 
 // The value of element d of a row whose seed is `seed`.
 inline std::uint64_t RowValue(std::uint64_t seed, std::int64_t d) {
@@ -275,6 +299,7 @@ void Instance::AddToPrefixCache(const Running& r) {
 
 std::vector<EngineResult> Instance::Step() {
   std::vector<EngineResult> out;
+  out.swap(aborted_now_);
   if (config_.role == Role::kPrefill) {
     StepPrefill(out);
   } else {
@@ -347,11 +372,16 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
     }
     // Like vLLM, the last prompt token is always computed: never hit the whole prompt.
     if (static_cast<std::int64_t>(hit.size()) * tpb >= prompt && !hit.empty()) hit.pop_back();
+    // Pin the hits first: making room evicts cached blocks only the cache references, and these
+    // must not be among them.
+    for (std::int64_t block : hit) allocator_->Ref(block);
     Result<std::vector<std::int64_t>> fresh =
         AllocateEvicting(static_cast<std::size_t>(total) - hit.size());
-    if (!fresh.ok()) break;
+    if (!fresh.ok()) {
+      FreeBlocks(hit);  // back to the cache's own reference
+      break;
+    }
     for (std::size_t bi = 0; bi < hit.size(); ++bi) {
-      allocator_->Ref(hit[bi]);
       const std::uint64_t key = r.hashes[(bi + 1) * static_cast<std::size_t>(tpb) - 1];
       lru_.splice(lru_.end(), lru_, lru_pos_.at(key));  // touched
     }
@@ -393,6 +423,14 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
       if (it == running_.end()) continue;
       Running& r = *it->second;
       r.result.load_ms = Ms(r.scheduled, Clock::now());
+      if (r.aborted) {
+        // Every rank's load has stopped: the blocks are free to reuse, and nothing is cached.
+        ++aborted_;
+        FreeBlocks(r.blocks);
+        out.push_back(r.result);
+        running_.erase(it);
+        continue;
+      }
       auto err = errors.find(id);
       if (err != errors.end()) {
         // Recompute policy: the engine computes the blocks the load could not deliver.
@@ -439,6 +477,7 @@ InstanceStats Instance::Stats() const {
   s.transfer_p99_us = transfers.Quantile(0.99);
   s.requests_done = done_;
   s.requests_failed = failed_;
+  s.requests_aborted = aborted_;
   return s;
 }
 

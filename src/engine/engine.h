@@ -85,6 +85,7 @@ struct InstanceStats {
   std::uint64_t bytes_read = 0;
   std::uint64_t requests_done = 0;
   std::uint64_t requests_failed = 0;
+  std::uint64_t requests_aborted = 0;
   /// The connector's own transfer latency over all TP ranks (bucket upper bounds, µs).
   std::uint64_t transfer_p50_us = 0;
   std::uint64_t transfer_p99_us = 0;
@@ -98,6 +99,13 @@ class Instance {
   ~Instance();
 
   void Submit(EngineRequest request);
+  /// The client went away. A request still waiting ends at once; a decode request whose KV is
+  /// loading ends when its loads have stopped (the connector cancels them and tells the prefill
+  /// side), so no read lands in a block after it is freed. Either way it ends in a later Step
+  /// with a Cancelled status, exactly once. A prefill request that already finished keeps its
+  /// hold (the decode side may be reading it) until its readers report or its lease ends; a
+  /// request that already ended, or an unknown id, is left alone.
+  void Abort(const std::string& request_id);
   /// One engine step; returns the requests that finished in it.
   std::vector<EngineResult> Step();
   InstanceStats Stats() const;
@@ -147,8 +155,10 @@ class Instance {
   std::unordered_map<std::uint64_t, std::int64_t> prefix_;
   std::list<std::uint64_t> lru_;
   std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> lru_pos_;
+  std::vector<EngineResult> aborted_now_;  // ended by Abort, returned by the next Step
   std::uint64_t done_ = 0;
   std::uint64_t failed_ = 0;
+  std::uint64_t aborted_ = 0;
 };
 
 /// Chain hashes of a prompt's positions: hash[t] covers tokens[0..t].

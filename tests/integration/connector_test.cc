@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/clock.h"
+#include "common/ports.h"
 #include "common/subprocess.h"
 #include "kv_test_cache.h"
 #include "sidechannel/client.h"
@@ -31,23 +32,8 @@ using ::testing::HasSubstr;
 
 // A base port with `count` free ports after it (checked a moment ago).
 int FreeBasePort(int count) {
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    const int base =
-        20000 +
-        static_cast<int>((static_cast<unsigned>(getpid()) * 7919u + attempt * 104729u) % 40000u);
-    bool ok = true;
-    for (int i = 0; i < count && ok; ++i) {
-      const int fd = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      a.sin_port = htons(static_cast<std::uint16_t>(base + i));
-      ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-      close(fd);
-    }
-    if (ok) return base;
-  }
-  return 29000;
+  const int base = FreeLoopbackPorts(count);
+  return base != 0 ? base : 29000;
 }
 
 struct Params {

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/clock.h"
+#include "common/ports.h"
 #include "sidechannel/client.h"
 #include "sidechannel/listener.h"
 #include "sidechannel/notifier.h"
@@ -24,17 +25,7 @@ using std::chrono::milliseconds;
 using ::testing::HasSubstr;
 
 // A port that was free a moment ago.
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+int FreePort() { return FreeLoopbackPorts(1); }
 
 wire::AgentMetadata SampleMetadata() {
   CacheSpec cache = *CacheSpec::Mha(2, 8, 128, 64, 16, DType::kBFloat16, 2, 1);

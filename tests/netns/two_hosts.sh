@@ -19,7 +19,7 @@ cleanup() {
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
   ip netns del "$ns_p" 2>/dev/null
   ip netns del "$ns_d" 2>/dev/null
-  rm -rf "$work"
+  if [ -n "${KVFERRY_KEEP_LOGS:-}" ]; then echo "logs kept in $work"; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
 

@@ -1,0 +1,195 @@
+// The reference engine (src/engine) with a prefill and a decode instance in this process, wired
+// through the real connector: prefix-cache eviction under memory pressure and aborts on both
+// sides, every byte verified and nothing left allocated.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/ports.h"
+#include "engine/engine.h"
+#include "tests/test_timing.h"
+
+namespace kvferry::engine {
+namespace {
+
+using std::chrono::milliseconds;
+
+CacheSpecOptions Model(std::int64_t num_blocks) {
+  LayerSpec layer;
+  layer.kind = CacheKind::kMha;
+  layer.parts = {{"k", 2, 64}, {"v", 2, 64}};
+  CacheSpecOptions o;
+  o.layers.assign(2, layer);
+  o.num_blocks = num_blocks;
+  o.tokens_per_block = 16;
+  return o;
+}
+
+std::unique_ptr<Instance> MakeInstance(Role role, std::int64_t num_blocks, int tp,
+                                       std::chrono::milliseconds lease = milliseconds(30000)) {
+  InstanceConfig c;
+  c.role = role;
+  c.engine_id = std::string(RoleName(role)) + "-" + std::to_string(FreeLoopbackPorts(1));
+  c.tp_size = tp;
+  c.base_port = FreeLoopbackPorts(tp);
+  c.model = Model(num_blocks);
+  c.hold_lease = lease;
+  Result<std::unique_ptr<Instance>> i = Instance::Create(c);
+  EXPECT_TRUE(i.ok()) << i.status().ToString();
+  return i.ok() ? std::move(i).value() : nullptr;
+}
+
+std::vector<std::int32_t> Prompt(std::size_t len, std::int32_t salt,
+                                 const std::vector<std::int32_t>& prefix = {}) {
+  std::vector<std::int32_t> p = prefix;
+  for (std::size_t i = p.size(); i < len; ++i) p.push_back(static_cast<std::int32_t>(i) * 31 + salt);
+  return p;
+}
+
+// A proxy in miniature: prefill, then decode with the params prefill returned.
+class Pair {
+ public:
+  Pair(std::int64_t prefill_blocks, std::int64_t decode_blocks, int tp = 1,
+       std::chrono::milliseconds lease = milliseconds(30000))
+      : prefill_(MakeInstance(Role::kPrefill, prefill_blocks, tp, lease)),
+        decode_(MakeInstance(Role::kDecode, decode_blocks, tp)) {}
+  bool ok() const { return prefill_ != nullptr && decode_ != nullptr; }
+
+  void SubmitPrefill(const std::string& id, std::vector<std::int32_t> prompt) {
+    prompts_[id] = prompt;
+    KvTransferParams p;
+    p.do_remote_decode = true;
+    prefill_->Submit({id, std::move(prompt), p});
+  }
+  // One step of both; prefill answers go on to decode unless `hold_back` says otherwise.
+  void Step() {
+    for (EngineResult& r : prefill_->Step()) {
+      if (!r.status.ok() || hold_back_.count(r.request_id) != 0) {
+        prefill_results_[r.request_id] = r;
+        continue;
+      }
+      prefill_results_[r.request_id] = r;
+      decode_->Submit({r.request_id, prompts_.at(r.request_id), r.params});
+    }
+    for (EngineResult& r : decode_->Step()) {
+      EXPECT_EQ(decode_results_.count(r.request_id), 0u) << r.request_id << " ended twice";
+      decode_results_[r.request_id] = r;
+    }
+  }
+  // Steps until `done` holds or the deadline passes.
+  template <typename Pred>
+  bool RunUntil(Pred done, milliseconds timeout = milliseconds(20000) * testing::kTimingSlack) {
+    const Deadline deadline = DeadlineAfter(timeout);
+    while (!Expired(deadline)) {
+      Step();
+      if (done()) return true;
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    return false;
+  }
+  bool AllReleased() {
+    const InstanceStats p = prefill_->Stats();
+    const InstanceStats d = decode_->Stats();
+    return p.holds == 0 && p.used_blocks == 0 && d.used_blocks == 0 && d.loads_outstanding == 0;
+  }
+
+  Instance& prefill() { return *prefill_; }
+  Instance& decode() { return *decode_; }
+  std::map<std::string, EngineResult>& prefill_results() { return prefill_results_; }
+  std::map<std::string, EngineResult>& decode_results() { return decode_results_; }
+  std::set<std::string>& hold_back() { return hold_back_; }
+
+ private:
+  std::unique_ptr<Instance> prefill_;
+  std::unique_ptr<Instance> decode_;
+  std::map<std::string, std::vector<std::int32_t>> prompts_;
+  std::map<std::string, EngineResult> prefill_results_;
+  std::map<std::string, EngineResult> decode_results_;
+  std::set<std::string> hold_back_;
+};
+
+// The decode side's prefix cache fills the whole pool; a request that hits a cached prefix and
+// needs fresh blocks must evict other entries, never its own hits (found by the two-host test:
+// the hits were evicted and reused, and the engine died on a missing cache entry).
+TEST(EngineTest, EvictionUnderPressureKeepsThePrefixHitsOfTheRequest) {
+  Pair pair(/*prefill_blocks=*/64, /*decode_blocks=*/12);
+  ASSERT_TRUE(pair.ok());
+  const std::vector<std::int32_t> shared = Prompt(64, 7);  // 4 full blocks
+  // "a" caches the shared prefix (the least recently used entries), "b" fills the pool, and "d"
+  // hits the prefix and needs 6 fresh blocks with 2 free: the 4 oldest entries are its hits.
+  const std::vector<std::pair<std::string, std::vector<std::int32_t>>> order = {
+      {"a", Prompt(80, 1, shared)}, {"b", Prompt(90, 2)}, {"d", Prompt(150, 4, shared)}};
+  for (const auto& [id, prompt] : order) {
+    pair.SubmitPrefill(id, prompt);
+    ASSERT_TRUE(pair.RunUntil([&] { return pair.decode_results().count(id) == 1; })) << id;
+    const EngineResult& r = pair.decode_results().at(id);
+    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.ToString();
+    EXPECT_GT(r.verified_bytes, 0u);
+  }
+  EXPECT_EQ(pair.decode_results().at("d").prefix_hit_blocks, 4);
+  EXPECT_GT(pair.decode().Stats().cached_blocks, 0);
+  EXPECT_TRUE(pair.RunUntil([&] { return pair.AllReleased(); }));
+}
+
+// Aborts while waiting on either side end the request at once; nothing is held afterwards.
+TEST(EngineTest, AbortWhileWaitingEndsTheRequestOnceOnEitherSide) {
+  Pair pair(64, 64);
+  ASSERT_TRUE(pair.ok());
+  pair.SubmitPrefill("p", Prompt(100, 1));
+  pair.prefill().Abort("p");  // before the prefill engine schedules it
+  pair.prefill().Abort("p");  // twice: still one end
+  ASSERT_TRUE(pair.RunUntil([&] { return pair.prefill_results().count("p") == 1; }));
+  EXPECT_EQ(pair.prefill_results().at("p").status.code(), StatusCode::kCancelled);
+  EXPECT_EQ(pair.decode_results().count("p"), 0u);
+
+  pair.SubmitPrefill("d", Prompt(100, 2));
+  pair.hold_back().insert("d");
+  ASSERT_TRUE(pair.RunUntil([&] { return pair.prefill_results().count("d") == 1; }));
+  const EngineResult held = pair.prefill_results().at("d");
+  ASSERT_TRUE(held.status.ok());
+  pair.decode().Submit({"d", Prompt(100, 2), held.params});
+  pair.decode().Abort("d");  // before the decode engine allocates for it
+  ASSERT_TRUE(pair.RunUntil([&] { return pair.decode_results().count("d") == 1; }));
+  EXPECT_EQ(pair.decode_results().at("d").status.code(), StatusCode::kCancelled);
+  EXPECT_EQ(pair.decode().Stats().requests_aborted, 1u);
+  EXPECT_EQ(pair.prefill().Stats().requests_aborted, 1u);
+  // The prefill hold of "d" stays until its lease: the decode side never started a load.
+  EXPECT_EQ(pair.prefill().Stats().holds, 1u);
+}
+
+// A decode request aborted while its KV loads: the connector stops the load and tells the
+// prefill side, whose hold ends at once (not at its lease); the request ends once, Cancelled.
+TEST(EngineTest, AbortDuringALoadReleasesBothSides) {
+  // TP 2 and long prompts so the load is still running when the abort comes in most runs; when
+  // it is not, the request completes verified, which is also a correct outcome of an abort.
+  Pair pair(512, 512, /*tp=*/2, /*lease=*/milliseconds(600000));
+  ASSERT_TRUE(pair.ok());
+  int aborted = 0;
+  for (int i = 0; i < 8; ++i) {
+    const std::string id = "r" + std::to_string(i);
+    pair.SubmitPrefill(id, Prompt(2000, i));
+    // The step that ends the prefill also hands the request to decode, which starts its load.
+    ASSERT_TRUE(pair.RunUntil([&] { return pair.prefill_results().count(id) == 1; }));
+    pair.decode().Abort(id);
+    ASSERT_TRUE(pair.RunUntil([&] { return pair.decode_results().count(id) == 1; })) << id;
+    const EngineResult& r = pair.decode_results().at(id);
+    if (r.status.code() == StatusCode::kCancelled) {
+      ++aborted;
+    } else {
+      EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+    }
+  }
+  EXPECT_GT(aborted, 0) << "no abort landed while a load ran";
+  // Holds end by readers or by the abort notice, long before the 10-minute lease.
+  EXPECT_TRUE(pair.RunUntil([&] { return pair.AllReleased(); }, milliseconds(10000)));
+  EXPECT_EQ(pair.decode().Stats().requests_aborted, static_cast<std::uint64_t>(aborted));
+}
+
+}  // namespace
+}  // namespace kvferry::engine
