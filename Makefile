@@ -13,7 +13,7 @@ PREFIX      ?= /usr/local
 CTEST_ARGS  ?=
 SOURCES      = $(shell git ls-files '*.cc' '*.h' 2>/dev/null || find include src tools tests fuzz -name '*.cc' -o -name '*.h')
 
-.PHONY: all deps configure build test netns asan tsan fuzz format format-check tidy install demo clean
+.PHONY: all deps configure build test netns soak asan tsan fuzz format format-check tidy install demo clean
 
 all: build
 
@@ -35,6 +35,12 @@ test: build
 netns: build
 	ctest --test-dir $(BUILD) --output-on-failure -L netns $(CTEST_ARGS)
 
+# A longer soak than the one in make test: SOAK_REQUESTS requests, a third abandoned by the client.
+SOAK_REQUESTS ?= 20000
+soak: build
+	$(BUILD)/kvferry demo --requests $(SOAK_REQUESTS) --abort-rate 0.3 --min-prompt 16 \
+	  --max-prompt 2048 --num-blocks 2048 --hold-lease-ms 2000 --no-progress
+
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 asan: deps
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=address,undefined
@@ -43,14 +49,14 @@ asan: deps
 	  ctest --test-dir $(ASAN_BUILD) --output-on-failure -j $(JOBS) -LE netns $(CTEST_ARGS)
 
 # The same tests under ThreadSanitizer (suppressions, if any, in tsan.supp with a reason each).
-# The demo tests (label demo) are left out: they run three TSan-instrumented processes whose
-# reports come from the uninstrumented libzmq and libstdc++ stream code, and every library piece
-# they exercise is already covered here by the unit and integration tests.
+# The demo and soak tests (labels demo, soak) are left out: they run three TSan-instrumented
+# processes whose reports come from the uninstrumented libzmq and libstdc++ stream code, and every
+# library piece they exercise is already covered here by the unit and integration tests.
 tsan: deps
 	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=thread
 	cmake --build $(TSAN_BUILD) -j $(JOBS)
 	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$(CURDIR)/tsan.supp" \
-	  ctest --test-dir $(TSAN_BUILD) --output-on-failure -j $(JOBS) -LE "demo|netns" $(CTEST_ARGS)
+	  ctest --test-dir $(TSAN_BUILD) --output-on-failure -j $(JOBS) -LE "demo|netns|soak" $(CTEST_ARGS)
 
 # libFuzzer targets built with clang, each run for FUZZ_SECONDS from the committed seeds.
 # A crash leaves its input in $(FUZZ_BUILD)/findings/ and fails the target.

@@ -44,6 +44,12 @@ struct PipelineArgs {
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
   bool progress = true;
+  /// Share of requests the client abandons: at the prefill instance, between prefill and decode,
+  /// or at the decode instance (a third each), at a random moment.
+  double abort_rate = 0;
+  /// A request with no answer from an instance in this long fails (a dead instance).
+  int request_timeout_ms = 60000;
+  std::uint32_t seed = 7;
   /// Drive instances that already run (kvferry serve) instead of starting two here.
   std::string prefill_control;
   std::string decode_control;
@@ -69,6 +75,11 @@ struct RequestTiming {
 struct PipelineResult {
   int done = 0;
   int failed = 0;
+  int aborted_at_prefill = 0;     // the prefill instance ended it as aborted
+  int aborted_after_prefill = 0;  // the client left after prefill: the hold ends by lease
+  int aborted_at_decode = 0;      // the decode instance ended it as aborted (load stopped)
+  int aborts_too_late = 0;        // abort sent, the request had already ended: done
+  int aborted() const { return aborted_at_prefill + aborted_after_prefill + aborted_at_decode; }
   std::vector<std::string> errors;
   std::vector<RequestTiming> timings;
   std::uint64_t bytes_moved = 0;
@@ -219,13 +230,33 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
   // The proxy: prefill first (asking for remote decode), then decode with the params the prefill
   // instance returned, as disaggregated-serving proxies forward them.
   PipelineResult out;
+  enum class AbortAt { kNone, kPrefill, kBetween, kDecode };
   struct InFlight {
     Clock::time_point sent;
     Clock::time_point forwarded;
+    Clock::time_point stage_start;  // of the answer awaited now
+    AbortAt abort_at = AbortAt::kNone;
+  };
+  struct PendingAbort {
+    Clock::time_point due;
+    bool decode = false;
+    std::string id;
   };
   std::map<std::string, InFlight> inflight;
+  std::vector<PendingAbort> aborts;
+  std::mt19937 rng(a.seed);
+  std::uniform_real_distribution<double> unit(0, 1);
+  const milliseconds request_timeout(a.request_timeout_ms);
+
   std::size_t next = 0;
   int finished = 0;
+  auto end_request = [&](std::map<std::string, InFlight>::iterator it) {
+    inflight.erase(it);
+    ++finished;
+  };
+  const auto random_delay = [&](int max_us) {
+    return std::chrono::microseconds(static_cast<std::int64_t>(unit(rng) * max_us));
+  };
   const auto start = Clock::now();
   auto last_progress = start;
   const Deadline deadline = DeadlineAfter(milliseconds(600000));
@@ -238,8 +269,26 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                     {"request_id", id},
                     {"prompt", prompts[next]},
                     {"kv_transfer_params", params}});
-      inflight[id] = {Clock::now(), {}};
+      InFlight f;
+      f.sent = f.stage_start = Clock::now();
+      if (a.abort_rate > 0 && unit(rng) < a.abort_rate) {
+        f.abort_at = static_cast<AbortAt>(1 + rng() % 3);
+        if (f.abort_at == AbortAt::kPrefill) {
+          aborts.push_back({Clock::now() + random_delay(3000), false, id});
+        }
+      }
+      inflight[id] = f;
       ++next;
+    }
+    // Aborts that are due; one for a request that already ended is still sent (a no-op there).
+    const auto abort_now = Clock::now();
+    for (auto it = aborts.begin(); it != aborts.end();) {
+      if (it->due > abort_now) {
+        ++it;
+        continue;
+      }
+      (it->decode ? decode : prefill).Send({{"op", "abort"}, {"request_id", it->id}});
+      it = aborts.erase(it);
     }
     zmq_pollitem_t items[2] = {{prefill.socket(), 0, ZMQ_POLLIN, 0},
                                {decode.socket(), 0, ZMQ_POLLIN, 0}};
@@ -248,14 +297,26 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
       const std::string id = r->value("request_id", "");
       auto it = inflight.find(id);
       if (it == inflight.end()) continue;
+      if (r->value("aborted", false)) {
+        ++out.aborted_at_prefill;
+        end_request(it);
+        continue;
+      }
       if (!r->value("ok", false)) {
         ++out.failed;
         out.errors.push_back(id + " (prefill): " + r->value("error", ""));
-        inflight.erase(it);
-        ++finished;
+        end_request(it);
         continue;
       }
-      it->second.forwarded = Clock::now();
+      if (it->second.abort_at == AbortAt::kPrefill || it->second.abort_at == AbortAt::kBetween) {
+        ++out.aborted_after_prefill;  // never forwarded: the prefill hold ends by its lease
+        end_request(it);
+        continue;
+      }
+      it->second.forwarded = it->second.stage_start = Clock::now();
+      if (it->second.abort_at == AbortAt::kDecode) {
+        aborts.push_back({Clock::now() + random_delay(20000), true, id});
+      }
       const std::size_t index = static_cast<std::size_t>(std::stoul(id.substr(4)));
       decode.Send({{"op", "generate"},
                    {"request_id", id},
@@ -267,8 +328,11 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
       auto it = inflight.find(id);
       if (it == inflight.end()) continue;
       const auto now = Clock::now();
-      if (r->value("ok", false)) {
+      if (r->value("aborted", false)) {
+        ++out.aborted_at_decode;
+      } else if (r->value("ok", false)) {
         ++out.done;
+        if (it->second.abort_at == AbortAt::kDecode) ++out.aborts_too_late;
         RequestTiming t;
         t.prefill_ms =
             std::chrono::duration<double, std::milli>(it->second.forwarded - it->second.sent)
@@ -285,16 +349,28 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
         ++out.failed;
         out.errors.push_back(id + " (decode): " + r->value("error", ""));
       }
-      inflight.erase(it);
-      ++finished;
+      end_request(it);
+    }
+    // An instance that died (or a message lost with it) must not stall the run.
+    for (auto it = inflight.begin(); it != inflight.end();) {
+      auto next_it = std::next(it);
+      if (Clock::now() - it->second.stage_start > request_timeout) {
+        ++out.failed;
+        out.errors.push_back(it->first + ": no answer from the " +
+                             (it->second.forwarded == Clock::time_point{} ? "prefill" : "decode") +
+                             " instance within " + std::to_string(a.request_timeout_ms) + " ms");
+        end_request(it);
+      }
+      it = next_it;
     }
     // On a terminal one line that updates in place; elsewhere (CI logs) a line every 2 s.
     const bool tty = isatty(STDERR_FILENO) != 0;
     if (a.progress && Clock::now() - last_progress > milliseconds(tty ? 500 : 2000)) {
       last_progress = Clock::now();
-      std::fprintf(stderr, "%s[kvferry] %d/%zu requests done, %d failed, %zu in flight%s",
-                   tty ? "\r" : "", out.done, prompts.size(), out.failed, inflight.size(),
-                   tty ? "   " : "\n");
+      std::fprintf(stderr,
+                   "%s[kvferry] %d/%zu requests done, %d aborted, %d failed, %zu in flight%s",
+                   tty ? "\r" : "", out.done, prompts.size(), out.aborted(), out.failed,
+                   inflight.size(), tty ? "   " : "\n");
     }
   }
   out.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
@@ -303,8 +379,9 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
     ++out.failed;
     out.errors.push_back(id + ": no answer before the run's deadline");
   }
-  // Everything must be released: holds end as notices arrive, so give them a moment.
-  const Deadline settle = DeadlineAfter(milliseconds(10000));
+  // Everything must be released: holds end as notices arrive, and those of requests abandoned
+  // after prefill when their lease runs out.
+  const Deadline settle = DeadlineAfter(milliseconds(std::max(10000, a.hold_lease_ms + 5000)));
   for (;;) {
     Result<Json> p = prefill.Call({{"op", "stats"}}, milliseconds(5000));
     Result<Json> d = decode.Call({{"op", "stats"}}, milliseconds(5000));
@@ -371,33 +448,43 @@ int RunDemo(const DemoArgs& a) {
     decode.push_back(t.decode_ms);
   }
   const double gb = static_cast<double>(r->bytes_moved) / 1e9;
-  Json report = {{"requests", a.requests},
-                 {"done", r->done},
-                 {"failed", r->failed},
-                 {"bytes_moved", r->bytes_moved},
-                 {"bytes_verified", r->bytes_verified},
-                 {"wall_s", r->wall_s},
-                 {"throughput_gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
-                 {"load_p50_ms", Percentile(load, 0.5)},
-                 {"load_p99_ms", Percentile(load, 0.99)},
-                 {"transfer_p50_us_bucket", r->decode_end.value("transfer_p50_us", 0)},
-                 {"transfer_p99_us_bucket", r->decode_end.value("transfer_p99_us", 0)},
-                 {"ttft_p50_ms", Percentile(ttft, 0.5)},
-                 {"ttft_p99_ms", Percentile(ttft, 0.99)},
-                 {"prefill_p50_ms", Percentile(prefill, 0.5)},
-                 {"decode_p50_ms", Percentile(decode, 0.5)},
-                 {"prefix_hit_blocks", r->prefix_hit_blocks},
-                 {"recomputed_blocks", r->recomputed_blocks},
-                 {"prefill_end", r->prefill_end},
-                 {"decode_end", r->decode_end},
-                 {"leaked", r->leaked}};
+  Json report = {
+      {"requests", a.requests},
+      {"done", r->done},
+      {"failed", r->failed},
+      {"aborted", r->aborted()},
+      {"aborted_at_prefill", r->aborted_at_prefill},
+      {"aborted_after_prefill", r->aborted_after_prefill},
+      {"aborted_at_decode", r->aborted_at_decode},
+      {"aborts_too_late", r->aborts_too_late},
+      {"errors", std::vector<std::string>(
+                     r->errors.begin(),
+                     r->errors.begin() +
+                         static_cast<std::ptrdiff_t>(std::min<std::size_t>(r->errors.size(), 50)))},
+      {"bytes_moved", r->bytes_moved},
+      {"bytes_verified", r->bytes_verified},
+      {"wall_s", r->wall_s},
+      {"throughput_gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
+      {"load_p50_ms", Percentile(load, 0.5)},
+      {"load_p99_ms", Percentile(load, 0.99)},
+      {"transfer_p50_us_bucket", r->decode_end.value("transfer_p50_us", 0)},
+      {"transfer_p99_us_bucket", r->decode_end.value("transfer_p99_us", 0)},
+      {"ttft_p50_ms", Percentile(ttft, 0.5)},
+      {"ttft_p99_ms", Percentile(ttft, 0.99)},
+      {"prefill_p50_ms", Percentile(prefill, 0.5)},
+      {"decode_p50_ms", Percentile(decode, 0.5)},
+      {"prefix_hit_blocks", r->prefix_hit_blocks},
+      {"recomputed_blocks", r->recomputed_blocks},
+      {"prefill_end", r->prefill_end},
+      {"decode_end", r->decode_end},
+      {"leaked", r->leaked}};
   if (a.json) {
     std::cout << report.dump(2) << std::endl;
   } else {
     char line[2048];
     std::snprintf(
         line, sizeof(line),
-        "requests      %d done, %d failed (of %d)\n"
+        "requests      %d done, %d aborted, %d failed (of %d)\n"
         "moved         %.3f GB in %.2f s: %.2f GB/s across the run\n"
         "transfer      p50 <= %.2f ms, p99 <= %.2f ms per request in the connector\n"
         "load          p50 %.2f ms, p99 %.2f ms as the decode engine saw it (queued "
@@ -407,8 +494,8 @@ int RunDemo(const DemoArgs& a) {
         "verified      %.3f GB, every byte; %lld blocks from the decode prefix cache, "
         "%lld recomputed\n"
         "held at end   prefill %d blocks, %d holds; decode %d blocks\n",
-        r->done, r->failed, a.requests, gb, r->wall_s, r->wall_s > 0 ? gb / r->wall_s : 0,
-        r->decode_end.value("transfer_p50_us", 0) / 1000.0,
+        r->done, r->aborted(), r->failed, a.requests, gb, r->wall_s,
+        r->wall_s > 0 ? gb / r->wall_s : 0, r->decode_end.value("transfer_p50_us", 0) / 1000.0,
         r->decode_end.value("transfer_p99_us", 0) / 1000.0, Percentile(load, 0.5),
         Percentile(load, 0.99), Percentile(ttft, 0.5), Percentile(ttft, 0.99),
         Percentile(prefill, 0.5), Percentile(decode, 0.5),
@@ -420,7 +507,13 @@ int RunDemo(const DemoArgs& a) {
       std::cout << "error         " << r->errors[i] << "\n";
     }
   }
-  const bool ok = r->failed == 0 && !r->leaked && r->done == a.requests;
+  if (!a.json && a.pipeline.abort_rate > 0) {
+    std::printf(
+        "aborted       %d at prefill, %d after prefill (hold ended by lease), %d at decode (load "
+        "stopped, hold released by notice); %d aborts came after the request had ended\n",
+        r->aborted_at_prefill, r->aborted_after_prefill, r->aborted_at_decode, r->aborts_too_late);
+  }
+  const bool ok = r->failed == 0 && !r->leaked && r->done + r->aborted() == a.requests;
   if (!a.json) std::cout << (ok ? "demo: ok" : "demo: FAILED") << std::endl;
   return ok ? 0 : 1;
 }
@@ -432,6 +525,19 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
       ->capture_default_str();
   cmd.add_option("--transport", p.transport, "auto|shm|tcp")->capture_default_str();
   cmd.add_option("--concurrency", p.concurrency, "Requests in flight")->capture_default_str();
+  cmd.add_option("--hold-lease-ms", p.hold_lease_ms,
+                 "Prefill hold lease (of the instances started here; with --prefill-control, "
+                 "say theirs: the run waits that long for abandoned holds to end)")
+      ->capture_default_str();
+  cmd.add_option("--abort-rate", p.abort_rate,
+                 "Share of requests abandoned by the client, at prefill, between prefill and "
+                 "decode, or at decode")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  cmd.add_option("--request-timeout-ms", p.request_timeout_ms,
+                 "A request with no answer from an instance in this long fails")
+      ->capture_default_str();
+  cmd.add_option("--seed", p.seed, "Seed of the abort choices")->capture_default_str();
   cmd.add_option("--compute-us-per-token", p.compute_us_per_token,
                  "Simulated prefill compute per token");
   cmd.add_option("--prefill-control", p.prefill_control,

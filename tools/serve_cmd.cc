@@ -3,10 +3,12 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <cstdio>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 
 #include "common/clock.h"
@@ -37,6 +39,14 @@ struct ServeArgs {
   bool exit_on_stdin_eof = false;
 };
 
+// Eight hex digits that differ between launches.
+std::string LaunchTag() {
+  std::random_device rd;
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08x", rd());
+  return buf;
+}
+
 int RunServe(const ServeArgs& a) {
   engine::InstanceConfig c;
   Result<Role> role = ParseRole(a.role);
@@ -49,7 +59,11 @@ int RunServe(const ServeArgs& a) {
     }
   }
   c.role = *role;
-  c.engine_id = a.engine_id.empty() ? std::string(RoleName(*role)) + "-0" : a.engine_id;
+  // Like vLLM's default, a fresh id per launch: a restarted instance is a different engine, and
+  // decode loads of KV the old one held fail clearly instead of reading the new one's blocks.
+  c.engine_id = a.engine_id.empty() ? std::string(RoleName(*role)) + "-" +
+                                          std::to_string(a.dp_rank) + "-" + LaunchTag()
+                                    : a.engine_id;
   c.tp_size = a.tp;
   c.dp_rank = a.dp_rank;
   c.host = a.host;
@@ -127,6 +141,9 @@ int RunServe(const ServeArgs& a) {
         r.params = ParamsFromJson(req.value("kv_transfer_params", Json::object()));
         reply_to[r.request_id] = frames[0];
         (*instance)->Submit(std::move(r));
+      } else if (op == "abort") {
+        // No reply of its own: the request's generate reply says how it ended.
+        (*instance)->Abort(req.value("request_id", ""));
       } else if (op == "stats") {
         const engine::InstanceStats s = (*instance)->Stats();
         reply(frames[0], {{"used_blocks", s.used_blocks},
@@ -136,6 +153,7 @@ int RunServe(const ServeArgs& a) {
                           {"bytes_read", s.bytes_read},
                           {"requests_done", s.requests_done},
                           {"requests_failed", s.requests_failed},
+                          {"requests_aborted", s.requests_aborted},
                           {"transfer_p50_us", s.transfer_p50_us},
                           {"transfer_p99_us", s.transfer_p99_us}});
       } else if (op == "shutdown") {
@@ -150,6 +168,7 @@ int RunServe(const ServeArgs& a) {
       if (it == reply_to.end()) continue;
       reply(it->second, {{"request_id", r.request_id},
                          {"ok", r.status.ok()},
+                         {"aborted", r.status.code() == StatusCode::kCancelled},
                          {"error", r.status.ok() ? "" : r.status.ToString()},
                          {"kv_transfer_params", ParamsToJson(r.params)},
                          {"prefix_hit_blocks", r.prefix_hit_blocks},
@@ -183,7 +202,8 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
   a->visible_devices = Env("ASCEND_RT_VISIBLE_DEVICES");
   CLI::App* serve = app.add_subcommand("serve", "Run a prefill or decode engine instance");
   serve->add_option("--role", a->role, "prefill|decode (kv_producer|kv_consumer)")->required();
-  serve->add_option("--engine-id", a->engine_id, "Engine id (default: <role>-0)");
+  serve->add_option("--engine-id", a->engine_id,
+                    "Engine id (default: <role>-<dp rank>-<random>, new at every launch)");
   serve->add_option("--tp", a->tp, "TP size: one worker with its own cache per rank")
       ->capture_default_str();
   serve->add_option("--dp-rank", a->dp_rank, "DP rank")->capture_default_str();

@@ -1,18 +1,19 @@
 // The reference engine (src/engine) with a prefill and a decode instance in this process, wired
 // through the real connector: prefix-cache eviction under memory pressure and aborts on both
 // sides, every byte verified and nothing left allocated.
+#include "engine/engine.h"
+
 #include <gtest/gtest.h>
 
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/clock.h"
 #include "common/ports.h"
-#include "engine/engine.h"
 #include "tests/test_timing.h"
 
 namespace kvferry::engine {
@@ -48,7 +49,8 @@ std::unique_ptr<Instance> MakeInstance(Role role, std::int64_t num_blocks, int t
 std::vector<std::int32_t> Prompt(std::size_t len, std::int32_t salt,
                                  const std::vector<std::int32_t>& prefix = {}) {
   std::vector<std::int32_t> p = prefix;
-  for (std::size_t i = p.size(); i < len; ++i) p.push_back(static_cast<std::int32_t>(i) * 31 + salt);
+  for (std::size_t i = p.size(); i < len; ++i)
+    p.push_back(static_cast<std::int32_t>(i) * 31 + salt);
   return p;
 }
 
