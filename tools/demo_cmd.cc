@@ -226,6 +226,13 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
   Control prefill(external ? a.prefill_control
                            : "tcp://127.0.0.1:" + std::to_string(prefill_control));
   Control decode(external ? a.decode_control : "tcp://127.0.0.1:" + std::to_string(decode_control));
+  // Instances that already ran count from before this run: report this run's bytes only.
+  std::uint64_t bytes_before = 0;
+  if (external) {
+    Result<Json> d = decode.Call({{"op", "stats"}}, milliseconds(5000));
+    if (!d.ok()) return d.status().WithContext("asking " + a.decode_control + " for its stats");
+    bytes_before = d->value("bytes_read", std::uint64_t{0});
+  }
 
   // The proxy: prefill first (asking for remote decode), then decode with the params the prefill
   // instance returned, as disaggregated-serving proxies forward them.
@@ -388,7 +395,9 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
     if (!p.ok() || !d.ok()) return p.ok() ? d.status() : p.status();
     out.prefill_end = *p;
     out.decode_end = *d;
-    out.bytes_moved = d->value("bytes_read", std::uint64_t{0});
+    // A decode instance restarted during the run counts from its own start.
+    const std::uint64_t bytes_end = d->value("bytes_read", std::uint64_t{0});
+    out.bytes_moved = bytes_end >= bytes_before ? bytes_end - bytes_before : bytes_end;
     out.leaked = p->value("holds", 0) != 0 || p->value("used_blocks", 0) != 0 ||
                  d->value("used_blocks", 0) != 0 || d->value("loads_outstanding", 0) != 0;
     if (!out.leaked || Clock::now() > settle) break;
