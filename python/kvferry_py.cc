@@ -321,6 +321,19 @@ PYBIND11_MODULE(_kvferry, m) {
              }
              return out;
            })
+      .def(
+          "abort_load",
+          [](Worker& w, const std::string& request_id, const std::string& reason) {
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = w.AbortLoad(request_id, reason);
+            }
+            if (s.code() == StatusCode::kNotFound) return false;  // no such load: nothing to stop
+            ThrowIfError(s);
+            return true;
+          },
+          py::arg("request_id"), py::arg("reason") = "aborted by the engine")
       .def("stats",
            [](Worker& w) {
              const WorkerStats s = w.Stats();

@@ -104,6 +104,17 @@ def test_transfer_between_two_processes_and_failure_reporting():
         assert errors[0]["block_ids"] == [20, 21]
         assert errors[0]["code"] in ("PeerDisconnected", "Unavailable", "Timeout")
         assert errors[0]["recompute"] is True
+
+        # A load the engine aborts stops, is still reported once, and asks for no recompute.
+        assert worker.abort_load("no-such-request") is False
+        scheduler.update_state_after_alloc("d-3", dict(params2, do_remote_prefill=True), [22, 23])
+        worker.start_load_kv(scheduler.build_connector_meta())
+        assert worker.abort_load("d-3", "client went away") is True
+        assert wait_received(worker, "d-3")
+        errors = worker.take_load_errors()
+        assert [e["code"] for e in errors] == ["Cancelled"]
+        assert "client went away" in errors[0]["message"]
+        assert errors[0]["recompute"] is False
     finally:
         if peer.poll() is None:
             peer.stdin.close()
