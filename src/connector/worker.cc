@@ -482,6 +482,11 @@ void WorkerImpl::RunLoad(const LoadSpec& load) {
   const Clock::time_point start = Clock::now();
   Status s = DoLoad(load);
   if (!s.ok()) {
+    // A load the engine aborted reports that, whatever else went wrong on the way.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) s = aborted;
+  }
+  if (!s.ok()) {
     Log().warn("request {}: load of {} blocks from {} failed: {}", load.request_id,
                load.local_block_ids.size(), load.remote_engine_id, s.ToString());
     SendAborts(load, std::string(s.message()));
