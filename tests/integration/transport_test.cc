@@ -224,10 +224,17 @@ TEST_P(TransportTest, PeerKilledMidBatchIsPeerDisconnectedWithinTwoSeconds) {
 }
 
 TEST_P(TransportTest, CancelStopsEveryWriteBeforeItReturns) {
-  Result<BatchId> b =
-      client_->SubmitReads(peer_id_, LongBatch(1 << 20), DeadlineAfter(milliseconds(60000)));
-  ASSERT_TRUE(b.ok());
-  std::this_thread::sleep_for(milliseconds(20));
+  // Catch a batch in flight: on a loaded machine one may finish before the cancel, so retry.
+  Result<BatchId> b = Status::Internal("no batch yet");
+  for (int attempt = 0; attempt < 10; ++attempt) {
+    b = client_->SubmitReads(peer_id_, LongBatch(1 << 20), DeadlineAfter(milliseconds(60000)));
+    ASSERT_TRUE(b.ok());
+    std::this_thread::sleep_for(milliseconds(5));
+    if (client_->Poll(*b).state == BatchState::kInProgress) break;
+    client_->Release(*b);
+    b = Status::Internal("every batch ended before it could be cancelled");
+  }
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
   const auto start = Clock::now();
   client_->Cancel(*b);
   EXPECT_LT(Clock::now() - start, milliseconds(1000) * testing::kTimingSlack);
