@@ -443,7 +443,8 @@ int RunDemo(const DemoArgs& a) {
               << ".." << a.max_prompt << " tokens, transport " << a.pipeline.transport << ", model "
               << a.pipeline.model.kind << " " << a.pipeline.model.layers << " layers" << std::endl;
   }
-  const auto prompts = MakePrompts(a.requests, a.min_prompt, a.max_prompt, a.shared_prefix, 7);
+  const auto prompts =
+      MakePrompts(a.requests, a.min_prompt, a.max_prompt, a.shared_prefix, a.pipeline.seed);
   Result<PipelineResult> r = RunPipeline(a.pipeline, prompts);
   if (!r.ok()) {
     std::cerr << "kvferry demo: " << r.status().ToString() << "\n";
@@ -546,7 +547,8 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
   cmd.add_option("--request-timeout-ms", p.request_timeout_ms,
                  "A request with no answer from an instance in this long fails")
       ->capture_default_str();
-  cmd.add_option("--seed", p.seed, "Seed of the abort choices")->capture_default_str();
+  cmd.add_option("--seed", p.seed, "Seed of the prompts and of the abort choices")
+      ->capture_default_str();
   cmd.add_option("--compute-us-per-token", p.compute_us_per_token,
                  "Simulated prefill compute per token");
   cmd.add_option("--prefill-control", p.prefill_control,

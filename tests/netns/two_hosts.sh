@@ -106,24 +106,44 @@ fault_during() {
 }
 
 status=0
-run clean 0 --requests 40 --max-prompt 1024 || status=1
-# A slow, lossy link: every byte still arrives and verifies.
+run clean 0 --seed 1 --requests 40 --max-prompt 1024 || status=1
+# A slow, lossy link: every byte still arrives and verifies. netem where the kernel has it;
+# otherwise a 400 Mbit/s token bucket on both ends and 1 % of packets dropped at random in each
+# namespace (nftables).
+lossy=""
 if ip netns exec "$ns_p" tc qdisc add dev "${tag}a" root netem delay 2ms loss 1% 2>/dev/null; then
-  run lossy 0 --requests 20 --max-prompt 1024 || status=1
-  ip netns exec "$ns_p" tc qdisc del dev "${tag}a" root
+  lossy="netem delay 2ms loss 1%"
+elif command -v nft >/dev/null &&
+  ip netns exec "$ns_p" tc qdisc add dev "${tag}a" root tbf rate 400mbit burst 64kb latency 20ms &&
+  ip netns exec "$ns_d" tc qdisc add dev "${tag}b" root tbf rate 400mbit burst 64kb latency 20ms; then
+  for ns in "$ns_p" "$ns_d"; do
+    ip netns exec "$ns" nft add table inet kvferry_loss &&
+      ip netns exec "$ns" nft add chain inet kvferry_loss in \
+        '{ type filter hook input priority 0; }' &&
+      ip netns exec "$ns" nft add rule inet kvferry_loss in numgen random mod 100 '<' 1 drop ||
+      status=1
+  done
+  lossy="tbf 400 Mbit/s and 1 % random drop by nftables (no netem in this kernel)"
+fi
+if [ -n "$lossy" ]; then
+  echo "lossy: $lossy"
+  run lossy 0 --seed 2 --requests 20 --max-prompt 1024 || status=1
+  ip netns exec "$ns_p" tc qdisc del dev "${tag}a" root 2>/dev/null
+  ip netns exec "$ns_d" tc qdisc del dev "${tag}b" root 2>/dev/null
+  for ns in "$ns_p" "$ns_d"; do ip netns exec "$ns" nft delete table inet kvferry_loss 2>/dev/null; done
 else
-  echo "lossy: skipped: this kernel has no netem qdisc"
+  echo "lossy: skipped: this kernel has no netem qdisc and nft is not installed (make deps)"
 fi
 # The link goes down for 3 s mid-run: TCP carries everything across once it is back (or loads
 # fail and the decode engine recomputes them); nothing is lost, hangs or leaks.
 fault_during 1.0 bash -c \
   "ip -n $ns_p link set ${tag}a down; sleep 3; ip -n $ns_p link set ${tag}a up"
-run link_flap 0 --requests 200 --max-prompt 2048 || status=1
+run link_flap 0 --seed 3 --requests 200 --max-prompt 2048 || status=1
 wait "$fault"
 # The prefill instance frozen for 2 s (SIGSTOP): its reads and answers wait, then resume.
 pid=$(cat "$work/prefill.pid")
 fault_during 1.0 bash -c "kill -STOP $pid; sleep 2; kill -CONT $pid"
-run sigstop_prefill 0 --requests 200 --max-prompt 2048 || status=1
+run sigstop_prefill 0 --seed 4 --requests 200 --max-prompt 2048 || status=1
 wait "$fault"
 # The decode instance killed mid-run and started again: the requests it had fail (no answer),
 # their prefill holds end by lease, and the run goes on with the new instance.
@@ -140,13 +160,13 @@ kill_and_restart() {  # role ns ip
 }
 kill_and_restart decode "$ns_d" "$ip_d" &
 fault=$!
-run kill_decode 16 --requests 200 --max-prompt 2048 || status=1
+run kill_decode 16 --seed 5 --requests 200 --max-prompt 2048 || status=1
 wait "$fault"
 # The prefill instance killed and started again: requests it had fail; decode loads from it
 # fail and are recomputed; loads naming the old engine are refused by the new one's id.
 kill_and_restart prefill "$ns_p" "$ip_p" &
 fault=$!
-run kill_prefill 16 --requests 200 --max-prompt 2048 || status=1
+run kill_prefill 16 --seed 6 --requests 200 --max-prompt 2048 || status=1
 wait "$fault"
 [ $status -eq 0 ] || for f in "$work"/*.err; do echo "== $f"; tail -5 "$f"; done
 exit $status
