@@ -56,14 +56,6 @@ class Buffer {
 
 std::string Hex(const std::vector<std::uint8_t>& bytes) { return ToHex(bytes); }
 
-std::vector<std::uint8_t> FromHex(const std::string& hex) {
-  std::vector<std::uint8_t> out;
-  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
-    out.push_back(static_cast<std::uint8_t>(std::stoul(hex.substr(i, 2), nullptr, 16)));
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------
 // bench peer
 
@@ -234,7 +226,7 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
                          std::to_string(pool), "--connections", std::to_string(a.connections)}));
   KVFERRY_ASSIGN_OR_RETURN(std::string line, peer.ReadLine(std::chrono::seconds(60)));
   if (line.rfind("READY ", 0) != 0) return Status::Internal("unexpected peer output: " + line);
-  const std::vector<std::uint8_t> descriptor = FromHex(line.substr(6));
+  KVFERRY_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> descriptor, FromHex(line.substr(6)));
 
   TransportOptions options;
   KVFERRY_ASSIGN_OR_RETURN(options.kind, ParseTransportKind(backend));

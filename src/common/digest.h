@@ -6,6 +6,9 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include "kvferry/status.h"
 
 namespace kvferry {
 
@@ -23,5 +26,8 @@ bool DigestEquals(const Sha256Digest& a, const Sha256Digest& b);
 
 /// Lower-case hexadecimal of any bytes.
 std::string ToHex(std::span<const std::uint8_t> bytes);
+/// The bytes of hexadecimal text (either case); InvalidArgument for an odd length or a non-hex
+/// character, naming its offset.
+Result<std::vector<std::uint8_t>> FromHex(std::string_view hex);
 
 }  // namespace kvferry

@@ -4,21 +4,14 @@
 #include "kvferry/connector.h"
 #include "wire/messages.h"
 #include "wire/msgpack_reader.h"
+#include "wire/msgpack_writer.h"
 
 namespace kvferry {
 namespace {
 
-using Packer = msgpack::packer<msgpack::sbuffer>;
-
-void PackStr(Packer& pk, std::string_view s) {
-  pk.pack_str(static_cast<std::uint32_t>(s.size()));
-  pk.pack_str_body(s.data(), static_cast<std::uint32_t>(s.size()));
-}
-
-void PackIds(Packer& pk, const std::vector<std::int64_t>& ids) {
-  pk.pack_array(static_cast<std::uint32_t>(ids.size()));
-  for (std::int64_t id : ids) pk.pack_int64(id);
-}
+using wire::Packer;
+using wire::PackIds;
+using wire::PackStr;
 
 Result<std::vector<std::int64_t>> DecodeIds(const wire::MapView& m, const char* key) {
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, m.Require(key));

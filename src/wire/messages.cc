@@ -9,19 +9,13 @@
 #include <utility>
 
 #include "wire/msgpack_reader.h"
+#include "wire/msgpack_writer.h"
 
 namespace kvferry::wire {
 namespace {
 
-using Packer = msgpack::packer<msgpack::sbuffer>;
-
 // ---------------------------------------------------------------------------------------------
 // Encoding
-
-void PackStr(Packer& pk, std::string_view s) {
-  pk.pack_str(static_cast<std::uint32_t>(s.size()));
-  pk.pack_str_body(s.data(), static_cast<std::uint32_t>(s.size()));
-}
 
 void PackKey(Packer& pk, const char* key) { PackStr(pk, key); }
 

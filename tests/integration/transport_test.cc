@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "common/clock.h"
+#include "common/digest.h"
 #include "common/pattern.h"
 #include "common/subprocess.h"
 #include "tests/test_timing.h"
@@ -32,14 +33,6 @@ constexpr std::uint64_t kPeerBytes = 32u << 20;
 constexpr int kPeerRegions = 4;
 constexpr std::uint64_t kRegionBytes = kPeerBytes / kPeerRegions;
 
-std::vector<std::uint8_t> FromHex(const std::string& hex) {
-  std::vector<std::uint8_t> out;
-  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
-    out.push_back(static_cast<std::uint8_t>(std::stoul(hex.substr(i, 2), nullptr, 16)));
-  }
-  return out;
-}
-
 struct Peer {
   Subprocess process;
   std::vector<std::uint8_t> descriptor;
@@ -56,7 +49,9 @@ Peer StartPeer(const std::string& backend, const std::string& secret = "") {
   Result<std::string> line = p->ReadLine(std::chrono::seconds(30));
   EXPECT_TRUE(line.ok()) << line.status().ToString();
   EXPECT_EQ(line->rfind("READY ", 0), 0u) << *line;
-  return Peer{std::move(p).value(), FromHex(line->substr(6))};
+  Result<std::vector<std::uint8_t>> descriptor = FromHex(line->substr(6));
+  EXPECT_TRUE(descriptor.ok()) << descriptor.status().ToString();
+  return Peer{std::move(p).value(), descriptor.ok() ? *descriptor : std::vector<std::uint8_t>{}};
 }
 
 // Local memory, registered as region 100.
@@ -145,18 +140,18 @@ class TransportTest : public ::testing::TestWithParam<TransportKind> {
     return out;
   }
 
-  // A long batch caught while it still runs: on a loaded machine one may finish within the
-  // first milliseconds, so try again a few times.
+  // A long batch caught while it still runs. Reads start while SubmitReads still queues the
+  // rest, so on a slow (sanitizer) or loaded machine one may be over by the time it returns: try
+  // again a few times.
   Result<BatchId> BatchInFlight() {
     for (int attempt = 0; attempt < 10; ++attempt) {
       Result<BatchId> b =
           client_->SubmitReads(peer_id_, LongBatch(1 << 20), DeadlineAfter(milliseconds(60000)));
       if (!b.ok()) return b;
-      std::this_thread::sleep_for(milliseconds(5));
       if (client_->Poll(*b).state == BatchState::kInProgress) return b;
       client_->Release(*b);
     }
-    return Status::Internal("10 batches of 1M reads each ended within 5 ms; none to interrupt");
+    return Status::Internal("10 batches of 1M reads each ended before SubmitReads returned");
   }
 
   std::optional<Peer> peer_;

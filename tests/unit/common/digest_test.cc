@@ -21,6 +21,16 @@ TEST(DigestTest, HmacSha256Rfc4231Case2) {
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
 }
 
+TEST(DigestTest, HexRoundTripsAndRejectsMalformedText) {
+  const std::vector<std::uint8_t> bytes = {0x00, 0x7f, 0x80, 0xff, 0x5a};
+  Result<std::vector<std::uint8_t>> back = FromHex(ToHex(bytes));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, bytes);
+  EXPECT_EQ(*FromHex("ABcd"), (std::vector<std::uint8_t>{0xab, 0xcd}));
+  EXPECT_EQ(FromHex("abc").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(FromHex("ab0g").status().message().find("offset 3"), std::string_view::npos);
+}
+
 TEST(DigestTest, DigestEqualsComparesAllBytes) {
   Sha256Digest a = Sha256("a");
   Sha256Digest b = a;
