@@ -111,29 +111,27 @@ run clean 0 --seed 1 --requests 40 --max-prompt 1024 || status=1
 # otherwise a 400 Mbit/s token bucket on both ends and 1 % of packets dropped at random in each
 # namespace (nftables).
 lossy=""
+drop_1pct() {  # ns: 1 % of incoming packets dropped at random
+  ip netns exec "$1" nft add table inet kvferry_loss &&
+    ip netns exec "$1" nft add chain inet kvferry_loss in '{ type filter hook input priority 0; }' &&
+    ip netns exec "$1" nft add rule inet kvferry_loss in numgen random mod 100 '<' 1 drop
+}
 if ip netns exec "$ns_p" tc qdisc add dev "${tag}a" root netem delay 2ms loss 1% 2>/dev/null; then
   lossy="netem delay 2ms loss 1%"
-elif command -v nft >/dev/null &&
+elif command -v nft >/dev/null && drop_1pct "$ns_p" 2>/dev/null && drop_1pct "$ns_d" 2>/dev/null &&
   ip netns exec "$ns_p" tc qdisc add dev "${tag}a" root tbf rate 400mbit burst 64kb latency 20ms &&
   ip netns exec "$ns_d" tc qdisc add dev "${tag}b" root tbf rate 400mbit burst 64kb latency 20ms; then
-  for ns in "$ns_p" "$ns_d"; do
-    ip netns exec "$ns" nft add table inet kvferry_loss &&
-      ip netns exec "$ns" nft add chain inet kvferry_loss in \
-        '{ type filter hook input priority 0; }' &&
-      ip netns exec "$ns" nft add rule inet kvferry_loss in numgen random mod 100 '<' 1 drop ||
-      status=1
-  done
   lossy="tbf 400 Mbit/s and 1 % random drop by nftables (no netem in this kernel)"
 fi
 if [ -n "$lossy" ]; then
   echo "lossy: $lossy"
   run lossy 0 --seed 2 --requests 20 --max-prompt 1024 || status=1
-  ip netns exec "$ns_p" tc qdisc del dev "${tag}a" root 2>/dev/null
-  ip netns exec "$ns_d" tc qdisc del dev "${tag}b" root 2>/dev/null
-  for ns in "$ns_p" "$ns_d"; do ip netns exec "$ns" nft delete table inet kvferry_loss 2>/dev/null; done
 else
-  echo "lossy: skipped: this kernel has no netem qdisc and nft is not installed (make deps)"
+  echo "lossy: skipped: this kernel has no netem qdisc, and nftables with tbf is not available"
 fi
+ip netns exec "$ns_p" tc qdisc del dev "${tag}a" root 2>/dev/null
+ip netns exec "$ns_d" tc qdisc del dev "${tag}b" root 2>/dev/null
+for ns in "$ns_p" "$ns_d"; do ip netns exec "$ns" nft delete table inet kvferry_loss 2>/dev/null; done
 # The link goes down for 3 s mid-run: TCP carries everything across once it is back (or loads
 # fail and the decode engine recomputes them); nothing is lost, hangs or leaks.
 fault_during 1.0 bash -c \
