@@ -37,7 +37,7 @@ netns: build
 	ctest --test-dir $(BUILD) --output-on-failure -L netns $(CTEST_ARGS)
 
 # A longer soak than the one in make test: SOAK_REQUESTS requests, a third abandoned by the client.
-SOAK_REQUESTS ?= 20000
+SOAK_REQUESTS ?= 10000
 soak: build
 	$(BUILD)/kvferry demo --requests $(SOAK_REQUESTS) --abort-rate 0.3 --min-prompt 16 \
 	  --max-prompt 2048 --num-blocks 2048 --hold-lease-ms 2000 --no-progress

@@ -519,8 +519,9 @@ int RunDemo(const DemoArgs& a) {
   }
   if (!a.json && a.pipeline.abort_rate > 0) {
     std::printf(
-        "aborted       %d at prefill, %d after prefill (hold ended by lease), %d at decode (load "
-        "stopped, hold released by notice); %d aborts came after the request had ended\n",
+        "aborted       %d at prefill, %d after prefill (hold ended by lease), %d at decode "
+        "(dropped while waiting, or load stopped and prefill told); %d aborts came after the "
+        "request had ended\n",
         r->aborted_at_prefill, r->aborted_after_prefill, r->aborted_at_decode, r->aborts_too_late);
   }
   const bool ok = r->failed == 0 && !r->leaked && r->done + r->aborted() == a.requests;

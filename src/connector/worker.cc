@@ -416,10 +416,17 @@ FinishedRequests WorkerImpl::GetFinished() {
   for (auto it = holds_.begin(); it != holds_.end();) {
     auto next = std::next(it);
     if (it->second.expiry <= now) {
-      Log().warn(
-          "request {}: hold released after its lease expired with {} of {} readers "
-          "reported; the decode side is gone or stopped renewing",
-          it->first, it->second.readers.size(), it->second.expected);
+      if (it->second.expected < 0) {
+        Log().warn(
+            "request {}: hold released after its lease expired with no reader heard from; the "
+            "decode side never loaded it (request abandoned, or the decode instance is gone)",
+            it->first);
+      } else {
+        Log().warn(
+            "request {}: hold released after its lease expired with {} of {} readers reported; "
+            "the decode side is gone or stopped renewing",
+            it->first, it->second.readers.size(), it->second.expected);
+      }
       ReleaseLocked(it->first, &WorkerStats::holds_expired);
     }
     it = next;
