@@ -140,22 +140,34 @@ class TransportTest : public ::testing::TestWithParam<TransportKind> {
     return out;
   }
 
-  // A long batch caught while it still runs. Reads start while SubmitReads still queues the
-  // rest, so on a slow (sanitizer) or loaded machine one may be over by the time it returns: try
-  // again a few times.
+  // Reads of 64 KiB filling all of local_: long in bytes (tens of milliseconds of copying even
+  // on a fast machine) but cheap to submit. (Many tiny reads are not: reads start while
+  // SubmitReads still queues the rest, and under TSan queuing outlasted the copying.)
+  std::vector<ReadOp> BulkBatch() {
+    constexpr std::uint64_t kRead = 64u << 10;
+    std::vector<ReadOp> out;
+    for (std::uint64_t k = 0; k < local_.size() / kRead; ++k) {
+      out.push_back({local_.data() + k * kRead, static_cast<RegionId>(k % kPeerRegions),
+                     (k * kRead) % kRegionBytes, kRead});
+    }
+    return out;
+  }
+
+  // A batch caught while it still runs; on a loaded machine one may end early, so retry.
   Result<BatchId> BatchInFlight() {
     for (int attempt = 0; attempt < 10; ++attempt) {
       Result<BatchId> b =
-          client_->SubmitReads(peer_id_, LongBatch(1 << 20), DeadlineAfter(milliseconds(60000)));
+          client_->SubmitReads(peer_id_, BulkBatch(), DeadlineAfter(milliseconds(60000)));
       if (!b.ok()) return b;
       if (client_->Poll(*b).state == BatchState::kInProgress) return b;
       client_->Release(*b);
     }
-    return Status::Internal("10 batches of 1M reads each ended before SubmitReads returned");
+    return Status::Internal("10 batches of " + std::to_string(local_.size() >> 20) +
+                            " MiB each ended before SubmitReads returned");
   }
 
   std::optional<Peer> peer_;
-  LocalMemory local_{64u << 20};
+  LocalMemory local_{256u << 20};
   std::unique_ptr<Transport> client_;
   PeerId peer_id_ = 0;
 };
