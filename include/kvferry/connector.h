@@ -120,7 +120,9 @@ class Scheduler {
     std::optional<KvTransferParams> params;  ///< to return to the proxy for the decode side
   };
   /// Rule 4: a prefill request that asked for remote decode and stopped on its length cap has its
-  /// blocks held and gets params telling the decode side where to read them.
+  /// blocks held and gets params telling the decode side where to read them. On the decode side,
+  /// a request that ends while its params still ask for remote prefill (aborted before it was
+  /// scheduled) queues a load of no blocks, whose finished notices free the prefill hold at once.
   FinishedResult RequestFinished(const std::string& request_id, const KvTransferParams& params,
                                  FinishReason reason, std::span<const std::int64_t> block_ids);
 

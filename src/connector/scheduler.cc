@@ -177,8 +177,17 @@ Scheduler::FinishedResult Scheduler::RequestFinished(const std::string& request_
                                                      const KvTransferParams& params,
                                                      FinishReason reason,
                                                      std::span<const std::int64_t> block_ids) {
-  if (config_.role != Role::kPrefill || !params.do_remote_decode ||
-      reason != FinishReason::kLengthCapped) {
+  if (config_.role == Role::kDecode) {
+    if (params.do_remote_prefill) {
+      // Ended before UpdateStateAfterAlloc (aborted while it waited): a load of no blocks still
+      // sends its finished notices, so the prefill side frees now instead of at its lease.
+      // Incomplete params have no one to tell.
+      KvTransferParams unscheduled = params;
+      (void)UpdateStateAfterAlloc(request_id, unscheduled, {});
+    }
+    return {};
+  }
+  if (!params.do_remote_decode || reason != FinishReason::kLengthCapped) {
     return {};
   }
   FinishedResult r;

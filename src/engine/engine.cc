@@ -145,6 +145,9 @@ void Instance::Abort(const std::string& request_id) {
   auto waiting = std::find_if(waiting_.begin(), waiting_.end(),
                               [&](const auto& r) { return r->request.request_id == request_id; });
   if (waiting != waiting_.end()) {
+    // A decode request that never got its load tells the prefill side to free now.
+    (void)scheduler_->RequestFinished(request_id, (*waiting)->request.params,
+                                      FinishReason::kAborted, {});
     (*waiting)->result.status = cancelled;
     aborted_now_.push_back((*waiting)->result);
     waiting_.erase(waiting);

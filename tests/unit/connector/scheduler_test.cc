@@ -130,6 +130,23 @@ TEST(SchedulerRule4, LengthCappedRemoteDecodeIsHeldWithParamsForTheDecodeSide) {
   EXPECT_EQ(m.holds[0].lease_ms, 90000) << "a hold is bounded by its lease";
 }
 
+TEST(SchedulerRule4, DecodeRequestEndingUnscheduledTellsThePrefillSide) {
+  Scheduler s = DecodeScheduler();
+  KvTransferParams p = CompleteRemotePrefill();
+  Scheduler::FinishedResult r = s.RequestFinished("gone", p, FinishReason::kAborted, {});
+  EXPECT_FALSE(r.delay_free);
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u) << "a load of no blocks, which only notifies";
+  EXPECT_TRUE(m.loads[0].local_block_ids.empty());
+  EXPECT_EQ(m.loads[0].remote_request_id, *p.remote_request_id);
+  // Once scheduled (the flag cleared), or without params, ending queues nothing.
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("done", p, std::vector<std::int64_t>{1}).ok());
+  (void)s.BuildConnectorMeta();
+  (void)s.RequestFinished("done", p, FinishReason::kStopped, std::vector<std::int64_t>{1});
+  (void)s.RequestFinished("local", KvTransferParams{}, FinishReason::kAborted, {});
+  EXPECT_TRUE(s.BuildConnectorMeta().loads.empty());
+}
+
 TEST(SchedulerRule4, OtherEndingsAreNotHeld) {
   Scheduler s({Role::kPrefill, "prefill-0"});
   KvTransferParams remote;
