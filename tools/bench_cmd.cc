@@ -54,8 +54,6 @@ class Buffer {
   std::byte* data_;
 };
 
-std::string Hex(const std::vector<std::uint8_t>& bytes) { return ToHex(bytes); }
-
 // ---------------------------------------------------------------------------------------------
 // bench peer
 
@@ -105,7 +103,7 @@ int RunPeer(const PeerArgs& a) {
   }
   Result<std::vector<std::uint8_t>> d = (*t)->Descriptor();
   if (!d.ok()) return 1;
-  std::cout << "READY " << Hex(*d) << std::endl;
+  std::cout << "READY " << ToHex(*d) << std::endl;
   // Serve until the parent closes our stdin.
   char c = 0;
   while (read(STDIN_FILENO, &c, 1) > 0) {

@@ -1,8 +1,6 @@
 // kvferry demo: a prefill and a decode instance (kvferry serve, TP workers each) on this host,
 // driven through a proxy that forwards kv_transfer_params, with every byte verified.
 // kvferry bench e2e: the same pipeline over a sweep of prompt lengths.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -240,9 +238,11 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
   enum class AbortAt { kNone, kPrefill, kBetween, kDecode };
   struct InFlight {
     Clock::time_point sent;
-    Clock::time_point forwarded;
-    Clock::time_point stage_start;  // of the answer awaited now
+    Clock::time_point forwarded;  // unset until the prefill answer went on to decode
     AbortAt abort_at = AbortAt::kNone;
+    bool at_decode() const { return forwarded != Clock::time_point{}; }
+    // When the answer awaited now was asked for.
+    Clock::time_point stage_start() const { return at_decode() ? forwarded : sent; }
   };
   struct PendingAbort {
     Clock::time_point due;
@@ -277,7 +277,7 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                     {"prompt", prompts[next]},
                     {"kv_transfer_params", params}});
       InFlight f;
-      f.sent = f.stage_start = Clock::now();
+      f.sent = Clock::now();
       if (a.abort_rate > 0 && unit(rng) < a.abort_rate) {
         f.abort_at = static_cast<AbortAt>(1 + rng() % 3);
         if (f.abort_at == AbortAt::kPrefill) {
@@ -320,7 +320,7 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
         end_request(it);
         continue;
       }
-      it->second.forwarded = it->second.stage_start = Clock::now();
+      it->second.forwarded = Clock::now();
       if (it->second.abort_at == AbortAt::kDecode) {
         aborts.push_back({Clock::now() + random_delay(20000), true, id});
       }
@@ -361,11 +361,11 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
     // An instance that died (or a message lost with it) must not stall the run.
     for (auto it = inflight.begin(); it != inflight.end();) {
       auto next_it = std::next(it);
-      if (Clock::now() - it->second.stage_start > request_timeout) {
+      if (Clock::now() - it->second.stage_start() > request_timeout) {
         ++out.failed;
         out.errors.push_back(it->first + ": no answer from the " +
-                             (it->second.forwarded == Clock::time_point{} ? "prefill" : "decode") +
-                             " instance within " + std::to_string(a.request_timeout_ms) + " ms");
+                             (it->second.at_decode() ? "decode" : "prefill") + " instance within " +
+                             std::to_string(a.request_timeout_ms) + " ms");
         end_request(it);
       }
       it = next_it;

@@ -1,8 +1,6 @@
 // The side channel over real ZeroMQ sockets on loopback.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>

@@ -14,10 +14,10 @@ ns_d="${tag}d"
 ip_p=10.231.$(( $$ % 200 )).1
 ip_d=10.231.$(( $$ % 200 )).2
 work=$(mktemp -d)
-pids=()
 
 cleanup() {
-  # Instances restarted by a background fault are known only by their pid files.
+  # Every instance started, also those restarted by a background fault, is in $work/pids.
+  local pids=()
   [ -f "$work/pids" ] && while read -r p; do pids+=("$p"); done <"$work/pids"
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && sleep 0.2; kill -KILL "$p" 2>/dev/null; done
@@ -48,12 +48,12 @@ export KVFERRY_SECRET="netns-test-secret-$$"
 model=(--num-blocks 1024 --layers 4)
 start() {  # role ns ip: starts the instance (pid in $work/ROLE.pid) and waits until it is ready
   local before
+  before=$(grep -c READY "$work/$1.log")  # counted first: the new one may be ready at once
   ip netns exec "$2" "$kvferry" serve --role "$1" --tp 2 --host "$3" \
     --base-port 7100 --control-port 7000 --rank-table "$work/ranktable.json" --transport tcp \
     --hold-lease-ms 4000 "${model[@]}" </dev/null >>"$work/$1.log" 2>&1 &
   echo $! >>"$work/pids"
   echo $! >"$work/$1.pid"
-  before=$(grep -c READY "$work/$1.log")
   for _ in $(seq 100); do
     [ "$(grep -c READY "$work/$1.log")" -gt "$before" ] && return 0
     sleep 0.1
