@@ -32,11 +32,13 @@ std::vector<std::uint8_t> EncodeDescriptor(const PeerDescriptor& d) {
   pk.pack_int64(d.host.pid);
   if (d.tcp) {
     pk.pack(std::string("tcp"));
-    pk.pack_map(2);
+    pk.pack_map(3);
     pk.pack(std::string("host"));
     pk.pack(d.tcp->host);
     pk.pack(std::string("port"));
     pk.pack_uint16(d.tcp->port);
+    pk.pack(std::string("instance"));
+    pk.pack_uint64(d.tcp->instance);
   }
   pk.pack(std::string("regions"));
   pk.pack_array(static_cast<std::uint32_t>(d.regions.size()));
@@ -79,6 +81,8 @@ Result<PeerDescriptor> DecodeDescriptor(std::span<const std::uint8_t> bytes) {
       return Status::InvalidArgument(m.At("tcp") + ": expected a host and a non-zero port");
     }
     ep.port = static_cast<std::uint16_t>(port);
+    KVFERRY_ASSIGN_OR_RETURN(ep.instance,
+                             tm.Uint("instance", std::numeric_limits<std::uint64_t>::max()));
     d.tcp = ep;
   }
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* regions, m.Require("regions"));

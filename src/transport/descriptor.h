@@ -26,6 +26,8 @@ struct HostIdentity {
 struct TcpEndpoint {
   std::string host;
   std::uint16_t port = 0;
+  /// The serving process's random instance id (TcpServer::instance), proven in the handshake.
+  std::uint64_t instance = 0;
 
   friend bool operator==(const TcpEndpoint&, const TcpEndpoint&) = default;
 };

@@ -108,7 +108,7 @@ Result<std::vector<std::uint8_t>> Engine::Descriptor() {
   if (server_) {
     d.tcp = TcpEndpoint{
         options_.tcp_advertise_host.empty() ? options_.tcp_bind_host : options_.tcp_advertise_host,
-        server_->port()};
+        server_->port(), server_->instance()};
   }
   for (const RegionInfo& r : registry_.List()) {
     d.regions.push_back({r.id, reinterpret_cast<std::uint64_t>(r.addr), r.length});

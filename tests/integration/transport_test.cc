@@ -15,6 +15,7 @@
 #include "common/clock.h"
 #include "common/digest.h"
 #include "common/pattern.h"
+#include "common/ports.h"
 #include "common/subprocess.h"
 #include "tests/test_timing.h"
 #include "transport/descriptor.h"
@@ -38,13 +39,21 @@ struct Peer {
   std::vector<std::uint8_t> descriptor;
 };
 
-Peer StartPeer(const std::string& backend, const std::string& secret = "") {
+Peer StartPeer(const std::string& backend, const std::string& secret = "",
+               const std::vector<std::string>& extra_args = {}) {
   std::vector<std::string> env;
   if (!secret.empty()) env.push_back("KVFERRY_SECRET=" + secret);
-  Result<Subprocess> p =
-      Subprocess::Spawn({KVFERRY_CLI_PATH, "bench", "peer", "--backend", backend, "--bytes",
-                         std::to_string(kPeerBytes), "--regions", std::to_string(kPeerRegions)},
-                        env);
+  std::vector<std::string> argv = {KVFERRY_CLI_PATH,
+                                   "bench",
+                                   "peer",
+                                   "--backend",
+                                   backend,
+                                   "--bytes",
+                                   std::to_string(kPeerBytes),
+                                   "--regions",
+                                   std::to_string(kPeerRegions)};
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  Result<Subprocess> p = Subprocess::Spawn(argv, env);
   EXPECT_TRUE(p.ok()) << p.status().ToString();
   Result<std::string> line = p->ReadLine(std::chrono::seconds(30));
   EXPECT_TRUE(line.ok()) << line.status().ToString();
@@ -127,17 +136,6 @@ class TransportTest : public ::testing::TestWithParam<TransportKind> {
     Result<PeerId> p = client_->Connect(peer_->descriptor, DeadlineAfter(milliseconds(5000)));
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     peer_id_ = *p;
-  }
-
-  // A batch that takes a while: a million 64-byte reads, each to its own destination.
-  std::vector<ReadOp> LongBatch(int ops) {
-    std::vector<ReadOp> out;
-    for (int i = 0; i < ops; ++i) {
-      const auto k = static_cast<std::uint64_t>(i);
-      out.push_back({local_.data() + k * 64, static_cast<RegionId>(k % kPeerRegions),
-                     (k * 4096) % kRegionBytes, 64});
-    }
-    return out;
   }
 
   // Reads of 64 KiB filling all of local_: long in bytes (tens of milliseconds of copying even
@@ -293,7 +291,7 @@ TEST_P(TransportTest, ManyConcurrentBatchesFromSeveralThreads) {
 
 TEST_P(TransportTest, DeadlineIsTimeout) {
   // A deadline already in the past: the batch ends as Timeout without hanging.
-  Result<BatchId> b = client_->SubmitReads(peer_id_, LongBatch(1 << 16), Clock::now());
+  Result<BatchId> b = client_->SubmitReads(peer_id_, BulkBatch(), Clock::now());
   ASSERT_TRUE(b.ok());
   BatchResult r = client_->Wait(*b, DeadlineAfter(milliseconds(2000)));
   EXPECT_EQ(r.state, BatchState::kFailed);
@@ -363,6 +361,41 @@ TEST(TcpTransportTest, WrongOrMissingSecretIsRefused) {
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(client->Wait(*b, DeadlineAfter(milliseconds(6000))).state, BatchState::kDone);
   EXPECT_EQ(FirstPatternMismatch(local.data(), 5000, kSeed, 1, 100), -1);
+}
+
+// A peer that dies and is replaced by another process on the same port (a restarted prefill
+// instance) must not be read through the old peer: the connection's automatic reconnect reaches
+// the new process, which cannot prove it is the instance the descriptor named.
+TEST(TcpTransportTest, APeerRestartedOnTheSamePortIsNotReadAsTheOldOne) {
+  const std::string port = std::to_string(FreeLoopbackPorts(1));
+  Peer first = StartPeer("tcp", "s3cret", {"--port", port});
+  std::unique_ptr<Transport> client = MakeClient(TransportKind::kTcp, "s3cret");
+  LocalMemory local(1u << 20);
+  ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
+  Result<PeerId> p = client->Connect(first.descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  Result<BatchId> b =
+      client->SubmitReads(*p, {{local.data(), 1, 100, 5000}}, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(client->Wait(*b, DeadlineAfter(milliseconds(6000))).state, BatchState::kDone);
+
+  first.process.Signal(SIGKILL);
+  (void)first.process.CloseAndWait(milliseconds(5000));
+  Peer second = StartPeer("tcp", "s3cret", {"--port", port, "--seed", "99"});
+  std::memset(local.data(), 0x11, 5000);
+  b = client->SubmitReads(*p, {{local.data(), 1, 100, 5000}}, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(b.ok());
+  const BatchResult r = client->Wait(*b, DeadlineAfter(milliseconds(6000)));
+  EXPECT_EQ(r.state, BatchState::kFailed);
+  EXPECT_EQ(r.status.code(), StatusCode::kPeerDisconnected) << r.status.ToString();
+  for (std::size_t i = 0; i < 5000; ++i) ASSERT_EQ(local.data()[i], std::byte{0x11}) << i;
+  // Connecting with the new descriptor reads the new process.
+  Result<PeerId> q = client->Connect(second.descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  b = client->SubmitReads(*q, {{local.data(), 1, 100, 5000}}, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(client->Wait(*b, DeadlineAfter(milliseconds(6000))).state, BatchState::kDone);
+  EXPECT_EQ(FirstPatternMismatch(local.data(), 5000, 99, 1, 100), -1);
 }
 
 // Speaks the tcp frames directly, as a hostile or buggy client would.

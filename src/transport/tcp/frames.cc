@@ -42,8 +42,9 @@ Sha256Digest Mac(std::string_view secret, std::string_view label, const Nonce& a
 Sha256Digest ClientMac(std::string_view secret, const Nonce& server, const Nonce& client) {
   return Mac(secret, "kvferry-tcp-v1 client", server, client);
 }
-Sha256Digest ServerMac(std::string_view secret, const Nonce& server, const Nonce& client) {
-  return Mac(secret, "kvferry-tcp-v1 server", client, server);
+Sha256Digest ServerMac(std::string_view secret, const Nonce& server, const Nonce& client,
+                       std::uint64_t instance) {
+  return Mac(secret, "kvferry-tcp-v1 server " + std::to_string(instance), client, server);
 }
 
 void EncodeRequestHeader(const RequestHeader& h, std::uint8_t* out) {

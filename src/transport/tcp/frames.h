@@ -42,9 +42,11 @@ std::uint64_t GetU64(const std::uint8_t* p);
 Nonce RandomNonce();
 /// What the client proves: HMAC(secret, "kvferry-tcp-v1 client" || server_nonce || client_nonce).
 Sha256Digest ClientMac(std::string_view secret, const Nonce& server, const Nonce& client);
-/// What the server proves back: HMAC(secret, "kvferry-tcp-v1 server" || client_nonce ||
-/// server_nonce).
-Sha256Digest ServerMac(std::string_view secret, const Nonce& server, const Nonce& client);
+/// What the server proves back: HMAC(secret, "kvferry-tcp-v1 server <instance>" || client_nonce ||
+/// server_nonce). `instance` is the server's random id, also in its transport descriptor: a
+/// client that reconnects to the same address learns whether it reached the same server.
+Sha256Digest ServerMac(std::string_view secret, const Nonce& server, const Nonce& client,
+                       std::uint64_t instance);
 
 struct RequestHeader {
   std::uint32_t op_count = 0;

@@ -28,8 +28,9 @@ struct Request {
   int attempts = 0;
 };
 
-// Runs the client half of the handshake on a fresh socket.
-Status Handshake(int fd, const std::string& secret, Deadline deadline) {
+// Runs the client half of the handshake on a fresh socket to `peer`, which must prove it is the
+// server instance the peer's descriptor named.
+Status Handshake(int fd, const TcpEndpoint& peer, const std::string& secret, Deadline deadline) {
   const StopCheck stop = [deadline]() -> Status {
     if (Expired(deadline)) return Status::Timeout("the tcp handshake did not finish in time");
     return Status::Ok();
@@ -62,8 +63,12 @@ Status Handshake(int fd, const std::string& secret, Deadline deadline) {
   }
   Sha256Digest proof{};
   std::memcpy(proof.data(), result + 8, proof.size());
-  if (!DigestEquals(proof, ServerMac(secret, server, client))) {
-    return Status::Unauthenticated("the peer's tcp server could not prove it holds the secret");
+  if (!DigestEquals(proof, ServerMac(secret, server, client, peer.instance))) {
+    // It accepted our proof of the secret, so it holds it: it is another server instance.
+    return Status::PeerDisconnected(
+        "the tcp server at " + peer.host + ":" + std::to_string(peer.port) +
+        " is not the one this peer's descriptor names (it restarted, or another process took the "
+        "port); its memory is not this peer's: connect again with its current descriptor");
   }
   return Status::Ok();
 }
@@ -309,7 +314,7 @@ class Connection {
           "lost the connection to " + endpoint_.host + ":" + std::to_string(endpoint_.port) +
           " and could not reconnect: " + std::string(fd.status().message()));
     }
-    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), options_.secret, deadline));
+    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), endpoint_, options_.secret, deadline));
     fd_ = std::move(fd).value();
     return Status::Ok();
   }
@@ -402,7 +407,7 @@ Result<std::unique_ptr<BackendPeer>> TcpBackend::Connect(const PeerDescriptor& p
   for (int i = 0; i < std::max(options_.connections_per_peer, 1); ++i) {
     Result<Fd> fd = tcp::Connect(peer.tcp->host, peer.tcp->port, deadline, options_.user_timeout);
     if (!fd.ok()) return fd.status();
-    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), options_.secret, deadline));
+    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), *peer.tcp, options_.secret, deadline));
     conns.push_back(std::make_unique<Connection>(*peer.tcp, options_, std::move(fd).value()));
   }
   return std::unique_ptr<BackendPeer>(std::make_unique<TcpPeer>(options_, std::move(conns)));

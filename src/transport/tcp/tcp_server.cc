@@ -46,8 +46,13 @@ struct Connection {
 
 class Loop {
  public:
-  Loop(RegionRegistry* registry, const std::string& secret, ServerCounters* counters, int epoll)
-      : registry_(registry), secret_(secret), counters_(counters), epoll_(epoll) {}
+  Loop(RegionRegistry* registry, const std::string& secret, std::uint64_t instance,
+       ServerCounters* counters, int epoll)
+      : registry_(registry),
+        secret_(secret),
+        instance_(instance),
+        counters_(counters),
+        epoll_(epoll) {}
 
   void Accept(int listener) {
     for (;;) {
@@ -168,7 +173,7 @@ class Loop {
     PutU32(result.head.data() + 4,
            good ? 0u : static_cast<std::uint32_t>(StatusCode::kUnauthenticated));
     if (good) {
-      const Sha256Digest proof = ServerMac(secret_, c.server_nonce, client);
+      const Sha256Digest proof = ServerMac(secret_, c.server_nonce, client, instance_);
       std::memcpy(result.head.data() + 8, proof.data(), proof.size());
       c.phase = Phase::kServing;
     } else {
@@ -290,11 +295,21 @@ class Loop {
 
   RegionRegistry* registry_;
   const std::string& secret_;
+  const std::uint64_t instance_;
   ServerCounters* counters_;
   int epoll_;
   std::map<int, std::unique_ptr<Connection>> conns_;
 };
 
+}  // namespace
+
+namespace {
+std::uint64_t RandomInstance() {
+  const Nonce n = RandomNonce();
+  std::uint64_t v = 0;
+  std::memcpy(&v, n.data(), sizeof(v));
+  return v;
+}
 }  // namespace
 
 Result<std::unique_ptr<TcpServer>> TcpServer::Start(RegionRegistry* registry,
@@ -317,6 +332,7 @@ TcpServer::TcpServer(RegionRegistry* registry, Fd listener, std::uint16_t port, 
     : registry_(registry),
       listener_(std::move(listener)),
       port_(port),
+      instance_(RandomInstance()),
       secret_(std::move(secret)),
       counters_(counters),
       epoll_(std::move(epoll)),
@@ -338,7 +354,7 @@ TcpServer::~TcpServer() {
 }
 
 void TcpServer::Run() {
-  Loop loop(registry_, secret_, counters_, epoll_.get());
+  Loop loop(registry_, secret_, instance_, counters_, epoll_.get());
   std::vector<epoll_event> events(64);
   for (;;) {
     const int n = epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()), -1);

@@ -31,6 +31,8 @@ class TcpServer {
   TcpServer& operator=(const TcpServer&) = delete;
 
   std::uint16_t port() const { return port_; }
+  /// Random per server: a restarted process listening on the same port has another.
+  std::uint64_t instance() const { return instance_; }
 
  private:
   TcpServer(RegionRegistry* registry, Fd listener, std::uint16_t port, std::string secret,
@@ -40,6 +42,7 @@ class TcpServer {
   RegionRegistry* registry_;
   Fd listener_;
   std::uint16_t port_;
+  std::uint64_t instance_;
   std::string secret_;
   ServerCounters* counters_;
   Fd epoll_;

@@ -12,7 +12,7 @@ using ::testing::HasSubstr;
 
 PeerDescriptor Sample() {
   return PeerDescriptor{{"87d27ef8-ec29-4dbb-b1ee-24fd9ed0171c", 4026531836u, 4242},
-                        TcpEndpoint{"127.0.0.1", 40001},
+                        TcpEndpoint{"127.0.0.1", 40001, 0xfedcba9876543210ull},
                         {{0, 0x7f0000001000, 1u << 20}, {5, 0x7f0000200000, 4096}}};
 }
 

@@ -56,7 +56,8 @@ TEST(FramesTest, MacsBindBothNoncesAndTheDirection) {
   EXPECT_EQ(ClientMac("s", a, b), ClientMac("s", a, b));
   EXPECT_NE(ClientMac("s", a, b), ClientMac("t", a, b));
   EXPECT_NE(ClientMac("s", a, b), ClientMac("s", b, a));
-  EXPECT_NE(ClientMac("s", a, b), ServerMac("s", a, b));
+  EXPECT_NE(ClientMac("s", a, b), ServerMac("s", a, b, 1));
+  EXPECT_NE(ServerMac("s", a, b, 1), ServerMac("s", a, b, 2)) << "binds the server instance";
 }
 
 }  // namespace
