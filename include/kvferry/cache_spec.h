@@ -160,6 +160,10 @@ class CacheSpec {
   std::int64_t total_bytes_ = 0;
 };
 
+/// The largest TP size kvferry accepts anywhere, local or claimed by a peer: every loop over a
+/// peer's ranks is bounded by it.
+inline constexpr int kMaxTpSize = 256;
+
 /// Heads held by TP rank `rank` of `tp_size` for a part of `model_heads` heads that is split
 /// across TP (MHA): the count and the first model-wide index. With fewer heads than ranks each
 /// head is replicated on tp_size / model_heads consecutive ranks. Requires a valid combination

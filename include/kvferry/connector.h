@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -154,12 +155,24 @@ struct WorkerConfig {
   std::vector<std::string> visible_devices;  ///< empty: all
   /// Data plane. Its secret and hosts default to the side channel's.
   TransportOptions transport;
+  /// Builds the data plane from the options above; default CreateTransport. For embedders and
+  /// tests that wrap the transport (for example with fault injection or their own metrics).
+  std::function<Result<std::unique_ptr<Transport>>(const TransportOptions&)> make_transport;
   std::chrono::milliseconds handshake_timeout{5000};
   std::chrono::milliseconds transfer_timeout{30000};
   std::chrono::milliseconds notice_timeout{5000};
   std::chrono::milliseconds hold_lease{120000};
-  /// Loads carried out at once; more wait in a queue.
+  /// Loads carried out at once; more wait in a queue of at most `max_queued_loads` (past it a
+  /// load fails at once with ResourceExhausted, reported like any failed load).
   int transfer_threads = 4;
+  std::size_t max_queued_loads = 65536;
+  /// Caps on what remote peers can make this worker keep (docs/reliability.md, "Hostile
+  /// input"): early notices (finished/abort notices for requests not held yet), prefill ranks
+  /// with a cached handshake and data-plane connection (least recently used ones without a
+  /// running load are dropped), and queued best-effort notices (lease renewals, aborts).
+  std::size_t max_early_notices = 16384;
+  int max_agents = 256;
+  std::size_t max_queued_notices = 16384;
   LoadFailurePolicy failure_policy = LoadFailurePolicy::kRecompute;
 };
 
@@ -199,6 +212,10 @@ struct WorkerStats {
   std::uint64_t holds_released_by_readers = 0;
   std::uint64_t holds_released_by_abort = 0;
   std::uint64_t holds_expired = 0;
+  std::uint64_t early_notices = 0;          ///< now, not monotonic
+  std::uint64_t early_notices_refused = 0;  ///< past max_early_notices
+  std::uint64_t agents_evicted = 0;         ///< past max_agents
+  std::uint64_t notices_dropped = 0;        ///< past max_queued_notices
   std::uint64_t loads_outstanding = 0;
   LatencyHistogram transfer_latency;
   LatencyHistogram handshake_latency;

@@ -79,6 +79,17 @@ struct TransportOptions {
   /// How long a peer may go without progress on a read before the connection counts as dead
   /// (TCP_USER_TIMEOUT and keepalive), in addition to each batch's own deadline.
   std::chrono::milliseconds tcp_user_timeout{5000};
+  /// The tcp read server's limits on what clients may hold (docs/reliability.md, "Hostile
+  /// input"): a connection must finish its handshake within `tcp_handshake_timeout`; an
+  /// authenticated one idle for `tcp_idle_timeout`, or whose client stops taking responses for
+  /// `tcp_send_stall_timeout`, is closed; at most `tcp_max_connections` are open at once, and at
+  /// most `tcp_max_connections_per_source` from one client address. Past a cap a new connection
+  /// is closed at once, and existing ones are not disturbed.
+  std::chrono::milliseconds tcp_handshake_timeout{3000};
+  std::chrono::milliseconds tcp_idle_timeout{120000};
+  std::chrono::milliseconds tcp_send_stall_timeout{10000};
+  std::size_t tcp_max_connections = 512;
+  std::size_t tcp_max_connections_per_source = 128;
 };
 
 /// Counters for one transport. Monotonic; safe to read at any time.

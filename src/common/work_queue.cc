@@ -6,7 +6,8 @@
 
 namespace kvferry {
 
-WorkQueue::WorkQueue(int threads, const std::string& name) {
+WorkQueue::WorkQueue(int threads, const std::string& name, std::size_t capacity, OnStop on_stop)
+    : capacity_(capacity), on_stop_(on_stop) {
   for (int i = 0; i < std::max(threads, 1); ++i) {
     threads_.emplace_back([this] { Run(); });
     // Thread names show in top and gdb; Linux allows 15 characters.
@@ -15,12 +16,29 @@ WorkQueue::WorkQueue(int threads, const std::string& name) {
 }
 
 WorkQueue::~WorkQueue() {
+  std::deque<std::function<void()>> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    if (on_stop_ == OnStop::kDrop) dropped.swap(tasks_);
   }
   cv_.notify_all();
   for (std::thread& t : threads_) t.join();
+  // `dropped` is destroyed here, after the threads, without running.
+}
+
+Status WorkQueue::TryPost(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Cancelled("the work queue is shutting down");
+    if (tasks_.size() >= capacity_) {
+      return Status::ResourceExhausted(std::to_string(tasks_.size()) +
+                                       " tasks are queued already, the queue's cap; retry later");
+    }
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+  return Status::Ok();
 }
 
 void WorkQueue::Post(std::function<void()> task) {
@@ -29,6 +47,11 @@ void WorkQueue::Post(std::function<void()> task) {
     tasks_.push_back(std::move(task));
   }
   cv_.notify_one();
+}
+
+std::size_t WorkQueue::queued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tasks_.size();
 }
 
 void WorkQueue::Run() {

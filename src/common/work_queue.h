@@ -1,7 +1,8 @@
-// A fixed pool of threads running queued tasks in order of submission.
+// A fixed pool of threads running queued tasks in order of submission, with a bounded queue.
 #pragma once
 
 #include <condition_variable>
+#include <cstddef>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -9,23 +10,42 @@
 #include <thread>
 #include <vector>
 
+#include "kvferry/status.h"
+
 namespace kvferry {
 
-/// Thread-safe. The destructor runs every task already queued, then joins the threads, so a task
-/// that must report completion always does.
+/// Thread-safe.
 class WorkQueue {
  public:
-  WorkQueue(int threads, const std::string& name);
+  /// What the destructor does with tasks still queued: run them (a task that must report
+  /// completion always does), or drop them (best-effort work such as network notices, which
+  /// must not delay shutdown by their timeouts).
+  enum class OnStop { kRun, kDrop };
+
+  /// `capacity`: tasks queued (not yet running) at most; TryPost refuses past it.
+  WorkQueue(int threads, const std::string& name, std::size_t capacity = kDefaultCapacity,
+            OnStop on_stop = OnStop::kRun);
   ~WorkQueue();
   WorkQueue(const WorkQueue&) = delete;
   WorkQueue& operator=(const WorkQueue&) = delete;
 
+  static constexpr std::size_t kDefaultCapacity = 65536;
+
+  /// Queues `task`; ResourceExhausted (and the task is not run) when `capacity` tasks are queued
+  /// already, Cancelled once the queue is being destroyed.
+  Status TryPost(std::function<void()> task);
+  /// Queues `task` past the capacity, for callers whose own caps already bound how many tasks
+  /// they queue (a batch's units, the listener's pending handlers).
   void Post(std::function<void()> task);
+
+  std::size_t queued() const;
 
  private:
   void Run();
 
-  std::mutex mu_;
+  const std::size_t capacity_;
+  const OnStop on_stop_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;  // guarded by mu_
   bool stopping_ = false;                    // guarded by mu_

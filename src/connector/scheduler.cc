@@ -102,7 +102,7 @@ Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t
     KVFERRY_ASSIGN_OR_RETURN(l.remote_engine_id, lm.Str("remote_engine_id", wire::kMaxIdBytes));
     KVFERRY_ASSIGN_OR_RETURN(l.remote_host, lm.Str("remote_host", wire::kMaxIdBytes));
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t port, lm.Uint("remote_port", 65535));
-    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp, lm.Uint("remote_tp_size", kMaxInt));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp, lm.Uint("remote_tp_size", kMaxTpSize));
     l.remote_port = static_cast<int>(port);
     l.remote_tp_size = static_cast<int>(tp);
     KVFERRY_ASSIGN_OR_RETURN(l.remote_request_id, lm.Str("remote_request_id", wire::kMaxIdBytes));
@@ -148,11 +148,15 @@ Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransfe
                                    " asks for remote prefill but its kv_transfer_params lack " +
                                    missing + "; check the proxy that forwards them");
   }
-  if (*params.remote_tp_size < 1 || *params.remote_port < 1 || *params.remote_port > 65535) {
-    return Status::InvalidArgument("request " + request_id + " has remote_tp_size " +
-                                   std::to_string(*params.remote_tp_size) + " and remote_port " +
-                                   std::to_string(*params.remote_port) +
-                                   "; expected a positive TP size and a port in 1..65535");
+  // Rule 14: the prefill ranks a load talks to are remote_port + 0 .. remote_tp_size - 1.
+  if (*params.remote_tp_size < 1 || *params.remote_tp_size > kMaxTpSize ||
+      *params.remote_port < 1 ||
+      static_cast<std::int64_t>(*params.remote_port) + *params.remote_tp_size - 1 > 65535) {
+    return Status::InvalidArgument(
+        "request " + request_id + " has remote_tp_size " + std::to_string(*params.remote_tp_size) +
+        " and remote_port " + std::to_string(*params.remote_port) + "; expected a TP size in 1.." +
+        std::to_string(kMaxTpSize) + " and ports remote_port..remote_port + remote_tp_size - 1 " +
+        "inside 1..65535");
   }
   LoadSpec load;
   load.request_id = request_id;

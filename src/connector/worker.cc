@@ -8,6 +8,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/work_queue.h"
+#include "connector/hold_table.h"
 #include "kvferry/connector.h"
 #include "layout/block_runs.h"
 #include "layout/tp_map.h"
@@ -46,20 +47,38 @@ std::string Endpoint(const std::string& host, int port) {
   return "tcp://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
+// Remote input decides how many ranks a load talks to and their ports: bounded before any loop.
+Status CheckRemoteRanks(int remote_tp_size, int remote_port) {
+  if (remote_tp_size < 1 || remote_tp_size > kMaxTpSize) {
+    return Status::InvalidArgument("remote_tp_size " + std::to_string(remote_tp_size) +
+                                   " is outside 1.." + std::to_string(kMaxTpSize));
+  }
+  if (remote_port < 1 || remote_port + remote_tp_size - 1 > 65535) {
+    return Status::InvalidArgument("remote_port " + std::to_string(remote_port) + " with " +
+                                   std::to_string(remote_tp_size) +
+                                   " ranks reaches past port 65535");
+  }
+  return Status::Ok();
+}
+
 std::string ReaderKey(const wire::PeerRef& p) {
   return p.engine_id + "/" + std::to_string(p.dp_rank) + "/" + std::to_string(p.tp_rank);
 }
 
+// Only liveness failures take a peer down (rule 14): its connection is lost, its process is gone,
+// or it refused us. A slow batch (Timeout) or a refused read fails its own load alone.
 bool PeerFault(const Status& s) {
-  return s.code() == StatusCode::kPeerDisconnected || s.code() == StatusCode::kUnavailable ||
-         s.code() == StatusCode::kTimeout;
+  return s.code() == StatusCode::kPeerDisconnected || s.code() == StatusCode::kUnavailable;
 }
 
 }  // namespace
 
 class WorkerImpl {
  public:
-  explicit WorkerImpl(WorkerConfig config) : cfg_(std::move(config)) {}
+  explicit WorkerImpl(WorkerConfig config)
+      : cfg_(std::move(config)),
+        holds_(HoldLimits{cfg_.hold_lease, cfg_.max_early_notices, cfg_.hold_lease},
+               [this](std::uint32_t reader_tp) { return ExpectedReadersLocked(reader_tp); }) {}
   ~WorkerImpl();
 
   Status Init();
@@ -72,17 +91,6 @@ class WorkerImpl {
   const std::string& endpoint() const { return listener_->endpoint(); }
 
  private:
-  struct Hold {
-    Clock::time_point expiry;
-    std::set<std::string> readers;
-    int expected = -1;  // unknown until the first notice tells the readers' TP size
-  };
-  struct Early {
-    Clock::time_point expiry;
-    std::set<std::string> readers;
-    std::uint32_t tp_size = 0;
-    bool aborted = false;
-  };
   struct Agent {
     std::mutex mu;
     std::condition_variable cv;
@@ -90,6 +98,7 @@ class WorkerImpl {
     Status status;
     std::optional<wire::AgentMetadata> metadata;
     PeerId peer = 0;
+    Clock::time_point last_used;  // guarded by the worker's mu_; for LRU eviction
   };
   struct LoadState {
     LoadSpec spec;
@@ -100,8 +109,6 @@ class WorkerImpl {
 
   wire::Message Handle(const wire::Message& request);
   int ExpectedReadersLocked(std::uint32_t reader_tp) const;
-  void ReleaseLocked(std::string id, std::uint64_t WorkerStats::*counter);
-  void TryCompleteLocked(const std::string& id);
 
   void RunLoad(const LoadSpec& load);
   Status DoLoad(const LoadSpec& load);
@@ -115,6 +122,8 @@ class WorkerImpl {
   Status AbortedLocked(const std::string& request_id) const;
   void SendAborts(const LoadSpec& load, const std::string& reason);
   void RenewLeases();
+  // Queues a best-effort network notice; dropped (and counted) when the queue is full.
+  void PostBackground(std::function<void()> task);
 
   const WorkerConfig cfg_;
   wire::PeerRef self_;
@@ -133,9 +142,7 @@ class WorkerImpl {
   std::optional<CacheSpec> spec_;                         // guarded by mu_
   std::optional<CacheAddresses> addresses_;               // guarded by mu_
   std::optional<wire::AgentMetadata> metadata_;           // guarded by mu_
-  std::map<std::string, Hold> holds_;                     // guarded by mu_
-  std::map<std::string, Early> early_;                    // guarded by mu_
-  std::vector<std::string> finished_sending_;             // guarded by mu_
+  HoldTable holds_;                                       // guarded by mu_
   std::map<std::string, LoadState> loads_;                // guarded by mu_
   std::vector<std::string> finished_receiving_;           // guarded by mu_
   std::vector<LoadError> load_errors_;                    // guarded by mu_
@@ -169,7 +176,8 @@ Status WorkerImpl::Init() {
   if (cfg_.engine_id.empty()) {
     return Status::InvalidArgument("worker config needs an engine_id (vLLM's engine_id)");
   }
-  if (cfg_.tp_size < 1 || cfg_.tp_rank < 0 || cfg_.tp_rank >= cfg_.tp_size || cfg_.dp_rank < 0) {
+  if (cfg_.tp_size < 1 || cfg_.tp_size > kMaxTpSize || cfg_.tp_rank < 0 ||
+      cfg_.tp_rank >= cfg_.tp_size || cfg_.dp_rank < 0) {
     return Status::InvalidArgument("TP rank " + std::to_string(cfg_.tp_rank) + " of size " +
                                    std::to_string(cfg_.tp_size) + " (DP rank " +
                                    std::to_string(cfg_.dp_rank) + ") is invalid");
@@ -200,14 +208,19 @@ Status WorkerImpl::Init() {
     t.tcp_bind_host = cfg_.host;
   }
   t.serve = cfg_.role == Role::kPrefill;
-  KVFERRY_ASSIGN_OR_RETURN(transport_, CreateTransport(t));
+  KVFERRY_ASSIGN_OR_RETURN(transport_,
+                           cfg_.make_transport ? cfg_.make_transport(t) : CreateTransport(t));
 
   sidechannel::ClientOptions co;
   co.secret = cfg_.secret;
   co.attempt_timeout = std::min(cfg_.handshake_timeout, cfg_.notice_timeout);
   client_ = std::make_unique<sidechannel::Client>(co);
-  transfers_ = std::make_unique<WorkQueue>(cfg_.transfer_threads, "kvferry-load");
-  background_ = std::make_unique<WorkQueue>(2, "kvferry-bg");
+  transfers_ =
+      std::make_unique<WorkQueue>(cfg_.transfer_threads, "kvferry-load", cfg_.max_queued_loads);
+  // Best-effort notices (aborts, lease renewals): bounded, and dropped at shutdown rather than
+  // delaying it by their timeouts.
+  background_ = std::make_unique<WorkQueue>(2, "kvferry-bg", cfg_.max_queued_notices,
+                                            WorkQueue::OnStop::kDrop);
   if (cfg_.role == Role::kDecode) {
     notifier_ = std::make_unique<sidechannel::FinishedNotifier>(
         client_.get(), self_, static_cast<std::uint32_t>(cfg_.tp_size),
@@ -307,45 +320,21 @@ wire::Message WorkerImpl::Handle(const wire::Message& request) {
                                 wire::MessageTypeName(request) + "' messages"};
   }
   const Clock::time_point now = Clock::now();
-  std::uint32_t count = 0;
+  Result<std::uint32_t> count = std::uint32_t{0};
   if (const auto* f = std::get_if<wire::FinishedNotice>(&request)) {
-    const std::string reader = ReaderKey(f->from);
-    for (const std::string& id : f->request_ids) {
-      auto it = holds_.find(id);
-      if (it != holds_.end()) {
-        it->second.readers.insert(reader);
-        if (it->second.expected < 0) it->second.expected = ExpectedReadersLocked(f->tp_size);
-        TryCompleteLocked(id);
-      } else {
-        // Rule 10: a notice that arrives before its hold is kept, not lost.
-        Early& e = early_[id];
-        e.readers.insert(reader);
-        e.tp_size = f->tp_size;
-        e.expiry = now + cfg_.hold_lease;
-      }
-      ++count;
-    }
+    count = holds_.Finished(ReaderKey(f->from), f->tp_size, f->request_ids, now);
   } else if (const auto* a = std::get_if<wire::AbortNotice>(&request)) {
-    for (const std::string& id : a->request_ids) {
-      if (holds_.count(id) != 0) {
-        Log().info("request {}: released on abort from {}: {}", id, ReaderKey(a->from), a->reason);
-        ReleaseLocked(id, &WorkerStats::holds_released_by_abort);
-      } else {
-        Early& e = early_[id];
-        e.aborted = true;
-        e.expiry = now + cfg_.hold_lease;
-      }
-      ++count;
-    }
+    Log().info("abort notice from {} for {} request(s), first {}: {}", ReaderKey(a->from),
+               a->request_ids.size(), a->request_ids.empty() ? "-" : a->request_ids.front(),
+               a->reason);
+    count = holds_.Aborted(a->request_ids, now);
   } else if (const auto* l = std::get_if<wire::LeaseRenewal>(&request)) {
-    for (const std::string& id : l->request_ids) {
-      auto it = holds_.find(id);
-      if (it == holds_.end()) continue;
-      it->second.expiry = std::max(it->second.expiry, now + std::chrono::milliseconds(l->lease_ms));
-      ++count;
-    }
+    // Clamped to this worker's own lease: no peer can pin blocks for longer.
+    count = holds_.Renew(l->request_ids, std::chrono::milliseconds(l->lease_ms), now);
   }
-  return wire::Ack{count};
+  if (!count.ok())
+    return wire::ErrorReply{count.status().code(), std::string(count.status().message())};
+  return wire::Ack{*count};
 }
 
 int WorkerImpl::ExpectedReadersLocked(std::uint32_t reader_tp) const {
@@ -359,45 +348,13 @@ int WorkerImpl::ExpectedReadersLocked(std::uint32_t reader_tp) const {
   return *n;
 }
 
-void WorkerImpl::TryCompleteLocked(const std::string& id) {
-  auto it = holds_.find(id);
-  if (it == holds_.end() || it->second.expected < 0) return;
-  if (static_cast<int>(it->second.readers.size()) >= it->second.expected) {
-    ReleaseLocked(id, &WorkerStats::holds_released_by_readers);
-  }
-}
-
-void WorkerImpl::ReleaseLocked(std::string id, std::uint64_t WorkerStats::*counter) {
-  // `id` is a copy: callers may pass the key of the very entry erased here.
-  holds_.erase(id);
-  finished_sending_.push_back(std::move(id));
-  ++(stats_.*counter);
-}
-
 void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
   std::vector<LoadSpec> to_start;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const Clock::time_point now = Clock::now();
     for (const HoldSpec& h : metadata.holds) {
-      if (holds_.count(h.request_id) != 0) continue;  // already held
-      Hold hold;
-      hold.expiry = now + std::chrono::milliseconds(h.lease_ms);
-      auto early = early_.find(h.request_id);
-      if (early != early_.end()) {
-        const bool aborted = early->second.aborted;
-        hold.readers = std::move(early->second.readers);
-        if (early->second.tp_size > 0) hold.expected = ExpectedReadersLocked(early->second.tp_size);
-        early_.erase(early);
-        holds_[h.request_id] = std::move(hold);
-        if (aborted) {
-          ReleaseLocked(h.request_id, &WorkerStats::holds_released_by_abort);
-          continue;
-        }
-        TryCompleteLocked(h.request_id);
-        continue;
-      }
-      holds_[h.request_id] = std::move(hold);
+      holds_.Hold(h.request_id, std::chrono::milliseconds(h.lease_ms), now);
     }
     for (const LoadSpec& load : metadata.loads) {
       if (loads_.count(load.request_id) != 0) continue;  // already loading
@@ -406,42 +363,35 @@ void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
     }
   }
   for (LoadSpec& load : to_start) {
-    transfers_->Post([this, load = std::move(load)] { RunLoad(load); });
+    const std::string id = load.request_id;
+    const std::vector<std::int64_t> blocks = load.local_block_ids;
+    Status queued = transfers_->TryPost([this, load = std::move(load)] { RunLoad(load); });
+    if (!queued.ok()) {
+      // Every load ends (rule 11): one that cannot even queue fails now, its blocks recomputed.
+      Status s = queued.WithContext("queueing the load of request " + id);
+      Log().warn("{}", s.ToString());
+      std::lock_guard<std::mutex> lock(mu_);
+      loads_.erase(id);
+      finished_receiving_.push_back(id);
+      ++stats_.loads_failed;
+      ++stats_.failures[StatusCodeName(s.code())];
+      load_errors_.push_back({id, blocks, s, cfg_.failure_policy == LoadFailurePolicy::kRecompute});
+    }
   }
 }
 
 FinishedRequests WorkerImpl::GetFinished() {
   std::lock_guard<std::mutex> lock(mu_);
   const Clock::time_point now = Clock::now();
-  for (auto it = holds_.begin(); it != holds_.end();) {
-    auto next = std::next(it);
-    if (it->second.expiry <= now) {
-      if (it->second.expected < 0) {
-        Log().warn(
-            "request {}: hold released after its lease expired with no reader heard from; the "
-            "decode side never loaded it (request abandoned, or the decode instance is gone)",
-            it->first);
-      } else {
-        Log().warn(
-            "request {}: hold released after its lease expired with {} of {} readers reported; "
-            "the decode side is gone or stopped renewing",
-            it->first, it->second.readers.size(), it->second.expected);
-      }
-      ReleaseLocked(it->first, &WorkerStats::holds_expired);
-    }
-    it = next;
-  }
-  for (auto it = early_.begin(); it != early_.end();) {
-    it = it->second.expiry <= now ? early_.erase(it) : std::next(it);
-  }
+  holds_.Expire(now);
   if (now - last_stats_log_ > std::chrono::seconds(30)) {
     last_stats_log_ = now;
     Log().info("kvferry {} worker tp {}: loads done {} failed {}, {} bytes, holds {}",
                RoleName(cfg_.role), cfg_.tp_rank, stats_.loads_done, stats_.loads_failed,
-               stats_.bytes_read, holds_.size());
+               stats_.bytes_read, holds_.holds());
   }
   FinishedRequests out;
-  out.sending.swap(finished_sending_);
+  out.sending = holds_.TakeReleased();
   out.receiving.swap(finished_receiving_);
   return out;
 }
@@ -454,17 +404,23 @@ std::vector<LoadError> WorkerImpl::TakeLoadErrors() {
 }
 
 Status WorkerImpl::AbortLoad(const std::string& request_id, const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = loads_.find(request_id);
-  if (it == loads_.end()) {
-    return Status::NotFound("no load of request " + request_id +
-                            " is running on this worker (it ended, or never started)");
+  std::vector<BatchId> running;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = loads_.find(request_id);
+    if (it == loads_.end()) {
+      return Status::NotFound("no load of request " + request_id +
+                              " is running on this worker (it ended, or never started)");
+    }
+    if (it->second.aborted) return Status::Ok();
+    it->second.aborted = reason;  // DoLoad submits nothing more for it from now on
+    running = it->second.batches;
   }
-  if (it->second.aborted) return Status::Ok();
-  it->second.aborted = reason;
-  // Held under mu_, so DoLoad cannot release these batches meanwhile; Cancel returns once no
-  // read of them runs, after which the engine may reuse the blocks.
-  for (BatchId b : it->second.batches) transport_->Cancel(b);
+  // Cancelled outside mu_ (rule 14: no wait on I/O under a lock other requests need). DoLoad
+  // drops a batch from the list only after it ended, so every batch that may still write into the
+  // request's blocks is in `running`; Cancel returns once no read of it runs, after which the
+  // engine may reuse the blocks. A batch released meanwhile had ended: Cancel ignores it.
+  for (BatchId b : running) transport_->Cancel(b);
   return Status::Ok();
 }
 
@@ -477,7 +433,12 @@ Status WorkerImpl::AbortedLocked(const std::string& request_id) const {
 WorkerStats WorkerImpl::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   WorkerStats s = stats_;
-  s.holds_outstanding = holds_.size();
+  s.holds_outstanding = holds_.holds();
+  s.holds_released_by_readers = holds_.released_by_readers();
+  s.holds_released_by_abort = holds_.released_by_abort();
+  s.holds_expired = holds_.expired();
+  s.early_notices = holds_.early();
+  s.early_notices_refused = holds_.early_refused();
   s.loads_outstanding = loads_.size();
   return s;
 }
@@ -488,10 +449,14 @@ WorkerStats WorkerImpl::Stats() const {
 void WorkerImpl::RunLoad(const LoadSpec& load) {
   const Clock::time_point start = Clock::now();
   Status s = DoLoad(load);
+  bool aborted_by_engine = false;
   if (!s.ok()) {
     // A load the engine aborted reports that, whatever else went wrong on the way.
     std::lock_guard<std::mutex> lock(mu_);
-    if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) s = aborted;
+    if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
+      s = aborted;
+      aborted_by_engine = true;
+    }
   }
   if (!s.ok()) {
     Log().warn("request {}: load of {} blocks from {} failed: {}", load.request_id,
@@ -508,10 +473,10 @@ void WorkerImpl::RunLoad(const LoadSpec& load) {
   } else {
     ++stats_.loads_failed;
     ++stats_.failures[StatusCodeName(s.code())];
-    // An aborted load has nothing to recompute: the engine has dropped the request.
-    load_errors_.push_back({load.request_id, load.local_block_ids, s,
-                            s.code() != StatusCode::kCancelled &&
-                                cfg_.failure_policy == LoadFailurePolicy::kRecompute});
+    // A load the engine aborted has nothing to recompute: the engine has dropped the request.
+    load_errors_.push_back(
+        {load.request_id, load.local_block_ids, s,
+         !aborted_by_engine && cfg_.failure_policy == LoadFailurePolicy::kRecompute});
   }
 }
 
@@ -543,6 +508,7 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
   if (!spec) {
     return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
   }
+  KVFERRY_RETURN_IF_ERROR(CheckRemoteRanks(load.remote_tp_size, load.remote_port));
   // Rule 8: which prefill ranks, which bytes; the tail rule for decode-side prefix hits.
   KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
                            PlanTpSources(*spec, load.remote_tp_size, cfg_.tp_size, cfg_.tp_rank));
@@ -635,6 +601,11 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
           transport_->Cancel(s.batch);
           r = {BatchState::kFailed, Status::Timeout("the read did not finish in time")};
         }
+        if (r.state == BatchState::kCancelled) {
+          // Not cancelled by this load (an engine abort is reported as such below): another
+          // load found the peer dead and dropped it.
+          r.status = Status::PeerDisconnected("the read was stopped because its peer was dropped");
+        }
         if (r.state != BatchState::kDone) {
           failure = r.status.WithContext("reading from " + s.endpoint);
           // Rule 12: a dead or restarted peer is dropped and re-handshaken on next use.
@@ -667,16 +638,37 @@ Result<std::shared_ptr<WorkerImpl::Agent>> WorkerImpl::GetAgent(const LoadSpec& 
                                                                 Deadline deadline) {
   const std::string endpoint = Endpoint(load.remote_host, load.remote_port + rank);
   std::shared_ptr<Agent> agent;
+  std::shared_ptr<Agent> evicted;
   bool owner = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::shared_ptr<Agent>& slot = agents_[endpoint];
-    if (!slot) {
-      slot = std::make_shared<Agent>();
+    auto it = agents_.find(endpoint);
+    if (it == agents_.end()) {
+      if (agents_.size() >= static_cast<std::size_t>(cfg_.max_agents)) {
+        // Rule 14: the cache of peer agents is bounded; the least recently used one that no load
+        // is using makes room. Its data-plane connections close with it.
+        auto lru = agents_.end();
+        for (auto a = agents_.begin(); a != agents_.end(); ++a) {
+          if (a->second.use_count() != 1) continue;  // a load or a handshake holds it
+          if (lru == agents_.end() || a->second->last_used < lru->second->last_used) lru = a;
+        }
+        if (lru == agents_.end()) {
+          return Status::ResourceExhausted(
+              "this worker talks to " + std::to_string(agents_.size()) +
+              " prefill ranks at once, its cap (max_agents); " + endpoint +
+              " must wait until a load from another one ends");
+        }
+        evicted = std::move(lru->second);
+        agents_.erase(lru);
+        ++stats_.agents_evicted;
+      }
+      it = agents_.emplace(endpoint, std::make_shared<Agent>()).first;
       owner = true;
     }
-    agent = slot;
+    it->second->last_used = Clock::now();
+    agent = it->second;
   }
+  if (evicted) transport_->Disconnect(evicted->peer);
   if (owner) {
     // Rule 9: one handshake per remote agent at a time; concurrent loads wait for this one.
     const Clock::time_point start = Clock::now();
@@ -765,13 +757,24 @@ void WorkerImpl::SendAborts(const LoadSpec& load, const std::string& reason) {
   // Every prefill rank of the request may hold it; tell them all, best effort.
   for (int q = 0; q < load.remote_tp_size; ++q) {
     const std::string endpoint = Endpoint(load.remote_host, load.remote_port + q);
-    background_->Post([this, endpoint, id = load.remote_request_id, reason] {
+    PostBackground([this, endpoint, id = load.remote_request_id, reason] {
       Result<wire::Message> r = client_->Call(endpoint, wire::AbortNotice{self_, {id}, reason},
                                               DeadlineAfter(cfg_.notice_timeout));
       if (!r.ok()) {
         Log().info("abort notice for {} to {} failed: {}", id, endpoint, r.status().ToString());
       }
     });
+  }
+}
+
+void WorkerImpl::PostBackground(std::function<void()> task) {
+  Status s = background_->TryPost(std::move(task));
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (++stats_.notices_dropped % 1000 == 1) {
+      Log().warn("dropped a best-effort notice ({} so far): {}; holds it concerned end by lease",
+                 stats_.notices_dropped, s.ToString());
+    }
   }
 }
 
@@ -789,7 +792,7 @@ void WorkerImpl::RenewLeases() {
       }
     }
     for (auto& [endpoint, ids] : by_endpoint) {
-      background_->Post([this, endpoint = endpoint, ids = std::move(ids)] {
+      PostBackground([this, endpoint = endpoint, ids = std::move(ids)] {
         (void)client_->Call(
             endpoint,
             wire::LeaseRenewal{self_, ids, static_cast<std::uint32_t>(cfg_.hold_lease.count())},

@@ -78,6 +78,7 @@ Result<AuthHeader> VerifyMessage(std::string_view secret, AuthKind kind,
         "message authentication failed: the sender does not hold this side channel's secret, or "
         "the message was altered");
   }
+  if (kind == AuthKind::kReply) return h;
   const auto now = static_cast<std::int64_t>(UnixMillis());
   const auto skew = now - static_cast<std::int64_t>(h.timestamp_ms);
   if (skew > max_skew.count() || -skew > max_skew.count()) {
@@ -87,6 +88,16 @@ Result<AuthHeader> VerifyMessage(std::string_view secret, AuthKind kind,
                                    " ms: a stale or replayed message, or unsynchronised clocks");
   }
   return h;
+}
+
+std::optional<AuthNonce> RequestNonceOf(std::span<const std::uint8_t> header) {
+  if (header.size() != kAuthHeaderBytes || header[0] != kAuthVersion ||
+      header[1] != static_cast<std::uint8_t>(AuthKind::kRequest)) {
+    return std::nullopt;
+  }
+  AuthNonce nonce{};
+  std::memcpy(nonce.data(), header.data() + 12, nonce.size());
+  return nonce;
 }
 
 bool ReplayGuard::Accept(const AuthHeader& header) {

@@ -11,9 +11,10 @@ Result<ZmqSocket> Client::Acquire(const std::string& endpoint) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = idle_.find(endpoint);
-    if (it != idle_.end() && !it->second.empty()) {
-      ZmqSocket s = std::move(it->second.back());
-      it->second.pop_back();
+    if (it != idle_.end() && !it->second.sockets.empty()) {
+      ZmqSocket s = std::move(it->second.sockets.back());
+      it->second.sockets.pop_back();
+      if (it->second.sockets.empty()) idle_.erase(it);
       return s;
     }
   }
@@ -22,7 +23,7 @@ Result<ZmqSocket> Client::Acquire(const std::string& endpoint) {
   // Queue nothing for a peer that is not connected: a send then waits for the connection and
   // fails after the send timeout instead of sitting in a queue.
   KVFERRY_RETURN_IF_ERROR(s.SetInt(ZMQ_IMMEDIATE, 1));
-  KVFERRY_RETURN_IF_ERROR(s.SetInt64(ZMQ_MAXMSGSIZE, 64 << 20));
+  KVFERRY_RETURN_IF_ERROR(s.SetInt64(ZMQ_MAXMSGSIZE, kMaxFrameBytes));
   KVFERRY_RETURN_IF_ERROR(s.SetInt(ZMQ_RECONNECT_IVL, 100));
   if (endpoint.find('[') != std::string::npos) KVFERRY_RETURN_IF_ERROR(s.SetInt(ZMQ_IPV6, 1));
   if (zmq_connect(s.get(), endpoint.c_str()) != 0) {
@@ -33,9 +34,25 @@ Result<ZmqSocket> Client::Acquire(const std::string& endpoint) {
 }
 
 void Client::Return(const std::string& endpoint, ZmqSocket socket) {
+  std::vector<ZmqSocket> closing;  // closed after the lock is released
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<ZmqSocket>& pool = idle_[endpoint];
-  if (pool.size() < options_.max_idle_sockets_per_endpoint) pool.push_back(std::move(socket));
+  auto it = idle_.find(endpoint);
+  if (it == idle_.end()) {
+    if (options_.max_idle_endpoints == 0) return;
+    if (idle_.size() >= options_.max_idle_endpoints) {
+      auto lru = idle_.begin();
+      for (auto p = idle_.begin(); p != idle_.end(); ++p) {
+        if (p->second.last_used < lru->second.last_used) lru = p;
+      }
+      closing = std::move(lru->second.sockets);
+      idle_.erase(lru);
+    }
+    it = idle_.emplace(endpoint, Pool{}).first;
+  }
+  it->second.last_used = ++use_clock_;
+  if (it->second.sockets.size() < options_.max_idle_sockets_per_endpoint) {
+    it->second.sockets.push_back(std::move(socket));
+  }
 }
 
 Result<wire::Message> Client::Call(const std::string& endpoint, const wire::Message& request,
@@ -110,6 +127,12 @@ Result<wire::Message> Client::Call(const std::string& endpoint, const wire::Mess
   return last;
 }
 
-ClientStats Client::Stats() const { return {calls_.load(), retries_.load(), failures_.load()}; }
+ClientStats Client::Stats() {
+  ClientStats s{calls_.load(), retries_.load(), failures_.load(), 0, 0};
+  std::lock_guard<std::mutex> lock(mu_);
+  s.idle_endpoints = idle_.size();
+  for (const auto& [endpoint, pool] : idle_) s.idle_sockets += pool.sockets.size();
+  return s;
+}
 
 }  // namespace kvferry::sidechannel

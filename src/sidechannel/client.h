@@ -24,6 +24,9 @@ struct ClientOptions {
   int max_attempts = 3;
   std::chrono::milliseconds backoff{50};
   std::size_t max_idle_sockets_per_endpoint = 8;
+  /// Endpoints with idle sockets kept at once; the least recently used endpoint's sockets are
+  /// closed to make room (each idle socket holds a connection and ZeroMQ state).
+  std::size_t max_idle_endpoints = 256;
   std::chrono::milliseconds max_clock_skew{30000};
 };
 
@@ -31,6 +34,8 @@ struct ClientStats {
   std::uint64_t calls = 0;
   std::uint64_t retries = 0;
   std::uint64_t failures = 0;
+  std::uint64_t idle_endpoints = 0;  ///< now, not monotonic
+  std::uint64_t idle_sockets = 0;    ///< now, not monotonic
 };
 
 /// Thread-safe: calls to different endpoints, or to the same one, run in parallel and never wait
@@ -44,7 +49,7 @@ class Client {
   /// peer that cannot be reached is Unavailable.
   Result<wire::Message> Call(const std::string& endpoint, const wire::Message& request,
                              Deadline deadline);
-  ClientStats Stats() const;
+  ClientStats Stats();
 
  private:
   Result<ZmqSocket> Acquire(const std::string& endpoint);
@@ -52,7 +57,12 @@ class Client {
 
   const ClientOptions options_;
   std::mutex mu_;
-  std::map<std::string, std::vector<ZmqSocket>> idle_;  // guarded by mu_
+  struct Pool {
+    std::vector<ZmqSocket> sockets;
+    std::uint64_t last_used = 0;  // a tick of use_clock_, for LRU eviction
+  };
+  std::map<std::string, Pool> idle_;  // guarded by mu_
+  std::uint64_t use_clock_ = 0;       // guarded by mu_
   std::atomic<std::uint64_t> calls_{0};
   std::atomic<std::uint64_t> retries_{0};
   std::atomic<std::uint64_t> failures_{0};

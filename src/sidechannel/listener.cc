@@ -54,8 +54,10 @@ Result<std::unique_ptr<Listener>> Listener::Start(const ListenerOptions& options
   }
   ZmqSocket router(ZMQ_ROUTER);
   if (!router.valid()) return Status::Internal("zmq_socket(ROUTER): " + ZmqError());
-  KVFERRY_RETURN_IF_ERROR(router.SetInt64(ZMQ_MAXMSGSIZE, 64 << 20));  // hard cap per frame
-  KVFERRY_RETURN_IF_ERROR(router.SetInt(ZMQ_SNDTIMEO, 0));             // never block on a peer
+  static_assert(kMaxFrameBytes == wire::kMaxMessageBytes + kAuthHeaderBytes);
+  // ZeroMQ drops a peer that announces a larger frame before buffering it (docs/protocol.md).
+  KVFERRY_RETURN_IF_ERROR(router.SetInt64(ZMQ_MAXMSGSIZE, kMaxFrameBytes));
+  KVFERRY_RETURN_IF_ERROR(router.SetInt(ZMQ_SNDTIMEO, 0));  // never block on a peer
   if (options.bind_host.find(':') != std::string::npos) {
     KVFERRY_RETURN_IF_ERROR(router.SetInt(ZMQ_IPV6, 1));
   }
@@ -140,7 +142,10 @@ void Listener::HandleIncoming() {
   Status s = RecvFrames(router_.get(), &frames, 3, wire::kMaxMessageBytes, &truncated);
   if (!s.ok() || frames.empty()) return;  // nothing to answer: no identity
   const std::vector<std::uint8_t> identity = frames[0];
-  const AuthNonce no_nonce{};
+  // Refusals are bound to the request's nonce whenever its header is well-formed, so that its
+  // sender can verify them and read why (a skewed clock, a wrong secret); else to zeros.
+  const AuthNonce no_nonce =
+      frames.size() >= 2 ? RequestNonceOf(frames[1]).value_or(AuthNonce{}) : AuthNonce{};
   if (truncated) {
     Refuse(identity, no_nonce,
            Status::ResourceExhausted("message has more frames or bytes than allowed (" +

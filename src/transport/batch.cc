@@ -85,6 +85,14 @@ void Batch::Cancel() { StopWith(Status::Cancelled("cancelled")); }
 
 void Batch::Fail(const Status& status) { StopWith(status); }
 
+bool Batch::PinsRegion(RegionId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const RegionPin& p : pins_) {
+    if (p.region() == id) return true;
+  }
+  return false;
+}
+
 BatchResult Batch::Current() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!announced_) return {};

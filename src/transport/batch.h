@@ -41,6 +41,9 @@ class Batch {
   /// Fails the batch with `status` (for example the peer died) and waits as Cancel does.
   void Fail(const Status& status);
 
+  /// True while the batch runs and one of its reads lands in region `id`.
+  bool PinsRegion(RegionId id) const;
+
   BatchResult Current() const;
   BatchResult WaitEnd(Deadline deadline) const;
 

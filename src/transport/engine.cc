@@ -76,8 +76,13 @@ Result<std::unique_ptr<Engine>> Engine::Create(const TransportOptions& options) 
             "; set tcp_advertise_host to the address peers should connect to");
       }
       KVFERRY_ASSIGN_OR_RETURN(
-          e->server_, tcp::TcpServer::Start(&e->registry_, options.tcp_bind_host, options.tcp_port,
-                                            options.secret, &e->server_counters_));
+          e->server_,
+          tcp::TcpServer::Start(
+              &e->registry_, options.tcp_bind_host, options.tcp_port, options.secret,
+              &e->server_counters_,
+              tcp::ServerLimits{options.tcp_handshake_timeout, options.tcp_idle_timeout,
+                                options.tcp_send_stall_timeout, options.tcp_max_connections,
+                                options.tcp_max_connections_per_source}));
     }
   }
   return e;
@@ -100,7 +105,22 @@ Status Engine::RegisterMemory(RegionId id, void* addr, std::size_t length) {
   return registry_.Add(id, addr, length);
 }
 
-Status Engine::DeregisterMemory(RegionId id) { return registry_.Remove(id); }
+Status Engine::DeregisterMemory(RegionId id) {
+  // New reads of the region fail from the moment it is unlisted; reads already running against it
+  // are ended now instead of at their deadlines: batches landing in it are cancelled, and the tcp
+  // server drops connections with responses from it queued.
+  return registry_.Remove(id, [this](RegionId region) {
+    std::vector<std::shared_ptr<Batch>> landing;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [batch_id, b] : batches_) {
+        if (b.batch->PinsRegion(region)) landing.push_back(b.batch);
+      }
+    }
+    for (auto& b : landing) b->Cancel();
+    if (server_) server_->RevokeRegion(region);
+  });
+}
 
 Result<std::vector<std::uint8_t>> Engine::Descriptor() {
   PeerDescriptor d;

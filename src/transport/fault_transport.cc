@@ -29,7 +29,7 @@ Result<BatchId> FaultInjectingTransport::SubmitReads(PeerId peer, std::vector<Re
       }
     }
   }
-  Entry e{std::nullopt, rule, Clock::now(), deadline};
+  Entry e{std::nullopt, rule, Clock::now(), deadline, peer, false};
   if (rule == nullptr || rule->action != FaultRule::Action::kFail) {
     if (rule != nullptr && rule->action == FaultRule::Action::kCut) ops.resize(ops.size() / 2);
     if (rule != nullptr && rule->action == FaultRule::Action::kDelay) {
@@ -52,6 +52,13 @@ BatchResult FaultInjectingTransport::Shape(const Entry& e, BatchResult r) const 
     case FaultRule::Action::kCut:
       if (r.state == BatchState::kDone) return {BatchState::kFailed, e.rule->status};
       return r;
+    case FaultRule::Action::kHold:
+      if (e.cancelled) return {BatchState::kCancelled, Status::Cancelled("held batch cancelled")};
+      if (e.rule->gate && e.rule->gate->is_open()) return r;
+      if (Clock::now() >= e.deadline) {
+        return {BatchState::kFailed, Status::Timeout("held batch outlasted its deadline")};
+      }
+      return {};
     case FaultRule::Action::kDelay:
       if (Clock::now() < e.ready_at) {
         if (Clock::now() >= e.deadline) {
@@ -88,6 +95,16 @@ BatchResult FaultInjectingTransport::Wait(BatchId batch, Deadline deadline) {
   if (!e->inner) return Shape(*e, {BatchState::kFailed, Status::Ok()});
   BatchResult r = inner_->Wait(*e->inner, deadline);
   if (r.state == BatchState::kInProgress) return r;
+  if (e->rule != nullptr && e->rule->action == FaultRule::Action::kHold) {
+    // Held until the gate opens, the batch is cancelled, or a deadline passes.
+    for (;;) {
+      std::optional<Entry> now = Find(batch);
+      if (!now) return Unknown(batch);
+      BatchResult shaped = Shape(*now, r);
+      if (shaped.state != BatchState::kInProgress || Clock::now() >= deadline) return shaped;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
   // A delayed batch reports its end at ready_at, or fails at its deadline, whichever is first.
   const Clock::time_point until = std::min({e->ready_at, e->deadline, deadline});
   if (Clock::now() < until) std::this_thread::sleep_until(until);
@@ -101,8 +118,25 @@ void FaultInjectingTransport::Cancel(BatchId batch) {
     auto it = batches_.find(batch);
     if (it == batches_.end()) return;
     inner = it->second.inner;
+    it->second.cancelled = true;
   }
   if (inner) inner_->Cancel(*inner);
+}
+
+void FaultInjectingTransport::Disconnect(PeerId peer) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++disconnects_;
+    for (auto& [id, e] : batches_) {
+      if (e.peer == peer) e.cancelled = true;  // a held batch was running: it is cancelled
+    }
+  }
+  inner_->Disconnect(peer);
+}
+
+std::uint64_t FaultInjectingTransport::disconnects() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return disconnects_;
 }
 
 void FaultInjectingTransport::Release(BatchId batch) {

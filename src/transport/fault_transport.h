@@ -3,6 +3,7 @@
 // backend.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -15,17 +16,31 @@
 
 namespace kvferry {
 
+/// Opened by a test to let batches held by a kHold rule end. Thread-safe.
+class FaultGate {
+ public:
+  void Open() { open_.store(true); }
+  bool is_open() const { return open_.load(); }
+
+ private:
+  std::atomic<bool> open_{false};
+};
+
 struct FaultRule {
   enum class Action {
     kDelay,  ///< the batch runs, but reports its end only `delay` after submission
     kFail,   ///< nothing moves; the batch fails at once with `status`
     kCut,    ///< only the first half of the reads run; the batch then fails with `status`
+    kHold,   ///< the batch runs but stays in progress, as a slow transfer does, until `gate`
+             ///< opens; Cancel, a Disconnect of its peer or its deadline end it as they end a
+             ///< running batch
   };
   Action action = Action::kFail;
   /// Which batches: called with the submission's sequence number (0, 1, ...) and peer.
   std::function<bool(std::uint64_t seq, PeerId peer)> match;
   std::chrono::milliseconds delay{0};
   Status status = Status::PeerDisconnected("injected fault");
+  std::shared_ptr<FaultGate> gate;  // kHold only
 };
 
 /// Thread-safe. Rules are tried in the order added; the first that matches applies.
@@ -45,7 +60,10 @@ class FaultInjectingTransport final : public Transport {
   Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) override {
     return inner_->Connect(descriptor, deadline);
   }
-  void Disconnect(PeerId peer) override { inner_->Disconnect(peer); }
+  void Disconnect(PeerId peer) override;
+  /// How many times Disconnect was called; tests check that a fault did or did not take a peer
+  /// down.
+  std::uint64_t disconnects() const;
   Result<std::string> PeerBackend(PeerId peer) override { return inner_->PeerBackend(peer); }
   Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) override;
   BatchResult Poll(BatchId batch) override;
@@ -60,6 +78,8 @@ class FaultInjectingTransport final : public Transport {
     const FaultRule* rule = nullptr;
     Clock::time_point ready_at{};
     Deadline deadline{};
+    PeerId peer = 0;
+    bool cancelled = false;  // kHold: ended by Cancel or Disconnect
   };
   BatchResult Shape(const Entry& e, BatchResult inner_result) const;
   std::optional<Entry> Find(BatchId batch) const;
@@ -72,6 +92,7 @@ class FaultInjectingTransport final : public Transport {
   BatchId next_ = 1;                               // guarded by mu_
   std::uint64_t seq_ = 0;                          // guarded by mu_
   std::uint64_t injected_ = 0;                     // guarded by mu_
+  std::uint64_t disconnects_ = 0;                  // guarded by mu_
 };
 
 }  // namespace kvferry

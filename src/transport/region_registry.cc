@@ -51,7 +51,7 @@ Status RegionRegistry::Add(RegionId id, void* addr, std::size_t length) {
   return Status::Ok();
 }
 
-Status RegionRegistry::Remove(RegionId id) {
+Status RegionRegistry::Remove(RegionId id, const std::function<void(RegionId)>& revoke) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = regions_.find(id);
   if (it == regions_.end() || it->second.removing) {
@@ -59,7 +59,13 @@ Status RegionRegistry::Remove(RegionId id) {
   }
   it->second.removing = true;
   by_addr_.erase(reinterpret_cast<std::uintptr_t>(it->second.info.addr));
-  // Pins are held by reads, and every read ends by its batch's deadline, so this wait ends.
+  if (revoke) {
+    lock.unlock();
+    revoke(id);
+    lock.lock();
+  }
+  // Pins are held by reads; `revoke` ends them early, and every read ends by its batch's
+  // deadline in any case, so this wait ends.
   unpinned_.wait(lock, [&] { return regions_.at(id).pins == 0; });
   regions_.erase(id);
   return Status::Ok();

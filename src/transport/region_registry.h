@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,6 +36,9 @@ class RegionPin {
   RegionPin& operator=(const RegionPin&) = delete;
   ~RegionPin();
 
+  /// The pinned region; meaningful while the pin is held.
+  RegionId region() const { return id_; }
+
  private:
   friend class RegionRegistry;
   RegionPin(RegionRegistry* registry, RegionId id) : registry_(registry), id_(id) {}
@@ -46,8 +50,10 @@ class RegionPin {
 class RegionRegistry {
  public:
   Status Add(RegionId id, void* addr, std::size_t length);
-  /// Unlists the region at once (new pins fail), then waits until its pins are gone.
-  Status Remove(RegionId id);
+  /// Unlists the region at once (new pins fail), calls `revoke(id)` (without the registry's
+  /// lock) so that the holders of its pins can end their reads early, then waits until its pins
+  /// are gone. The wait is as long as the slowest holder takes to react to `revoke`.
+  Status Remove(RegionId id, const std::function<void(RegionId)>& revoke = nullptr);
   std::vector<RegionInfo> List() const;
 
   /// Pins the region that contains [p, p + length) entirely; InvalidArgument if none does.

@@ -220,7 +220,7 @@ Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
   KVFERRY_ASSIGN_OR_RETURN(options.dtype, ParseDType(dtype));
   KVFERRY_ASSIGN_OR_RETURN(std::string layout, m.Str("layout", kMaxIdBytes));
   KVFERRY_ASSIGN_OR_RETURN(options.layout, ParseBlockLayout(layout));
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", kMaxI32));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", kMaxTpSize));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_rank, m.Uint("tp_rank", kMaxI32));
   options.tp_size = static_cast<int>(tp_size);
   options.tp_rank = static_cast<int>(tp_rank);
@@ -234,7 +234,7 @@ Result<Message> DecodeAgentMetadata(const MapView& m) {
   KVFERRY_ASSIGN_OR_RETURN(MapView am, MapView::Of(*agent_obj, m.At("agent")));
   AgentIdentity agent;
   KVFERRY_ASSIGN_OR_RETURN(agent.peer, DecodePeer(am, "peer"));
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, am.Uint("tp_size", kMaxU32));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, am.Uint("tp_size", kMaxTpSize));
   if (tp_size == 0 || agent.peer.tp_rank >= tp_size) {
     return Status::InvalidArgument(am.At("tp_size") + ": expected tp_rank " +
                                    std::to_string(agent.peer.tp_rank) + " < tp_size, found " +
@@ -303,7 +303,7 @@ Result<Message> DecodeBody(const MapView& m, std::string_view type) {
     KVFERRY_ASSIGN_OR_RETURN(std::vector<std::string> ids,
                              m.StrList("request_ids", kMaxRequestIds, kMaxIdBytes));
     if (type == "finished") {
-      KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", 1u << 16));
+      KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", kMaxTpSize));
       if (tp_size == 0 || from.tp_rank >= tp_size) {
         return Status::InvalidArgument(m.At("tp_size") + ": expected from.tp_rank " +
                                        std::to_string(from.tp_rank) + " < tp_size, found " +

@@ -531,11 +531,11 @@ TEST(FaultInjectionTest, DelaysFailsAndCutsChosenBatchesOfARealBackend) {
   Result<PeerId> p = faulty->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok());
   faulty->AddRule({FaultRule::Action::kFail, [](std::uint64_t seq, PeerId) { return seq == 0; },
-                   milliseconds(0), Status::PeerDisconnected("injected: link down")});
+                   milliseconds(0), Status::PeerDisconnected("injected: link down"), nullptr});
   faulty->AddRule({FaultRule::Action::kDelay, [](std::uint64_t seq, PeerId) { return seq == 1; },
-                   milliseconds(300), Status::Ok()});
+                   milliseconds(300), Status::Ok(), nullptr});
   faulty->AddRule({FaultRule::Action::kCut, [](std::uint64_t seq, PeerId) { return seq == 2; },
-                   milliseconds(0), Status::PeerDisconnected("injected: cut")});
+                   milliseconds(0), Status::PeerDisconnected("injected: cut"), nullptr});
   auto ops = [&] {
     return std::vector<ReadOp>{{local.data(), 0, 0, 4096}, {local.data() + 4096, 0, 8192, 4096}};
   };

@@ -83,12 +83,15 @@ Result<WireOp> ParseOp(std::span<const std::uint8_t, kOpBytes> in) {
   if (GetU32(in.data() + 4) != 0) {
     return Status::InvalidArgument("read op has a non-zero reserved field");
   }
-  WireOp op{GetU32(in.data()), GetU64(in.data() + 8), GetU64(in.data() + 16)};
+  return WireOp{GetU32(in.data()), GetU64(in.data() + 8), GetU64(in.data() + 16)};
+}
+
+Status CheckOpLength(const WireOp& op) {
   if (op.length == 0 || op.length > kMaxRequestBytes) {
     return Status::InvalidArgument("read op of " + std::to_string(op.length) +
                                    " bytes; expected 1 to " + std::to_string(kMaxRequestBytes));
   }
-  return op;
+  return Status::Ok();
 }
 
 Result<ResponseHeader> ParseResponseHeader(std::span<const std::uint8_t, kResponseHeaderBytes> in) {

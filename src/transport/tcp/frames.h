@@ -70,6 +70,9 @@ void EncodeResponseHeader(const ResponseHeader& h, std::uint8_t* out);
 /// Malformed frames are InvalidArgument; the server closes the connection that sent one.
 Result<RequestHeader> ParseRequestHeader(std::span<const std::uint8_t, kRequestHeaderBytes> in);
 Result<WireOp> ParseOp(std::span<const std::uint8_t, kOpBytes> in);
+/// A well-formed op whose length is 0 or above kMaxRequestBytes is InvalidArgument; the server
+/// answers it with an error response and keeps the connection.
+Status CheckOpLength(const WireOp& op);
 Result<ResponseHeader> ParseResponseHeader(std::span<const std::uint8_t, kResponseHeaderBytes> in);
 
 }  // namespace kvferry::tcp

@@ -107,7 +107,7 @@ Result<Fd> Listen(const std::string& host, std::uint16_t port, std::uint16_t* bo
 }
 
 Result<Fd> Connect(const std::string& host, std::uint16_t port, Deadline deadline,
-                   std::chrono::milliseconds user_timeout) {
+                   std::chrono::milliseconds user_timeout, const StopCheck& stop) {
   KVFERRY_ASSIGN_OR_RETURN(Resolved r, Resolve(host, port, false));
   Fd fd(socket(r.addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return Status::Unavailable(std::string("socket: ") + ErrnoText(errno));
@@ -118,7 +118,13 @@ Result<Fd> Connect(const std::string& host, std::uint16_t port, Deadline deadlin
       return Status::Unavailable("cannot connect to " + where + ": " + ErrnoText(errno));
     }
     pollfd p{fd.get(), POLLOUT, 0};
-    const int n = poll(&p, 1, PollTimeoutMs(deadline, INT_MAX));
+    int n = 0;
+    for (;;) {
+      n = poll(&p, 1, PollTimeoutMs(deadline, stop ? 50 : INT_MAX));
+      if (n < 0 && errno == EINTR) continue;
+      if (n != 0 || Expired(deadline)) break;
+      if (stop) KVFERRY_RETURN_IF_ERROR(stop());
+    }
     if (n == 0) return Status::Timeout("connecting to " + where + " timed out");
     int err = 0;
     socklen_t len = sizeof(err);

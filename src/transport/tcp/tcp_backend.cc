@@ -1,9 +1,11 @@
 #include "transport/tcp/tcp_backend.h"
 
 #include <pthread.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -29,18 +31,25 @@ struct Request {
 };
 
 // Runs the client half of the handshake on a fresh socket to `peer`, which must prove it is the
-// server instance the peer's descriptor named.
-Status Handshake(int fd, const TcpEndpoint& peer, const std::string& secret, Deadline deadline) {
-  const StopCheck stop = [deadline]() -> Status {
+// server instance the peer's descriptor named. Only a refused proof is Unauthenticated: a
+// handshake that times out or whose connection breaks keeps that status, so the caller may retry.
+Status Handshake(int fd, const TcpEndpoint& peer, const std::string& secret, Deadline deadline,
+                 const StopCheck& also_stop = nullptr) {
+  const StopCheck stop = [deadline, &also_stop]() -> Status {
     if (Expired(deadline)) return Status::Timeout("the tcp handshake did not finish in time");
+    if (also_stop) return also_stop();
     return Status::Ok();
   };
+  const std::string where = peer.host + ":" + std::to_string(peer.port);
   std::uint8_t hello[kHelloBytes];
   iovec iov{hello, sizeof(hello)};
   std::uint64_t got = 0;
-  KVFERRY_RETURN_IF_ERROR(RecvAll(fd, &iov, 1, stop, &got));
+  Status s = RecvAll(fd, &iov, 1, stop, &got);
+  if (!s.ok()) return s.WithContext("waiting for the tcp server's hello from " + where);
   if (GetU32(hello) != kHelloMagic || GetU32(hello + 4) != kVersion) {
-    return Status::Unavailable("the peer's tcp server does not speak kvferry tcp v1");
+    return Status::NotSupported(
+        "the tcp server at " + where + " does not speak kvferry tcp v1 (hello magic " +
+        std::to_string(GetU32(hello)) + ", version " + std::to_string(GetU32(hello + 4)) + ")");
   }
   Nonce server{};
   std::memcpy(server.data(), hello + 8, kNonceBytes);
@@ -52,25 +61,45 @@ Status Handshake(int fd, const TcpEndpoint& peer, const std::string& secret, Dea
   const Sha256Digest mac = ClientMac(secret, server, client);
   std::memcpy(auth + 8 + kNonceBytes, mac.data(), mac.size());
   iovec out{auth, sizeof(auth)};
-  KVFERRY_RETURN_IF_ERROR(SendAll(fd, &out, 1, stop));
+  s = SendAll(fd, &out, 1, stop);
+  if (!s.ok()) return s.WithContext("sending the tcp handshake to " + where);
   std::uint8_t result[kResultBytes];
   iovec in{result, sizeof(result)};
-  Status s = RecvAll(fd, &in, 1, stop, &got);
-  if (!s.ok() || GetU32(result) != kResultMagic || GetU32(result + 4) != 0) {
+  s = RecvAll(fd, &in, 1, stop, &got);
+  if (!s.ok()) return s.WithContext("waiting for the tcp handshake result from " + where);
+  if (GetU32(result) != kResultMagic) {
+    return Status::Internal("the tcp server at " + where +
+                            " answered the handshake with a malformed result frame");
+  }
+  const std::uint32_t code = GetU32(result + 4);
+  if (code == static_cast<std::uint32_t>(StatusCode::kUnauthenticated)) {
     return Status::Unauthenticated(
         "the peer's tcp server refused this client: the shared secrets differ (set the same "
         "secret on both sides; without one, only loopback clients are served)");
+  }
+  if (code != 0) {
+    return Status(StatusCodeFromWire(code),
+                  "the tcp server at " + where + " refused the handshake (status " +
+                      std::string(StatusCodeName(StatusCodeFromWire(code))) + ")");
   }
   Sha256Digest proof{};
   std::memcpy(proof.data(), result + 8, proof.size());
   if (!DigestEquals(proof, ServerMac(secret, server, client, peer.instance))) {
     // It accepted our proof of the secret, so it holds it: it is another server instance.
     return Status::PeerDisconnected(
-        "the tcp server at " + peer.host + ":" + std::to_string(peer.port) +
+        "the tcp server at " + where +
         " is not the one this peer's descriptor names (it restarted, or another process took the "
         "port); its memory is not this peer's: connect again with its current descriptor");
   }
   return Status::Ok();
+}
+
+// True when the server closed (or reset) an idle connection: it has nothing to say otherwise.
+bool ClosedByPeer(int fd) {
+  std::uint8_t byte = 0;
+  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (n == 0) return true;
+  return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
 }
 
 // One connection and the thread that drives it. Requests queue here; the thread sends up to
@@ -102,7 +131,7 @@ class Connection {
         return;
       }
     }
-    r.batch->UnitDone(Status::Cancelled("the tcp peer was disconnected"), 0);
+    r.batch->UnitDone(Disconnected(), 0);
   }
 
   std::size_t Load() {
@@ -128,12 +157,14 @@ class Connection {
       for (Request& r : in_flight_) rest.push_back(std::move(r));
       in_flight_.clear();
     }
-    for (Request& r : rest)
-      r.batch->UnitDone(Status::Cancelled("the tcp peer was disconnected"), 0);
+    for (Request& r : rest) r.batch->UnitDone(Disconnected(), 0);
   }
 
   // Sends what the pipeline allows, then receives one response.
   void Step() {
+    // The server closes connections idle for longer than its idle timeout; notice that before
+    // sending, so an idle close costs a reconnect, not a request's retry.
+    if (fd_.valid() && sent_ids_.empty() && ClosedByPeer(fd_.get())) fd_.Reset();
     if (!fd_.valid()) {
       Status s = Reconnect();
       if (!s.ok()) {
@@ -159,7 +190,10 @@ class Connection {
         in_flight_.push_back(std::move(r));
       }
       if (!s.ok()) {
-        Broken(s);
+        // A request whose own batch stopped mid-send is not the connection's fault: the others
+        // are retried without counting an attempt.
+        const bool own = in_flight_.back().batch->ShouldStop();
+        Broken(own ? Status::Cancelled(std::string(kAbandon)) : s);
         return;
       }
     }
@@ -209,7 +243,9 @@ class Connection {
     iovec iov{frame.data(), frame.size()};
     const Deadline deadline = r.batch->deadline();
     return SendAll(fd_.get(), &iov, 1, [&]() -> Status {
-      if (ShuttingDown()) return Status::Cancelled("shutting down");
+      if (ShuttingDown()) return Disconnected();
+      // A cancelled batch must not wait for a slow peer to take its request.
+      if (r.batch->ShouldStop()) return r.batch->StopStatus();
       if (Expired(deadline)) return Status::Timeout("sending a read request timed out");
       return Status::Ok();
     });
@@ -302,19 +338,30 @@ class Connection {
     }
   }
 
+  // Connects again while requests wait. Stops as soon as none is left to carry: queued requests
+  // of stopped batches end meanwhile, so a Cancel never waits for a reconnect.
   Status Reconnect() {
     Deadline deadline = DeadlineAfter(std::chrono::milliseconds(2000));
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const Request& r : queue_) deadline = std::min(deadline, r.batch->deadline());
     }
-    Result<Fd> fd = tcp::Connect(endpoint_.host, endpoint_.port, deadline, options_.user_timeout);
+    const StopCheck stop = [this]() -> Status {
+      if (ShuttingDown()) return Disconnected();
+      SweepStopped();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (queue_.empty()) return Status::Cancelled("no request is left to reconnect for");
+      return Status::Ok();
+    };
+    Result<Fd> fd =
+        tcp::Connect(endpoint_.host, endpoint_.port, deadline, options_.user_timeout, stop);
     if (!fd.ok()) {
+      if (fd.status().code() == StatusCode::kCancelled) return fd.status();
       return Status::PeerDisconnected(
           "lost the connection to " + endpoint_.host + ":" + std::to_string(endpoint_.port) +
           " and could not reconnect: " + std::string(fd.status().message()));
     }
-    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), endpoint_, options_.secret, deadline));
+    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), endpoint_, options_.secret, deadline, stop));
     fd_ = std::move(fd).value();
     return Status::Ok();
   }
@@ -325,8 +372,10 @@ class Connection {
       std::lock_guard<std::mutex> lock(mu_);
       all.swap(queue_);
     }
-    for (Request& r : all) r.batch->UnitDone(s, 0);
+    for (Request& r : all) r.batch->UnitDone(r.batch->ShouldStop() ? r.batch->StopStatus() : s, 0);
   }
+
+  static Status Disconnected() { return Status::PeerDisconnected("the tcp peer was disconnected"); }
 
   bool ShuttingDown() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -354,6 +403,14 @@ class TcpPeer final : public BackendPeer {
 
   void Start(const std::shared_ptr<Batch>& batch, std::vector<ReadOp> ops) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (conns_.empty()) {
+      // Shut down (the peer was disconnected) after the caller took it: the batch ends now.
+      batch->AddUnit();
+      batch->UnitDone(Status::PeerDisconnected(
+                          "the tcp peer was disconnected while this batch was being submitted"),
+                      0);
+      return;
+    }
     Request r{batch, {}, 0, 0};
     auto flush = [&] {
       if (r.ops.empty()) return;
@@ -385,8 +442,12 @@ class TcpPeer final : public BackendPeer {
   }
 
   void Shutdown() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    conns_.clear();  // each connection ends its requests and joins its thread
+    std::vector<std::unique_ptr<Connection>> ending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ending.swap(conns_);
+    }
+    ending.clear();  // each connection ends its requests and joins its thread, outside mu_
   }
 
  private:

@@ -1,5 +1,8 @@
 #include "transport/tcp/tcp_server.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -10,8 +13,10 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/errno_text.h"
 #include "common/log.h"
 #include "transport/tcp/frames.h"
@@ -36,6 +41,9 @@ enum class Phase { kAwaitAuth, kServing, kClosing };
 
 struct Connection {
   Fd fd;
+  std::string source;  // the client's address, for the per-source cap
+  Clock::time_point accepted;
+  Clock::time_point last_progress;  // last byte read or written
   Phase phase = Phase::kAwaitAuth;
   Nonce server_nonce{};
   std::vector<std::uint8_t> in;
@@ -44,32 +52,82 @@ struct Connection {
   bool reading = true;
 };
 
+std::string SourceAddress(const sockaddr_storage& addr) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (addr.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&addr)->sin_addr, text, sizeof(text));
+  } else if (addr.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&addr)->sin6_addr, text,
+              sizeof(text));
+  }
+  return text;
+}
+
 class Loop {
  public:
   Loop(RegionRegistry* registry, const std::string& secret, std::uint64_t instance,
-       ServerCounters* counters, int epoll)
+       ServerCounters* counters, const ServerLimits& limits, int epoll)
       : registry_(registry),
         secret_(secret),
         instance_(instance),
         counters_(counters),
-        epoll_(epoll) {}
+        limits_(limits),
+        epoll_(epoll),
+        reserve_(open("/dev/null", O_RDONLY | O_CLOEXEC)) {}
 
-  void Accept(int listener) {
+  // Accepts every pending connection. Connections past a cap are closed at once; they are never
+  // left in the backlog, where they would keep the listener readable and the loop spinning.
+  // Returns false when accepting must pause (out of descriptors even after the reserve one was
+  // given up); the caller stops watching the listener until the next sweep.
+  bool Accept(int listener) {
     for (;;) {
       sockaddr_storage addr{};
       socklen_t len = sizeof(addr);
       const int fd = accept4(listener, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC);
-      if (fd < 0) return;
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE) {
+          // Out of descriptors: give up the reserve one to take the connection off the backlog
+          // and close it, then take the reserve back (the classic libev/nginx technique).
+          counters_->accept_exhausted.fetch_add(1);
+          if (!reserve_.valid()) return false;
+          reserve_.Reset();
+          const int victim = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+          if (victim >= 0) close(victim);
+          reserve_ = Fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+          RefuseConnection("out of file descriptors (raise the open-file limit, ulimit -n)");
+          if (victim < 0) return false;
+          continue;
+        }
+        return true;  // EAGAIN: the backlog is empty
+      }
       if (secret_.empty() && !IsLoopback(addr)) {
         // Without a shared secret anyone who can reach the port could read the cache.
-        counters_->refused.fetch_add(1);
-        Log().warn("tcp server: refused a non-loopback client: no secret is configured");
         close(fd);
+        RefuseConnection("a non-loopback client, and no secret is configured");
         continue;
       }
+      std::string source = SourceAddress(addr);
+      if (conns_.size() >= limits_.max_connections) {
+        close(fd);
+        RefuseConnection("the server has " + std::to_string(conns_.size()) +
+                         " connections open, its cap");
+        continue;
+      }
+      std::size_t& from_source = per_source_[source];
+      if (from_source >= limits_.max_connections_per_source) {
+        close(fd);
+        RefuseConnection(source + " has " + std::to_string(from_source) +
+                         " connections open, the per-source cap");
+        continue;
+      }
+      ++from_source;
       ConfigureStream(fd, std::chrono::milliseconds(5000));
       auto conn = std::make_unique<Connection>();
       conn->fd = Fd(fd);
+      conn->source = std::move(source);
+      conn->accepted = Clock::now();
+      conn->last_progress = conn->accepted;
       conn->server_nonce = RandomNonce();
       Response hello;
       hello.head.resize(kHelloBytes);
@@ -83,8 +141,49 @@ class Loop {
       epoll_ctl(epoll_, EPOLL_CTL_ADD, fd, &ev);
       conn->want_write = true;
       conns_[fd] = std::move(conn);
+      counters_->connections_open.store(conns_.size());
     }
   }
+
+  // Closes connections past their deadlines: handshake not finished in time, idle, or unable to
+  // take their responses.
+  void Sweep() {
+    const Clock::time_point now = Clock::now();
+    std::vector<int> expired;
+    for (const auto& [fd, c] : conns_) {
+      if (c->phase == Phase::kAwaitAuth && now - c->accepted >= limits_.handshake_timeout) {
+        counters_->handshake_timeouts.fetch_add(1);
+        expired.push_back(fd);
+      } else if (c->phase == Phase::kServing && c->out.empty() &&
+                 now - c->last_progress >= limits_.idle_timeout) {
+        counters_->idle_closed.fetch_add(1);
+        expired.push_back(fd);
+      } else if (!c->out.empty() && now - c->last_progress >= limits_.send_stall_timeout) {
+        counters_->stalled_closed.fetch_add(1);
+        expired.push_back(fd);
+      }
+    }
+    for (int fd : expired) Close(fd);
+  }
+
+  // Closes every connection with a queued response that pins `region`: a region being removed
+  // must not wait for a slow client. The client sees the connection drop and retries elsewhere.
+  void Revoke(RegionId region) {
+    std::vector<int> holding;
+    for (const auto& [fd, c] : conns_) {
+      for (const Response& r : c->out) {
+        bool pins = false;
+        for (const RegionPin& p : r.pins) pins = pins || p.region() == region;
+        if (pins) {
+          holding.push_back(fd);
+          break;
+        }
+      }
+    }
+    for (int fd : holding) Close(fd);
+  }
+
+  bool empty() const { return conns_.empty(); }
 
   void Handle(int fd, std::uint32_t events) {
     auto it = conns_.find(fd);
@@ -112,6 +211,7 @@ class Loop {
     const ssize_t n = recv(c.fd.get(), c.in.data() + old, kReadChunk, 0);
     if (n > 0) {
       c.in.resize(old + static_cast<std::size_t>(n));
+      c.last_progress = Clock::now();
       return true;
     }
     c.in.resize(old);
@@ -159,8 +259,21 @@ class Loop {
 
   bool Authenticate(Connection& c, std::span<const std::uint8_t, kAuthBytes> in) {
     if (GetU32(in.data()) != kAuthMagic || GetU32(in.data() + 4) != kVersion) {
-      Refuse(Status::InvalidArgument("handshake from a client that does not speak kvferry tcp v1"));
-      return false;
+      // Answered with a result frame naming the reason, then closed (docs/transport.md).
+      const bool magic = GetU32(in.data()) == kAuthMagic;
+      Refuse(magic ? Status::NotSupported("handshake for tcp protocol version " +
+                                          std::to_string(GetU32(in.data() + 4)) +
+                                          "; this server speaks version 1")
+                   : Status::InvalidArgument("handshake does not start with the auth magic"));
+      Response result;
+      result.head.assign(kResultBytes, 0);
+      PutU32(result.head.data(), kResultMagic);
+      PutU32(result.head.data() + 4,
+             static_cast<std::uint32_t>(magic ? StatusCode::kNotSupported
+                                              : StatusCode::kInvalidArgument));
+      c.out.push_back(std::move(result));
+      c.phase = Phase::kClosing;
+      return true;
     }
     Nonce client{};
     std::memcpy(client.data(), in.data() + 8, kNonceBytes);
@@ -193,6 +306,10 @@ class Loop {
       if (!op.ok()) {
         Refuse(op.status());
         return false;  // malformed frame: close this connection only
+      }
+      if (Status length = CheckOpLength(*op); !length.ok()) {
+        status = length.WithContext("op " + std::to_string(i));
+        break;
       }
       RegionPin pin;
       Result<std::byte*> where = registry_->PinRange(op->region, op->offset, op->length, &pin);
@@ -253,6 +370,7 @@ class Loop {
         }
         return false;
       }
+      c.last_progress = Clock::now();
       auto left = static_cast<std::size_t>(n);
       const std::size_t from_head = std::min(left, r.head.size() - r.head_sent);
       r.head_sent += from_head;
@@ -282,8 +400,18 @@ class Loop {
   }
 
   void Close(int fd) {
+    auto it = conns_.find(fd);
+    if (it == conns_.end()) return;
     epoll_ctl(epoll_, EPOLL_CTL_DEL, fd, nullptr);
-    conns_.erase(fd);  // releases the pins of unsent responses
+    auto src = per_source_.find(it->second->source);
+    if (src != per_source_.end() && --src->second == 0) per_source_.erase(src);
+    conns_.erase(it);  // releases the pins of unsent responses
+    counters_->connections_open.store(conns_.size());
+  }
+
+  void RefuseConnection(const std::string& why) {
+    counters_->connections_refused.fetch_add(1);
+    Refuse(Status::ResourceExhausted("closed a new connection: " + why));
   }
 
   void Refuse(const Status& s) {
@@ -297,8 +425,11 @@ class Loop {
   const std::string& secret_;
   const std::uint64_t instance_;
   ServerCounters* counters_;
+  const ServerLimits limits_;
   int epoll_;
+  Fd reserve_;  // a spare descriptor, given up to shed a connection when none are left
   std::map<int, std::unique_ptr<Connection>> conns_;
+  std::map<std::string, std::size_t> per_source_;  // open connections by client address
 };
 
 }  // namespace
@@ -314,7 +445,8 @@ std::uint64_t RandomInstance() {
 
 Result<std::unique_ptr<TcpServer>> TcpServer::Start(RegionRegistry* registry,
                                                     const std::string& host, std::uint16_t port,
-                                                    std::string secret, ServerCounters* counters) {
+                                                    std::string secret, ServerCounters* counters,
+                                                    ServerLimits limits) {
   std::uint16_t bound = 0;
   KVFERRY_ASSIGN_OR_RETURN(Fd listener, Listen(host, port, &bound));
   Fd epoll(epoll_create1(EPOLL_CLOEXEC));
@@ -322,19 +454,27 @@ Result<std::unique_ptr<TcpServer>> TcpServer::Start(RegionRegistry* registry,
   if (!epoll.valid() || !wake.valid()) {
     return Status::Unavailable(std::string("epoll/eventfd: ") + ErrnoText(errno));
   }
+  if (limits.max_connections == 0 || limits.max_connections_per_source == 0 ||
+      limits.handshake_timeout.count() <= 0 || limits.idle_timeout.count() <= 0 ||
+      limits.send_stall_timeout.count() <= 0) {
+    return Status::InvalidArgument(
+        "tcp server limits must be positive (connection caps, handshake, idle and send-stall "
+        "timeouts)");
+  }
   return std::unique_ptr<TcpServer>(new TcpServer(registry, std::move(listener), bound,
-                                                  std::move(secret), counters, std::move(epoll),
-                                                  std::move(wake)));
+                                                  std::move(secret), counters, limits,
+                                                  std::move(epoll), std::move(wake)));
 }
 
 TcpServer::TcpServer(RegionRegistry* registry, Fd listener, std::uint16_t port, std::string secret,
-                     ServerCounters* counters, Fd epoll, Fd wake)
+                     ServerCounters* counters, ServerLimits limits, Fd epoll, Fd wake)
     : registry_(registry),
       listener_(std::move(listener)),
       port_(port),
       instance_(RandomInstance()),
       secret_(std::move(secret)),
       counters_(counters),
+      limits_(limits),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)) {
   for (int fd : {listener_.get(), wake_.get()}) {
@@ -348,29 +488,71 @@ TcpServer::TcpServer(RegionRegistry* registry, Fd listener, std::uint16_t port, 
 }
 
 TcpServer::~TcpServer() {
+  stopping_.store(true);
   const std::uint64_t one = 1;
   (void)!write(wake_.get(), &one, sizeof(one));
   thread_.join();
 }
 
 void TcpServer::Run() {
-  Loop loop(registry_, secret_, instance_, counters_, epoll_.get());
+  Loop loop(registry_, secret_, instance_, counters_, limits_, epoll_.get());
   std::vector<epoll_event> events(64);
+  // Deadlines are checked at least this often while any connection is open.
+  constexpr int kSweepMs = 100;
+  bool accepting = true;
+  Clock::time_point last_sweep = Clock::now();
   for (;;) {
-    const int n = epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()), -1);
+    const int timeout = loop.empty() && accepting ? -1 : kSweepMs;
+    const int n = epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()), timeout);
     for (int i = 0; i < n; ++i) {
       const int fd = events[static_cast<std::size_t>(i)].data.fd;
       if (fd == wake_.get()) {
-        loop.CloseAll();
-        return;
-      }
-      if (fd == listener_.get()) {
-        loop.Accept(fd);
+        std::uint64_t count = 0;
+        (void)!read(wake_.get(), &count, sizeof(count));
+        if (stopping_.load()) {
+          loop.CloseAll();
+          return;
+        }
+        for (RegionId region : TakeRevoked()) loop.Revoke(region);
+      } else if (fd == listener_.get()) {
+        if (!loop.Accept(fd)) {
+          // Out of descriptors with no reserve: stop watching the listener until the next
+          // sweep instead of spinning on it.
+          epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listener_.get(), nullptr);
+          accepting = false;
+        }
       } else {
         loop.Handle(fd, events[static_cast<std::size_t>(i)].events);
       }
     }
+    if (Clock::now() - last_sweep >= std::chrono::milliseconds(kSweepMs)) {
+      last_sweep = Clock::now();
+      loop.Sweep();
+      if (!accepting) {
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.fd = listener_.get();
+        epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, listener_.get(), &ev);
+        accepting = true;
+      }
+    }
   }
+}
+
+void TcpServer::RevokeRegion(RegionId region) {
+  {
+    std::lock_guard<std::mutex> lock(revoke_mu_);
+    revoked_.push_back(region);
+  }
+  const std::uint64_t one = 1;
+  (void)!write(wake_.get(), &one, sizeof(one));
+}
+
+std::vector<RegionId> TcpServer::TakeRevoked() {
+  std::lock_guard<std::mutex> lock(revoke_mu_);
+  std::vector<RegionId> out;
+  out.swap(revoked_);
+  return out;
 }
 
 }  // namespace kvferry::tcp

@@ -6,8 +6,10 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "transport/region_registry.h"
 #include "transport/tcp/socket.h"
@@ -17,6 +19,30 @@ namespace kvferry::tcp {
 struct ServerCounters {
   std::atomic<std::uint64_t> bytes_served{0};
   std::atomic<std::uint64_t> refused{0};
+  /// Connections closed by a cap or deadline (part of `refused` too); for tests and stats.
+  std::atomic<std::uint64_t> connections_refused{0};
+  std::atomic<std::uint64_t> handshake_timeouts{0};
+  std::atomic<std::uint64_t> idle_closed{0};
+  std::atomic<std::uint64_t> stalled_closed{0};
+  std::atomic<std::uint64_t> accept_exhausted{0};  ///< accept4 failed with EMFILE/ENFILE
+  std::atomic<std::uint64_t> connections_open{0};  ///< now, not monotonic
+};
+
+/// What one server allows each client (docs/reliability.md, "Hostile input"). Every connection
+/// is closed by one of these deadlines unless it is authenticated and busy.
+struct ServerLimits {
+  /// A client must finish the handshake within this time after it connected.
+  std::chrono::milliseconds handshake_timeout{3000};
+  /// An authenticated connection with nothing to send or receive for this long is closed; the
+  /// client reconnects on its next read without counting a failed attempt.
+  std::chrono::milliseconds idle_timeout{120000};
+  /// A connection whose responses make no progress (the client stopped reading) for this long is
+  /// closed, so that memory pinned for its responses is released.
+  std::chrono::milliseconds send_stall_timeout{10000};
+  /// Connections open at once, in total and from one source address; past either the new one is
+  /// closed at once.
+  std::size_t max_connections = 512;
+  std::size_t max_connections_per_source = 128;
 };
 
 class TcpServer {
@@ -25,7 +51,8 @@ class TcpServer {
   /// secret only loopback clients are accepted.
   static Result<std::unique_ptr<TcpServer>> Start(RegionRegistry* registry, const std::string& host,
                                                   std::uint16_t port, std::string secret,
-                                                  ServerCounters* counters);
+                                                  ServerCounters* counters,
+                                                  ServerLimits limits = {});
   ~TcpServer();
   TcpServer(const TcpServer&) = delete;
   TcpServer& operator=(const TcpServer&) = delete;
@@ -34,10 +61,15 @@ class TcpServer {
   /// Random per server: a restarted process listening on the same port has another.
   std::uint64_t instance() const { return instance_; }
 
+  /// Closes, soon and on the server's thread, every connection with a queued response that pins
+  /// `region`, so that removing the region does not wait for a slow client. Thread-safe.
+  void RevokeRegion(RegionId region);
+
  private:
   TcpServer(RegionRegistry* registry, Fd listener, std::uint16_t port, std::string secret,
-            ServerCounters* counters, Fd epoll, Fd wake);
+            ServerCounters* counters, ServerLimits limits, Fd epoll, Fd wake);
   void Run();
+  std::vector<RegionId> TakeRevoked();
 
   RegionRegistry* registry_;
   Fd listener_;
@@ -45,8 +77,12 @@ class TcpServer {
   std::uint64_t instance_;
   std::string secret_;
   ServerCounters* counters_;
+  ServerLimits limits_;
   Fd epoll_;
-  Fd wake_;  // eventfd: wakes the loop to stop
+  Fd wake_;  // eventfd: wakes the loop to stop or to revoke regions
+  std::atomic<bool> stopping_{false};
+  std::mutex revoke_mu_;
+  std::vector<RegionId> revoked_;  // guarded by revoke_mu_
   std::thread thread_;
 };
 

@@ -38,8 +38,11 @@ TEST(FramesTest, MalformedRequestsAreRefused) {
   EXPECT_FALSE(ParseRequestHeader(std::span<const std::uint8_t, kRequestHeaderBytes>(h)).ok());
   std::uint8_t op[kOpBytes] = {};
   EncodeOp({1, 0, 0}, op);
-  EXPECT_THAT(ParseOp(std::span<const std::uint8_t, kOpBytes>(op)).status().message(),
-              HasSubstr("read op of 0 bytes"));
+  Result<WireOp> empty = ParseOp(std::span<const std::uint8_t, kOpBytes>(op));
+  ASSERT_TRUE(empty.ok());
+  EXPECT_THAT(CheckOpLength(*empty).message(), HasSubstr("read op of 0 bytes"));
+  EXPECT_FALSE(CheckOpLength({1, 0, kMaxRequestBytes + 1}).ok());
+  EXPECT_TRUE(CheckOpLength({1, 0, kMaxRequestBytes}).ok());
   EncodeOp({1, 0, 8}, op);
   op[5] = 1;  // reserved
   EXPECT_THAT(ParseOp(std::span<const std::uint8_t, kOpBytes>(op)).status().message(),
