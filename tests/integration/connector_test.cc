@@ -406,9 +406,12 @@ TEST(ConnectorTest, UnsupportedMhaTpCombinationIsRefusedClearly) {
   ExpectNothingLeft(prefill, decode);
 }
 
-// The loads from the killed instance fail because its death is detected (the data-plane
-// connection closes), not because a deadline passes: every timeout is 30 s here, and the failures
-// must come within a second or two.
+// The loads from the killed instance fail because its death is detected, not because a deadline
+// passes: the transfer and handshake timeouts are 30 s here, and the failures must come within
+// 4 s. Two detections are possible, depending on whether the worker dropped the dead agent before
+// the loads started: a read on the cached agent fails PeerDisconnected at once (the peer process
+// exited, or its connection closed); a fresh handshake finds nobody listening and fails
+// Unavailable after its 3 attempts of notice_timeout (1 s) each.
 TEST(ConnectorTest, PrefillKilledFailsExactlyItsRequestsWithTheirBlocks) {
   auto doomed = std::make_unique<PrefillProcess>("mha", 1, "prefill-doomed", 60000);
   PrefillProcess healthy("mha", 1, "prefill-ok", 60000);
@@ -431,13 +434,16 @@ TEST(ConnectorTest, PrefillKilledFailsExactlyItsRequestsWithTheirBlocks) {
   ASSERT_TRUE(decode.WaitReceived("req-a", {}, milliseconds(8000)));
   ASSERT_TRUE(decode.WaitReceived("req-b", {}, milliseconds(8000)));
   ASSERT_TRUE(decode.WaitReceived("req-c", {}, milliseconds(8000)));
-  EXPECT_LT(Clock::now() - killed, milliseconds(1500) * testing::kTimingSlack)
+  EXPECT_LT(Clock::now() - killed, milliseconds(4000) * testing::kTimingSlack)
       << "the death was not detected: the loads waited for a timeout (30 s)";
   ASSERT_EQ(decode.Errors("req-a").size(), 1u);
   ASSERT_EQ(decode.Errors("req-b").size(), 1u);
   for (const char* r : {"req-a", "req-b"}) {
     const Status& s = decode.Errors(r)[0].status;
-    EXPECT_EQ(s.code(), StatusCode::kPeerDisconnected) << r << ": " << s.ToString();
+    if (s.code() != StatusCode::kPeerDisconnected) {
+      EXPECT_EQ(s.code(), StatusCode::kUnavailable) << r << ": " << s.ToString();
+      EXPECT_THAT(s.message(), HasSubstr("unreachable")) << r;
+    }
   }
   EXPECT_EQ(decode.Errors("req-a")[0].local_block_ids, decode.LocalBlocks("req-a"));
   EXPECT_EQ(decode.Errors("req-b")[0].local_block_ids, decode.LocalBlocks("req-b"));
