@@ -22,6 +22,32 @@ double Ms(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
+// The model-wide heads of `part` that `spec`'s TP rank holds, written from the definition rather
+// than taken from CacheSpec::FirstLocalHead / SplitHeads: the verifier checks what the transfer
+// plans (built on those) moved, so it must not share their mistakes. An MHA part's heads are dealt
+// out in equal runs of consecutive heads (head h on rank h / (heads / tp)); with fewer heads than
+// ranks each head is on tp / heads consecutive ranks. MLA parts are whole on every rank.
+struct HeldHeads {
+  std::int64_t first = 0;
+  std::int64_t count = 0;
+};
+HeldHeads HeadsHeldBy(const CacheSpec& spec, int part) {
+  const std::int64_t heads = spec.parts()[static_cast<std::size_t>(part)].num_heads;
+  if (spec.kind() != CacheKind::kMha) return {0, heads};
+  const std::int64_t tp = spec.tp_size();
+  const std::int64_t rank = spec.tp_rank();
+  HeldHeads out{-1, 0};
+  for (std::int64_t h = 0; h < heads; ++h) {
+    const bool held = tp <= heads ? h / (heads / tp) == rank
+                                  : h * (tp / heads) <= rank && rank < (h + 1) * (tp / heads);
+    if (!held) continue;
+    if (out.first < 0) out.first = h;
+    ++out.count;
+  }
+  if (out.first < 0) out.first = 0;
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::uint64_t> PrefixHashes(const std::vector<std::int32_t>& prompt) {
@@ -88,6 +114,19 @@ Status Instance::Init() {
     o.tp_size = c.tp_size;
     o.tp_rank = r;
     KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
+    for (int p = 0; p < spec.num_parts(); ++p) {
+      // The verifier indexes blocks by HeadsHeldBy; the spec sized them by its own head count.
+      const std::int64_t want = HeadsHeldBy(spec, p).count * spec.tokens_per_block() *
+                                spec.parts()[static_cast<std::size_t>(p)].head_dim *
+                                DTypeSize(spec.dtype());
+      if (spec.BlockBytes(p) != want) {
+        return Status::Internal("TP rank " + std::to_string(r) + " part " + std::to_string(p) +
+                                ": the cache spec sizes a block at " +
+                                std::to_string(spec.BlockBytes(p)) + " bytes, the head placement " +
+                                "the engine verifies against at " + std::to_string(want) +
+                                "; CacheSpec's head placement is wrong");
+      }
+    }
     std::vector<std::vector<std::uint64_t>> regions;
     std::vector<std::vector<std::uint64_t>> bases(static_cast<std::size_t>(spec.num_layers()));
     for (int l = 0; l < spec.num_layers(); ++l) {
@@ -197,8 +236,9 @@ bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t cou
                                                  static_cast<std::size_t>(p)]
                                        .data()) +
                                block * spec.BlockBytes(p);
-          const std::int64_t heads = spec.LocalHeads(p);
-          const std::int64_t first_head = spec.FirstLocalHead(p);
+          const HeldHeads held = HeadsHeldBy(spec, p);
+          const std::int64_t heads = held.count;
+          const std::int64_t first_head = held.first;
           row.dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
           for (std::int64_t s = 0; s < tpb; ++s) {
             const std::int64_t t = bi * tpb + s;

@@ -2,6 +2,7 @@
 
 #include <openssl/rand.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/digest.h"
@@ -101,18 +102,35 @@ std::optional<AuthNonce> RequestNonceOf(std::span<const std::uint8_t> header) {
 }
 
 bool ReplayGuard::Accept(const AuthHeader& header) {
-  std::string key(reinterpret_cast<const char*>(header.nonce.data()), header.nonce.size());
+  std::pair<std::uint64_t, AuthNonce> key{header.timestamp_ms, header.nonce};
   std::lock_guard<std::mutex> lock(mu_);
   const std::uint64_t now = UnixMillis();
   const auto window = static_cast<std::uint64_t>(window_.count());
-  while (!order_.empty() &&
-         (order_.size() >= capacity_ || order_.front().timestamp_ms + 2 * window < now)) {
-    nonces_.erase(order_.front().nonce);
-    order_.pop_front();
+  while (!seen_.empty() && seen_.begin()->first + 2 * window < now) seen_.erase(seen_.begin());
+  // Not newer than a header forgotten while still fresh: it may be that header's replay.
+  if (header.timestamp_ms <= low_water_ms_) return false;
+  if (seen_.count(key) != 0) return false;
+  if (seen_.size() >= capacity_) {
+    // Full of fresh headers. A message older than all of them is refused as if it were the
+    // oldest forgotten; otherwise the oldest is forgotten and its timestamp refused from now on.
+    const std::uint64_t oldest = seen_.begin()->first;
+    if (header.timestamp_ms <= oldest) return false;
+    low_water_ms_ = std::max(low_water_ms_, oldest);
+    // Every header sharing the oldest timestamp goes too: the mark refuses their replays anyway.
+    while (!seen_.empty() && seen_.begin()->first <= low_water_ms_) seen_.erase(seen_.begin());
   }
-  if (!nonces_.insert(key).second) return false;
-  order_.push_back({header.timestamp_ms, std::move(key)});
+  seen_.insert(std::move(key));
   return true;
+}
+
+std::size_t ReplayGuard::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seen_.size();
+}
+
+std::uint64_t ReplayGuard::low_water_ms() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return low_water_ms_;
 }
 
 }  // namespace kvferry::sidechannel

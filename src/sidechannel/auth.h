@@ -6,13 +6,13 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "kvferry/status.h"
@@ -64,26 +64,37 @@ Result<AuthHeader> VerifyMessage(std::string_view secret, AuthKind kind,
 /// sender can verify the refusal and read the reason.
 std::optional<AuthNonce> RequestNonceOf(std::span<const std::uint8_t> header);
 
-/// Remembers the nonces of recently accepted requests so a captured message cannot be replayed
-/// within the freshness window. Memory is bounded: nonces older than the window are forgotten
-/// (their timestamps are stale by then), and at most `capacity` are kept. Thread-safe.
+/// Remembers the headers (timestamp and nonce) of recently accepted requests so a captured message
+/// cannot be replayed while its timestamp is still fresh. Thread-safe.
+///
+/// Memory is bounded: at most `capacity` headers are kept (size() <= capacity() always). Headers
+/// more than 2 * `window` old are forgotten; by then a replay is stale (the extra window is a
+/// margin for clock steps). When more than `capacity` fresh headers arrive within that time, the
+/// one with the oldest timestamp is forgotten and its timestamp becomes a low-water mark: from then
+/// on every message whose timestamp is not newer than the mark is refused, because it could be the
+/// replay of a forgotten one. Eviction therefore never opens a replay gap; it only refuses late
+/// messages (timestamps older than the newest forgotten one) while the guard is full.
 class ReplayGuard {
  public:
   ReplayGuard(std::chrono::milliseconds window, std::size_t capacity)
-      : window_(window), capacity_(capacity) {}
-  /// True if the nonce is new (and records it); false for a replay.
+      : window_(window), capacity_(capacity > 0 ? capacity : 1) {}
+  /// True if the message is new (and records it); false for a replay, or for a message not newer
+  /// than the low-water mark.
   bool Accept(const AuthHeader& header);
+  /// Headers remembered now.
+  std::size_t size() const;
+  std::size_t capacity() const { return capacity_; }
+  /// Messages with timestamps at or below this are refused (0: nothing was forgotten early).
+  std::uint64_t low_water_ms() const;
 
  private:
-  struct Seen {
-    std::uint64_t timestamp_ms;
-    std::string nonce;
-  };
   std::chrono::milliseconds window_;
   std::size_t capacity_;
-  std::mutex mu_;
-  std::deque<Seen> order_;                  // guarded by mu_
-  std::unordered_set<std::string> nonces_;  // guarded by mu_
+  mutable std::mutex mu_;
+  // By timestamp, so the oldest is forgotten first. A replay repeats the header exactly (the MAC
+  // covers both fields), so the pair identifies it.
+  std::set<std::pair<std::uint64_t, AuthNonce>> seen_;  // guarded by mu_
+  std::uint64_t low_water_ms_ = 0;                      // guarded by mu_
 };
 
 std::uint64_t UnixMillis();

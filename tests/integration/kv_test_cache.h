@@ -1,12 +1,17 @@
 // A KV cache in ordinary memory whose every element is a known function of its model-level
-// coordinates, so the decode side can check every byte it received.
+// coordinates, so the decode side can check every byte it received. Which model heads a rank
+// holds comes from tests/head_placement.h, not from the library's SplitHeads: a wrong placement in
+// the library then makes the transfer plans move the wrong heads, and the check fails.
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <iostream>
 #include <string>
 #include <vector>
 
 #include "kvferry/cache_spec.h"
+#include "tests/head_placement.h"
 
 namespace kvferry::testing {
 
@@ -27,6 +32,18 @@ inline std::int32_t KvValue(int layer, int part, std::int64_t block, std::int64_
 class TestCache {
  public:
   explicit TestCache(const CacheSpec& spec) : spec_(spec) {
+    // The spec sizes blocks from its own head count; the oracle must agree, or the element
+    // indices below would leave the block.
+    for (int p = 0; p < spec.num_parts(); ++p) {
+      const std::int64_t want = OracleLocalHeads(spec, p).count * spec.tokens_per_block() *
+                                spec.parts()[static_cast<std::size_t>(p)].head_dim * 4;
+      if (spec.BlockBytes(p) != want) {
+        std::cerr << "TestCache: part " << p << " of TP rank " << spec.tp_rank() << " of "
+                  << spec.tp_size() << " has blocks of " << spec.BlockBytes(p)
+                  << " bytes; the head placement oracle expects " << want << "\n";
+        std::abort();
+      }
+    }
     for (int l = 0; l < spec.num_layers(); ++l) {
       for (int p = 0; p < spec.num_parts(); ++p) {
         parts_.emplace_back(static_cast<std::size_t>(spec.PartBytes(p) / 4), 0);
@@ -72,8 +89,9 @@ class TestCache {
   void ForEach(std::int64_t block, Fn fn) {
     for (int l = 0; l < spec_.num_layers(); ++l) {
       for (int p = 0; p < spec_.num_parts(); ++p) {
-        const std::int64_t heads = spec_.LocalHeads(p);
-        const std::int64_t first = spec_.FirstLocalHead(p);
+        const OracleHeads local = OracleLocalHeads(spec_, p);
+        const std::int64_t heads = local.count;
+        const std::int64_t first = local.first;
         const std::int64_t dim = spec_.parts()[static_cast<std::size_t>(p)].head_dim;
         const std::int64_t tokens = spec_.tokens_per_block();
         std::int32_t* base = Part(l, p).data() + block * (spec_.BlockBytes(p) / 4);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -35,14 +36,41 @@ wire::AgentMetadata SampleMetadata() {
 }
 
 // Records what the handler saw; answers metadata requests with SampleMetadata and notices with
-// an ack counting their ids.
+// an ack counting their ids. A handler can be made slow (delay_ms) or held inside until the test
+// opens its gate (CloseGate / OpenGate; held at most 10 s, so a failing test cannot hang).
 struct Recorder {
   std::mutex mu;
   std::vector<wire::Message> seen;
   std::atomic<int> delay_ms{0};
+  std::condition_variable cv;
+  int entered = 0;           // guarded by mu
+  bool gate_closed = false;  // guarded by mu
+
+  void CloseGate() {
+    std::lock_guard<std::mutex> lock(mu);
+    gate_closed = true;
+  }
+  void OpenGate() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      gate_closed = false;
+    }
+    cv.notify_all();
+  }
+  // Waits until `n` handler calls have started.
+  bool WaitEntered(int n, milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, timeout, [&] { return entered >= n; });
+  }
 
   RequestHandler Handler() {
     return [this](const wire::Message& m) -> wire::Message {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        ++entered;
+        cv.notify_all();
+        cv.wait_for(lock, milliseconds(10000), [&] { return !gate_closed; });
+      }
       if (delay_ms.load() > 0) std::this_thread::sleep_for(milliseconds(delay_ms.load()));
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -274,18 +302,24 @@ TEST(SideChannelTest, DeadlineBoundsACallToAFrozenHandler) {
 
 TEST(SideChannelTest, SlowHandlerDoesNotBlockTheListenerThread) {
   Fixture f;
-  f.recorder.delay_ms.store(800);
+  f.recorder.CloseGate();
+  Status slow_status;
   std::thread slow([&] {
-    (void)f.client->Call(f.listener->endpoint(), wire::MetadataRequest{{"d", 0, 0}},
-                         DeadlineAfter(milliseconds(3000)));
+    slow_status = f.client
+                      ->Call(f.listener->endpoint(), wire::MetadataRequest{{"d", 0, 0}},
+                             DeadlineAfter(milliseconds(5000)))
+                      .status();
   });
-  std::this_thread::sleep_for(milliseconds(100));
+  // The handler is running (and stays inside until the gate opens) before the second peer calls.
+  ASSERT_TRUE(f.recorder.WaitEntered(1, milliseconds(5000)));
   RawPeer raw(f.listener->endpoint());
   const auto start = Clock::now();
   EXPECT_EQ(ErrorCode(raw.Exchange({{1, 2, 3}, {4}})), StatusCode::kUnauthenticated);
   EXPECT_LT(Clock::now() - start, milliseconds(300) * testing::kTimingSlack)
       << "the listener waited for the handler";
+  f.recorder.OpenGate();
   slow.join();
+  EXPECT_TRUE(slow_status.ok()) << slow_status.ToString();
 }
 
 TEST(SideChannelTest, BusyPortNamesThePortAndTheSetting) {

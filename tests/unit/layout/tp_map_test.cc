@@ -5,7 +5,12 @@
 
 #include <cstring>
 #include <map>
+#include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
+
+#include "tests/head_placement.h"
 
 namespace kvferry {
 namespace {
@@ -20,9 +25,10 @@ std::int32_t Value(std::int64_t h, std::int64_t t, std::int64_t e) {
   return static_cast<std::int32_t>(h * 1000 + t * 10 + e);
 }
 
-// One block of one part as TP rank `rank` of `tp` stores it.
+// One block of one part as TP rank `rank` of `tp` stores it. Its heads come from the test's own
+// placement oracle, not from SplitHeads, which the plans under test are built on.
 std::vector<std::int32_t> MakeBlock(std::int64_t heads, int tp, int rank, BlockLayout layout) {
-  const HeadRange hr = SplitHeads(heads, tp, rank);
+  const testing::OracleHeads hr = testing::OracleHeadsOfRank(heads, tp, rank);
   std::vector<std::int32_t> block(static_cast<std::size_t>(hr.count * kTokens * kDim));
   for (std::int64_t hl = 0; hl < hr.count; ++hl) {
     for (std::int64_t t = 0; t < kTokens; ++t) {
@@ -168,6 +174,190 @@ TEST(TpMapTest, RefusalNamesTheCombinationAndTheWayOut) {
   EXPECT_EQ(PlanTpSources(geometry, 2, 2, 2).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ExpectedReaders(geometry, 2, 2, -1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(PlanTpSources(geometry, 0, 2, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Hand-computed placement tables (literal numbers, worked out from the definition on paper): which
+// model heads each TP rank holds. SplitHeads, CacheSpec::FirstLocalHead/LocalHeads and the test
+// oracle must all agree with them, so a placement bug that the plans share with SplitHeads (and
+// that a byte oracle asking SplitHeads would share too) still fails here.
+struct PlacementTable {
+  std::int64_t heads;
+  int tp;
+  std::vector<std::pair<std::int64_t, std::int64_t>> first_and_count;  // per rank
+};
+
+TEST(TpMapTest, HeadPlacementMatchesHandWrittenTables) {
+  const std::vector<PlacementTable> tables = {
+      {8, 1, {{0, 8}}},
+      {8, 2, {{0, 4}, {4, 4}}},
+      {8, 4, {{0, 2}, {2, 2}, {4, 2}, {6, 2}}},
+      {8, 8, {{0, 1}, {1, 1}, {2, 1}, {3, 1}, {4, 1}, {5, 1}, {6, 1}, {7, 1}}},
+      // Fewer heads than ranks: each head on tp / heads consecutive ranks.
+      {2, 4, {{0, 1}, {0, 1}, {1, 1}, {1, 1}}},
+      {4, 8, {{0, 1}, {0, 1}, {1, 1}, {1, 1}, {2, 1}, {2, 1}, {3, 1}, {3, 1}}},
+      {1, 2, {{0, 1}, {0, 1}}},
+  };
+  for (const PlacementTable& t : tables) {
+    ASSERT_EQ(t.first_and_count.size(), static_cast<std::size_t>(t.tp));
+    for (int r = 0; r < t.tp; ++r) {
+      const auto [first, count] = t.first_and_count[static_cast<std::size_t>(r)];
+      const std::string where = std::to_string(t.heads) + " heads, TP " + std::to_string(t.tp) +
+                                ", rank " + std::to_string(r);
+      const HeadRange split = SplitHeads(t.heads, t.tp, r);
+      EXPECT_EQ(split.first, first) << where;
+      EXPECT_EQ(split.count, count) << where;
+      const testing::OracleHeads oracle = testing::OracleHeadsOfRank(t.heads, t.tp, r);
+      EXPECT_EQ(oracle.first, first) << where << " (test oracle)";
+      EXPECT_EQ(oracle.count, count) << where << " (test oracle)";
+      for (BlockLayout layout : {BlockLayout::kTokenMajor, BlockLayout::kHeadMajor}) {
+        Result<CacheSpec> spec =
+            CacheSpec::Mha(1, t.heads, kDim, 1, kTokens, DType::kInt32, t.tp, r, layout);
+        ASSERT_TRUE(spec.ok()) << where << ": " << spec.status().ToString();
+        for (int part = 0; part < 2; ++part) {
+          EXPECT_EQ(spec->FirstLocalHead(part), first) << where;
+          EXPECT_EQ(spec->LocalHeads(part), count) << where;
+          EXPECT_EQ(spec->BlockBytes(part), count * kTokens * kDim * 4) << where;
+        }
+      }
+    }
+  }
+  // MLA is replicated: every rank holds the one latent and the one rope head, whole.
+  for (int tp : {1, 2, 4}) {
+    for (int r = 0; r < tp; ++r) {
+      CacheSpec mla = *CacheSpec::Mla(1, 16, 4, 1, kTokens, DType::kInt32, tp, r);
+      for (int part = 0; part < 2; ++part) {
+        EXPECT_EQ(mla.FirstLocalHead(part), 0);
+        EXPECT_EQ(mla.LocalHeads(part), 1);
+      }
+      EXPECT_EQ(mla.BlockBytes(0), 16 * kTokens * 4);
+      EXPECT_EQ(mla.BlockBytes(1), 4 * kTokens * 4);
+    }
+  }
+}
+
+// One expected read of a decode rank, in heads: from `prefill_rank`, `heads` heads starting at its
+// local head `remote_head`, into the decode rank's local head `local_head`.
+struct ExpectedRead {
+  int prefill_rank;
+  std::int64_t remote_head;
+  std::int64_t local_head;
+  std::int64_t heads;
+  bool whole;
+};
+struct PlanTable {
+  std::int64_t heads;
+  int prefill_tp;
+  int decode_tp;
+  BlockLayout layout;
+  std::vector<std::vector<ExpectedRead>> reads;  // per decode rank, by ascending prefill rank
+  std::vector<int> readers;                      // per prefill rank
+};
+
+TEST(TpMapTest, PlansMatchHandWrittenTables) {
+  constexpr BlockLayout kHead = BlockLayout::kHeadMajor;
+  constexpr BlockLayout kToken = BlockLayout::kTokenMajor;
+  const std::vector<PlanTable> tables = {
+      // 8 heads, 2 -> 4: decode rank r holds heads [2r, 2r + 2), the first or second half of
+      // prefill rank r / 2's heads [4(r/2), 4(r/2) + 4).
+      {8,
+       2,
+       4,
+       kHead,
+       {{{0, 0, 0, 2, false}}, {{0, 2, 0, 2, false}}, {{1, 0, 0, 2, false}}, {{1, 2, 0, 2, false}}},
+       {2, 2}},
+      // 8 heads, 4 -> 2: decode rank r holds heads [4r, 4r + 4): prefill ranks 2r and 2r + 1 each
+      // give their two heads, into the first and the second half.
+      {8,
+       4,
+       2,
+       kHead,
+       {{{0, 0, 0, 2, false}, {1, 0, 2, 2, false}}, {{2, 0, 0, 2, false}, {3, 0, 2, 2, false}}},
+       {1, 1, 1, 1}},
+      // 8 heads, 2 -> 2: the same rank, whole blocks, in either layout.
+      {8, 2, 2, kToken, {{{0, 0, 0, 4, true}}, {{1, 0, 0, 4, true}}}, {1, 1}},
+      // 8 heads, 1 -> 8: decode rank r reads head r of the single prefill rank.
+      {8,
+       1,
+       8,
+       kHead,
+       {{{0, 0, 0, 1, false}},
+        {{0, 1, 0, 1, false}},
+        {{0, 2, 0, 1, false}},
+        {{0, 3, 0, 1, false}},
+        {{0, 4, 0, 1, false}},
+        {{0, 5, 0, 1, false}},
+        {{0, 6, 0, 1, false}},
+        {{0, 7, 0, 1, false}}},
+       {8}},
+      // 2 heads, 2 -> 4: decode ranks 0, 1 hold head 0 (prefill rank 0's whole block), ranks 2, 3
+      // head 1 (prefill rank 1's).
+      {2,
+       2,
+       4,
+       kToken,
+       {{{0, 0, 0, 1, true}}, {{0, 0, 0, 1, true}}, {{1, 0, 0, 1, true}}, {{1, 0, 0, 1, true}}},
+       {2, 2}},
+      // 2 heads, 4 -> 2: prefill ranks 0, 1 hold head 0 and ranks 2, 3 head 1; decode rank r holds
+      // head r and reads the replica r % 2 of it: prefill rank 0 for rank 0, 3 for rank 1.
+      {2, 4, 2, kToken, {{{0, 0, 0, 1, true}}, {{3, 0, 0, 1, true}}}, {1, 0, 0, 1}},
+  };
+  constexpr std::int64_t kHeadBytes = kTokens * kDim * 4;
+  for (const PlanTable& t : tables) {
+    const std::string shape = std::to_string(t.heads) + " heads, prefill TP " +
+                              std::to_string(t.prefill_tp) + " -> decode TP " +
+                              std::to_string(t.decode_tp);
+    CacheSpec geometry =
+        *CacheSpec::Mha(1, t.heads, kDim, 1, kTokens, DType::kInt32, 1, 0, t.layout);
+    ASSERT_EQ(t.reads.size(), static_cast<std::size_t>(t.decode_tp)) << shape;
+    for (int r = 0; r < t.decode_tp; ++r) {
+      Result<std::vector<TpSource>> plan = PlanTpSources(geometry, t.prefill_tp, t.decode_tp, r);
+      ASSERT_TRUE(plan.ok()) << shape << ": " << plan.status().ToString();
+      const std::vector<ExpectedRead>& want = t.reads[static_cast<std::size_t>(r)];
+      ASSERT_EQ(plan->size(), want.size()) << shape << ", decode rank " << r;
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        const TpSource& got = (*plan)[i];
+        const std::string where =
+            shape + ", decode rank " + std::to_string(r) + ", read " + std::to_string(i);
+        EXPECT_EQ(got.prefill_rank, want[i].prefill_rank) << where;
+        ASSERT_EQ(got.part_slices.size(), 2u) << where;
+        for (const BlockSlice& sl : got.part_slices) {
+          EXPECT_EQ(sl.remote_offset, want[i].remote_head * kHeadBytes) << where;
+          EXPECT_EQ(sl.local_offset, want[i].local_head * kHeadBytes) << where;
+          EXPECT_EQ(sl.length, want[i].heads * kHeadBytes) << where;
+          EXPECT_EQ(sl.whole_block, want[i].whole) << where;
+        }
+      }
+    }
+    ASSERT_EQ(t.readers.size(), static_cast<std::size_t>(t.prefill_tp)) << shape;
+    for (int q = 0; q < t.prefill_tp; ++q) {
+      Result<int> readers = ExpectedReaders(geometry, t.prefill_tp, t.decode_tp, q);
+      ASSERT_TRUE(readers.ok()) << shape;
+      EXPECT_EQ(*readers, t.readers[static_cast<std::size_t>(q)])
+          << shape << ", prefill rank " << q;
+    }
+  }
+  // MLA, replicated: decode rank r reads prefill rank r % prefill_tp, whole blocks.
+  CacheSpec mla = *CacheSpec::Mla(1, 16, 4, 1, kTokens, DType::kInt32);
+  const std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>>> mla_tables = {
+      {2, 4, {0, 1, 0, 1}, {2, 2}},
+      {4, 2, {0, 1}, {1, 1, 0, 0}},
+      {1, 2, {0, 0}, {2}},
+  };
+  for (const auto& [p, d, sources, readers] : mla_tables) {
+    for (int r = 0; r < d; ++r) {
+      Result<std::vector<TpSource>> plan = PlanTpSources(mla, p, d, r);
+      ASSERT_TRUE(plan.ok());
+      ASSERT_EQ(plan->size(), 1u);
+      EXPECT_EQ(plan->front().prefill_rank, sources[static_cast<std::size_t>(r)])
+          << "MLA " << p << " -> " << d << ", decode rank " << r;
+      EXPECT_EQ(plan->front().part_slices[0].length, 16 * kTokens * 4);
+      EXPECT_EQ(plan->front().part_slices[1].length, 4 * kTokens * 4);
+    }
+    for (int q = 0; q < p; ++q) {
+      EXPECT_EQ(*ExpectedReaders(mla, p, d, q), readers[static_cast<std::size_t>(q)])
+          << "MLA " << p << " -> " << d << ", prefill rank " << q;
+    }
+  }
 }
 
 TEST(TpMapTest, DecodeTpSmallerThanPrefillLeavesUnreadRanksWithZeroReaders) {

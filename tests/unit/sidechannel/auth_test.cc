@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <thread>
 
 namespace kvferry::sidechannel {
 namespace {
@@ -69,13 +70,55 @@ TEST(ReplayGuardTest, SecondUseOfANonceIsRefused) {
   EXPECT_FALSE(guard.Accept(b));
 }
 
-TEST(ReplayGuardTest, MemoryIsBounded) {
-  ReplayGuard guard(milliseconds(1000), 100);
-  for (int i = 0; i < 10000; ++i) {
-    AuthHeader h{AuthKind::kRequest, UnixMillis(), {}};
-    std::memcpy(h.nonce.data(), &i, sizeof(i));
-    EXPECT_TRUE(guard.Accept(h));
+AuthHeader Header(std::uint64_t timestamp_ms, int id) {
+  AuthHeader h{AuthKind::kRequest, timestamp_ms, {}};
+  std::memcpy(h.nonce.data(), &id, sizeof(id));
+  return h;
+}
+
+// Ten times the capacity of fresh messages: the guard never holds more than its capacity, and
+// forgetting headers whose timestamps are still inside the window must not let them be replayed
+// (the guard used to forget the oldest nonce and then accept its replay).
+TEST(ReplayGuardTest, MemoryIsBoundedAndEvictionOpensNoReplayGap) {
+  constexpr std::size_t kCapacity = 100;
+  ReplayGuard guard(milliseconds(30000), kCapacity);
+  // Timestamps 1 ms apart, all well inside the 30 s window (now - 20 s .. now - 19 s).
+  const std::uint64_t base = UnixMillis() - 20000;
+  constexpr int kMessages = 1000;
+  for (int i = 0; i < kMessages; ++i) {
+    EXPECT_TRUE(guard.Accept(Header(base + static_cast<std::uint64_t>(i), i))) << i;
+    ASSERT_LE(guard.size(), kCapacity) << "after " << i + 1 << " messages";
   }
+  EXPECT_EQ(guard.size(), kCapacity);
+  EXPECT_EQ(guard.capacity(), kCapacity);
+  // Every one of them replayed, the 900 forgotten ones included: all refused.
+  int replays_accepted = 0;
+  for (int i = 0; i < kMessages; ++i) {
+    if (guard.Accept(Header(base + static_cast<std::uint64_t>(i), i))) ++replays_accepted;
+  }
+  EXPECT_EQ(replays_accepted, 0);
+  EXPECT_EQ(guard.low_water_ms(), base + kMessages - kCapacity - 1);
+  // A late message older than the newest forgotten header is refused too (it cannot be told from
+  // a replay); newer messages still go through, and the bound holds.
+  EXPECT_FALSE(guard.Accept(Header(base + 5, 100000)));
+  EXPECT_TRUE(guard.Accept(Header(base + kMessages, 100001)));
+  EXPECT_TRUE(guard.Accept(Header(base + kMessages - 50, 100002)));
+  EXPECT_LE(guard.size(), kCapacity);
+}
+
+// Headers more than two windows old are forgotten (their replays are stale), without any refusal.
+TEST(ReplayGuardTest, StaleHeadersAreForgottenWithoutALowWaterMark) {
+  ReplayGuard guard(milliseconds(1000), 100);
+  // 1.9 s old with a 1 s window: kept for another 100 ms, forgotten after.
+  const std::uint64_t now = UnixMillis();
+  for (int i = 0; i < 50; ++i) ASSERT_TRUE(guard.Accept(Header(now - 1900, i)));
+  EXPECT_EQ(guard.size(), 50u);
+  // The event waited for is the clock passing the expiry (bounded: 100 ms from `now`).
+  while (UnixMillis() <= now + 101) std::this_thread::yield();
+  EXPECT_TRUE(guard.Accept(Header(UnixMillis(), 1000)));
+  EXPECT_EQ(guard.size(), 1u) << "headers more than two windows old were kept";
+  EXPECT_EQ(guard.low_water_ms(), 0u);
+  EXPECT_TRUE(guard.Accept(Header(now - 1900, 2000))) << "no low-water mark: not refused";
 }
 
 }  // namespace

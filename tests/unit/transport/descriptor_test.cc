@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <set>
 
 namespace kvferry {
 namespace {
@@ -45,14 +46,50 @@ TEST(DescriptorTest, RangeChecks) {
   EXPECT_FALSE(CheckRemoteRange(t, 0, 0, 0).ok());
 }
 
-TEST(DescriptorTest, RandomCorruptionNeverCrashes) {
+// Corrupted descriptors: each is either refused with a descriptor error that says what is wrong,
+// or decodes to a descriptor that keeps the decoder's promises (unique region ids, non-empty
+// ranges inside the address space, a tcp endpoint with a host and a port) and round-trips.
+TEST(DescriptorTest, RandomCorruptionIsRefusedOrDecodesToAValidDescriptor) {
   const std::vector<std::uint8_t> good = EncodeDescriptor(Sample());
   std::mt19937 rng(3);
+  int refused = 0;
+  int decoded = 0;
   for (int i = 0; i < 5000; ++i) {
     std::vector<std::uint8_t> bad = good;
     bad[rng() % bad.size()] = static_cast<std::uint8_t>(rng());
     if (rng() % 4 == 0) bad.resize(rng() % bad.size());
-    (void)DecodeDescriptor(bad);
+    Result<PeerDescriptor> d = DecodeDescriptor(bad);
+    if (!d.ok()) {
+      ++refused;
+      EXPECT_TRUE(d.status().code() == StatusCode::kInvalidArgument ||
+                  d.status().code() == StatusCode::kNotSupported)
+          << "input " << i << ": " << d.status().ToString();
+      EXPECT_FALSE(d.status().message().empty()) << "input " << i;
+      continue;
+    }
+    ++decoded;
+    std::set<RegionId> ids;
+    for (const RemoteRegion& r : d->regions) {
+      EXPECT_TRUE(ids.insert(r.id).second) << "input " << i << ": region " << r.id << " twice";
+      EXPECT_GT(r.length, 0u) << "input " << i;
+      EXPECT_LE(r.addr, ~0ull - r.length) << "input " << i << ": region " << r.id << " wraps";
+    }
+    if (d->tcp) {
+      EXPECT_FALSE(d->tcp->host.empty()) << "input " << i;
+      EXPECT_NE(d->tcp->port, 0) << "input " << i;
+    }
+    Result<PeerDescriptor> again = DecodeDescriptor(EncodeDescriptor(*d));
+    ASSERT_TRUE(again.ok()) << "input " << i << ": " << again.status().ToString();
+    EXPECT_EQ(*again, *d) << "input " << i;
+  }
+  // Both outcomes happened, so both branches above were exercised.
+  EXPECT_GT(refused, 1000);
+  EXPECT_GT(decoded, 100);
+  // Every strict prefix of a good descriptor is refused.
+  for (std::size_t n = 0; n < good.size(); ++n) {
+    const std::vector<std::uint8_t> prefix(good.begin(), good.begin() + static_cast<long>(n));
+    EXPECT_EQ(DecodeDescriptor(prefix).status().code(), StatusCode::kInvalidArgument)
+        << "prefix of " << n << " bytes";
   }
 }
 
