@@ -65,6 +65,9 @@ struct PeerArgs {
   std::string host = "127.0.0.1";
   std::uint16_t port = 0;
   int connections = 4;
+  int handshake_timeout_ms = 3000;
+  std::size_t max_connections = TransportOptions{}.tcp_max_connections;
+  std::size_t max_connections_per_source = TransportOptions{}.tcp_max_connections_per_source;
 };
 
 int RunPeer(const PeerArgs& a) {
@@ -78,6 +81,9 @@ int RunPeer(const PeerArgs& a) {
   options.tcp_bind_host = a.host;
   options.tcp_port = a.port;
   options.tcp_connections_per_peer = a.connections;
+  options.tcp_handshake_timeout = std::chrono::milliseconds(a.handshake_timeout_ms);
+  options.tcp_max_connections = a.max_connections;
+  options.tcp_max_connections_per_source = a.max_connections_per_source;
   // Read once at startup, before any thread exists.
   const char* secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe)
   if (secret != nullptr) options.secret = secret;
@@ -389,6 +395,11 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   peer->add_option("--host", pargs->host, "tcp bind address");
   peer->add_option("--port", pargs->port, "tcp port (0: any)");
   peer->add_option("--connections", pargs->connections, "tcp connections per peer");
+  peer->add_option("--handshake-timeout-ms", pargs->handshake_timeout_ms,
+                   "tcp server: close connections that do not finish the handshake in time");
+  peer->add_option("--max-connections", pargs->max_connections, "tcp server: connection cap");
+  peer->add_option("--max-connections-per-source", pargs->max_connections_per_source,
+                   "tcp server: connection cap per client address");
   peer->callback([pargs, &exit_code] { exit_code = RunPeer(*pargs); });
 }
 

@@ -255,7 +255,7 @@ class Connection {
     const std::uint64_t want_id = sent_ids_.front();
     sent_ids_.pop_front();
     const StopCheck stop = [&]() -> Status {
-      if (ShuttingDown()) return Status::Cancelled("the tcp peer was disconnected");
+      if (ShuttingDown()) return Disconnected();
       if (r.batch->ShouldStop()) return r.batch->StopStatus();
       // A stopped batch queued or pipelined behind this response must not wait for it.
       if (SweepStopped()) return Status::Cancelled(std::string(kAbandon));
