@@ -177,7 +177,7 @@ TEST(NotifierTest, WithoutFlushANoticeIsSentAfterItsLinger) {
   Peer a;
   auto client = MakeClient();
   Reports reports;
-  FinishedNotifier n(client.get(), kSelf, 1, {milliseconds(50), 4096, 1}, reports.Callback());
+  FinishedNotifier n(client.get(), kSelf, 4, {milliseconds(50), 4096, 1}, reports.Callback());
   const auto start = Clock::now();
   n.Finished(a.endpoint(), "r1", DeadlineAfter(milliseconds(5000)));
   n.Finished(a.endpoint(), "r2", DeadlineAfter(milliseconds(5000)));
@@ -192,7 +192,7 @@ TEST(NotifierTest, AFullBatchIsSentAtOnceAndLargerOnesAreSplit) {
   Peer a;
   auto client = MakeClient();
   Reports reports;
-  FinishedNotifier n(client.get(), kSelf, 1, {milliseconds(60000), 3, 1}, reports.Callback());
+  FinishedNotifier n(client.get(), kSelf, 4, {milliseconds(60000), 3, 1}, reports.Callback());
   for (const std::string& id : Ids("r", 3)) {
     n.Finished(a.endpoint(), id, DeadlineAfter(milliseconds(5000)));
   }
@@ -226,7 +226,7 @@ TEST(NotifierTest, AnUnreachablePeerIsReportedAsAFailureByTheDeadline) {
   const std::string nobody = "tcp://127.0.0.1:" + std::to_string(FreeLoopbackPorts(1));
   auto client = MakeClient(milliseconds(200));
   Reports reports;
-  FinishedNotifier n(client.get(), kSelf, 1, {milliseconds(1), 4096, 1}, reports.Callback());
+  FinishedNotifier n(client.get(), kSelf, 4, {milliseconds(1), 4096, 1}, reports.Callback());
   const auto start = Clock::now();
   n.Finished(nobody, "lost-1", DeadlineAfter(milliseconds(500)));
   n.Finished(nobody, "lost-2", DeadlineAfter(milliseconds(500)));
@@ -251,7 +251,7 @@ TEST(NotifierTest, TheEarliestDeadlineInABatchBoundsItsSend) {
   slow.Hold();
   auto client = MakeClient(milliseconds(10000));
   Reports reports;
-  FinishedNotifier n(client.get(), kSelf, 1, {milliseconds(20), 4096, 1}, reports.Callback());
+  FinishedNotifier n(client.get(), kSelf, 4, {milliseconds(20), 4096, 1}, reports.Callback());
   const auto start = Clock::now();
   n.Finished(slow.endpoint(), "late", DeadlineAfter(milliseconds(60000)));
   n.Finished(slow.endpoint(), "urgent", DeadlineAfter(milliseconds(300)));
@@ -273,7 +273,7 @@ TEST(NotifierTest, AnErrorReplyIsTheBatchsStatus) {
   auto client = MakeClient();
   Reports reports;
   {
-    FinishedNotifier n(client.get(), kSelf, 1, {milliseconds(1), 4096, 2}, reports.Callback());
+    FinishedNotifier n(client.get(), kSelf, 4, {milliseconds(1), 4096, 2}, reports.Callback());
     n.Finished(refusing.endpoint(), "r", DeadlineAfter(milliseconds(5000)));
     n.Finished(odd.endpoint(), "o", DeadlineAfter(milliseconds(5000)));
     n.Flush();
@@ -295,7 +295,7 @@ TEST(NotifierTest, AStuckPeerDoesNotDelayNoticesToOthers) {
   stuck.Hold();
   auto client = MakeClient(milliseconds(10000));
   Reports reports;
-  FinishedNotifier n(client.get(), kSelf, 1, {milliseconds(1), 4096, 2}, reports.Callback());
+  FinishedNotifier n(client.get(), kSelf, 4, {milliseconds(1), 4096, 2}, reports.Callback());
   n.Finished(stuck.endpoint(), "s", DeadlineAfter(milliseconds(20000)));
   ASSERT_TRUE(stuck.WaitHeld(DeadlineAfter(milliseconds(5000))));
   n.Finished(healthy.endpoint(), "h", DeadlineAfter(milliseconds(5000)));
@@ -313,7 +313,7 @@ TEST(NotifierTest, TheDestructorSendsWhatIsPending) {
   auto client = MakeClient();
   Reports reports;
   {
-    FinishedNotifier n(client.get(), kSelf, 1, {milliseconds(60000), 4096, 1}, reports.Callback());
+    FinishedNotifier n(client.get(), kSelf, 4, {milliseconds(60000), 4096, 1}, reports.Callback());
     n.Finished(a.endpoint(), "pending", DeadlineAfter(milliseconds(5000)));
   }
   ASSERT_EQ(a.notices().size(), 1u);
