@@ -242,7 +242,8 @@ PYBIND11_MODULE(_kvferry, m) {
                        const std::string& secret, const std::string& transport,
                        const std::string& rank_table_path, const std::string& server_id,
                        const std::string& visible_devices, int transfer_timeout_ms,
-                       int hold_lease_ms, const std::string& failure_policy) {
+                       int hold_lease_ms, const std::string& failure_policy,
+                       bool shm_permit_any_tracer) {
              WorkerConfig c;
              c.role = Unwrap(ParseRole(role));
              c.engine_id = engine_id;
@@ -253,6 +254,7 @@ PYBIND11_MODULE(_kvferry, m) {
              c.base_port = base_port;
              c.secret = secret;
              c.transport.kind = Unwrap(ParseTransportKind(transport));
+             c.transport.shm_permit_any_tracer = shm_permit_any_tracer;
              if (!rank_table_path.empty()) c.rank_table = Unwrap(RankTable::Load(rank_table_path));
              c.server_id = server_id;
              c.visible_devices = ParseVisibleDevices(visible_devices);
@@ -272,7 +274,7 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("secret") = "", py::arg("transport") = "auto", py::arg("rank_table_path") = "",
            py::arg("server_id") = "", py::arg("visible_devices") = "",
            py::arg("transfer_timeout_ms") = 30000, py::arg("hold_lease_ms") = 120000,
-           py::arg("failure_policy") = "recompute")
+           py::arg("failure_policy") = "recompute", py::arg("shm_permit_any_tracer") = false)
       .def(
           "register_kv_caches",
           [](Worker& w, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases) {

@@ -38,6 +38,7 @@ struct PipelineArgs {
   int decode_tp = 2;
   ModelArgs model;
   std::string transport = "auto";
+  bool shm_permit_any_tracer = false;
   int concurrency = 16;
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
@@ -204,6 +205,7 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                      "--compute-us-per-token",
                                      std::to_string(a.compute_us_per_token),
                                      "--exit-on-stdin-eof"};
+    if (a.shm_permit_any_tracer) argv.emplace_back("--shm-permit-any-tracer");
     for (const std::string& s : ModelArgv(a.model)) argv.push_back(s);
     KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv));
     KVFERRY_ASSIGN_OR_RETURN(std::string line, p.ReadLine(milliseconds(60000)));
@@ -535,6 +537,9 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
   cmd.add_option("--decode-tp", p.decode_tp, "TP size of the decode instance")
       ->capture_default_str();
   cmd.add_option("--transport", p.transport, "auto|shm|tcp")->capture_default_str();
+  cmd.add_flag("--shm-permit-any-tracer", p.shm_permit_any_tracer,
+               "Pass --shm-permit-any-tracer to the instances started here (shm between them "
+               "under Yama ptrace_scope=1)");
   cmd.add_option("--concurrency", p.concurrency, "Requests in flight")->capture_default_str();
   cmd.add_option("--hold-lease-ms", p.hold_lease_ms,
                  "Prefill hold lease (of the instances started here; with --prefill-control, "

@@ -32,6 +32,7 @@ struct ServeArgs {
   int control_port = 0;
   std::string rank_table;
   std::string transport = "auto";
+  bool shm_permit_any_tracer = false;
   std::string visible_devices;
   ModelArgs model;
   int hold_lease_ms = 30000;
@@ -72,6 +73,7 @@ int RunServe(const ServeArgs& a) {
   const char* secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe): startup
   if (secret != nullptr) c.secret = secret;
   c.transport = *transport;
+  c.shm_permit_any_tracer = a.shm_permit_any_tracer;
   c.model = *model;
   c.hold_lease = std::chrono::milliseconds(a.hold_lease_ms);
   c.compute_per_token = std::chrono::microseconds(a.compute_us_per_token);
@@ -216,6 +218,10 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
                     "Device ids of this instance in the rank table (default "
                     "ASCEND_RT_VISIBLE_DEVICES)");
   serve->add_option("--transport", a->transport, "auto|shm|tcp")->capture_default_str();
+  serve->add_flag("--shm-permit-any-tracer", a->shm_permit_any_tracer,
+                  "Prefill: prctl(PR_SET_PTRACER_ANY), so that under Yama ptrace_scope=1 decode "
+                  "instances beside this one can read it over shm; it lets every same-user "
+                  "process ptrace this one (docs/transport.md)");
   serve->add_option("--hold-lease-ms", a->hold_lease_ms, "Prefill hold lease")
       ->capture_default_str();
   serve->add_option("--compute-us-per-token", a->compute_us_per_token,

@@ -50,7 +50,8 @@ struct BatchResult {
 
 /// Which backend carries reads to a peer.
 enum class TransportKind : std::uint8_t {
-  kAuto = 0,  ///< shm when the peer is on this host and the kernel permits it, else tcp
+  kAuto = 0,  ///< shm when the peer is on this host, proves its instance and the kernel permits
+              ///< the read, else tcp
   kShm = 1,   ///< process_vm_readv; same host only
   kTcp = 2,   ///< the peer's read server over TCP; any host
 };
@@ -74,6 +75,15 @@ struct TransportOptions {
   std::uint64_t max_request_bytes = 8u << 20;
   /// Threads that carry out shm reads.
   int shm_threads = 2;
+  /// Serving side (`serve` set, kind not tcp): call prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY),
+  /// so that under Yama's kernel.yama.ptrace_scope=1 same-user processes that are not this one's
+  /// ancestors (a decode instance started beside it) may read its memory over shm. It grants
+  /// more than reads: every process that the kernel's other checks allow (same user, or
+  /// CAP_SYS_PTRACE) may then ptrace this process (attach, write its memory, change its
+  /// registers). It is never undone for the process. Off: no prctl, and under ptrace_scope=1 such
+  /// readers fail shm's check at Connect and, with kind auto, read over tcp (the log says why).
+  /// Without Yama, or with ptrace_scope=0, it changes nothing.
+  bool shm_permit_any_tracer = false;
   /// Whether to run a tcp read server (prefill side) at all. A decode-only process may skip it.
   bool serve = true;
   /// How long a peer may go without progress on a read before the connection counts as dead
@@ -114,11 +124,22 @@ class Transport {
   virtual ~Transport() = default;
 
   /// Registers [addr, addr + length) under `id`, so peers may read it and local reads may land
-  /// in it. The memory must stay valid until DeregisterMemory returns. InvalidArgument for a
+  /// in it. The memory must stay valid until DeregisterMemory returns, and longer while shm peers
+  /// may still read it (see DeregisterMemory). InvalidArgument for a
   /// duplicate id, a null or empty range, or a range overlapping another region.
   virtual Status RegisterMemory(RegionId id, void* addr, std::size_t length) = 0;
-  /// Removes a region. Returns once no read served from it or landing in it is running; reads
-  /// already started against it fail. NotFound for an unknown id.
+  /// Removes a region: new local reads landing in it, and new reads of it that the tcp server
+  /// would serve, are refused from now on. Returns once every such read already running has
+  /// ended. NotFound for an unknown id.
+  ///
+  /// Reads by shm peers are not seen: a same-host reader copies this process's memory with
+  /// process_vm_readv, which the owner cannot observe or stop, using the addresses of the
+  /// descriptor it was given, whether or not the region is still registered. So the caller must
+  /// not free or reuse memory that a peer may still read until the agreement under which it was
+  /// offered has ended (in the connector: until the hold on those blocks ends, because every
+  /// reader reported or the hold's lease expired); deregistering does not end it. A shm read of
+  /// memory freed and unmapped meanwhile fails in the reader; of memory reused, it returns the
+  /// new bytes.
   virtual Status DeregisterMemory(RegionId id) = 0;
 
   /// Bytes a peer passes to Connect to read this process's registered regions. Call it after
@@ -126,8 +147,9 @@ class Transport {
   virtual Result<std::vector<std::uint8_t>> Descriptor() = 0;
 
   /// Connects to a peer described by `descriptor`, checking the descriptor first. Unavailable when
-  /// the peer cannot be reached (or, for a forced shm transport, is not on this host),
-  /// Unauthenticated when the secrets differ, InvalidArgument for a malformed descriptor.
+  /// the peer cannot be reached (or, for a forced shm transport, is not on this host, or the
+  /// process at its pid is not the one that wrote the descriptor), Unauthenticated when the
+  /// secrets differ, InvalidArgument for a malformed descriptor (a pid that is not positive too).
   virtual Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) = 0;
   /// Forgets a peer. Its running batches are cancelled first. Unknown peers are ignored.
   virtual void Disconnect(PeerId peer) = 0;

@@ -83,6 +83,10 @@ class _Settings:
         self.base_port = int(extra.get("base_port", os.environ.get("VLLM_ASCEND_LLMDD_RPC_PORT", 5557)))
         self.secret = extra.get("secret", os.environ.get("KVFERRY_SECRET", ""))
         self.transport = extra.get("transport", "auto")
+        # Prefill side: prctl(PR_SET_PTRACER_ANY), so shm works under Yama ptrace_scope=1; it lets
+        # every same-user process ptrace this one (docs/transport.md).
+        self.shm_permit_any_tracer = str(extra.get("shm_permit_any_tracer", False)).lower() in (
+            "1", "true", "yes")
         self.rank_table = extra.get("rank_table_path",
                                     os.environ.get("DISAGGREGATED_PREFILL_RANK_TABLE_PATH", ""))
         self.visible_devices = extra.get("visible_devices",
@@ -193,7 +197,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             "prefill" if s.kv_role == "kv_producer" else "decode", s.engine_id, s.tp_size,
             s.tp_rank, s.dp_rank, s.host, s.base_port, s.secret, s.transport, s.rank_table,
             s.server_id, s.visible_devices, s.transfer_timeout_ms, s.hold_lease_ms,
-            s.failure_policy)
+            s.failure_policy, shm_permit_any_tracer=s.shm_permit_any_tracer)
         self._worker.register_kv_caches(spec, bases)
         self._spec = spec
         self._load_error_blocks: set[int] = set()

@@ -149,6 +149,7 @@ Status Instance::Init() {
     w.server_id = c.host;
     w.visible_devices = c.visible_devices;
     w.transport.kind = c.transport;
+    w.transport.shm_permit_any_tracer = c.shm_permit_any_tracer;
     w.hold_lease = c.hold_lease;
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));
     KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(spec, bases));

@@ -48,6 +48,8 @@ struct InstanceConfig {
   int base_port = 5557;
   std::string secret;
   TransportKind transport = TransportKind::kAuto;
+  /// TransportOptions::shm_permit_any_tracer for every worker.
+  bool shm_permit_any_tracer = false;
   std::optional<RankTable> rank_table;
   std::vector<std::string> visible_devices;
   /// Model shape, for every TP rank (the spec's TP fields are set per rank).

@@ -21,7 +21,7 @@ const RemoteRegion* PeerDescriptor::FindRegion(RegionId id) const {
 std::vector<std::uint8_t> EncodeDescriptor(const PeerDescriptor& d) {
   msgpack::sbuffer buffer;
   msgpack::packer<msgpack::sbuffer> pk(buffer);
-  pk.pack_map(d.tcp ? 6 : 5);
+  pk.pack_map(5 + (d.shm ? 1 : 0) + (d.tcp ? 1 : 0));
   pk.pack(std::string("v"));
   pk.pack_uint32(1);
   pk.pack(std::string("boot_id"));
@@ -30,6 +30,16 @@ std::vector<std::uint8_t> EncodeDescriptor(const PeerDescriptor& d) {
   pk.pack_uint64(d.host.pid_namespace);
   pk.pack(std::string("pid"));
   pk.pack_int64(d.host.pid);
+  if (d.shm) {
+    pk.pack(std::string("shm"));
+    pk.pack_map(3);
+    pk.pack(std::string("start"));
+    pk.pack_uint64(d.shm->start_time);
+    pk.pack(std::string("nonce_at"));
+    pk.pack_uint64(d.shm->nonce_addr);
+    pk.pack(std::string("nonce"));
+    pk.pack_uint64(d.shm->nonce);
+  }
   if (d.tcp) {
     pk.pack(std::string("tcp"));
     pk.pack_map(3);
@@ -69,9 +79,33 @@ Result<PeerDescriptor> DecodeDescriptor(std::span<const std::uint8_t> bytes) {
   KVFERRY_ASSIGN_OR_RETURN(d.host.boot_id, m.Str("boot_id", 64));
   KVFERRY_ASSIGN_OR_RETURN(d.host.pid_namespace,
                            m.Uint("pidns", std::numeric_limits<std::uint64_t>::max()));
+  if (const msgpack::object* pid = m.Find("pid");
+      pid != nullptr && pid->type == msgpack::type::NEGATIVE_INTEGER) {
+    return Status::InvalidArgument(m.At("pid") +
+                                   ": expected the serving process's pid (> 0), found " +
+                                   std::to_string(pid->via.i64));
+  }
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pid,
                            m.Uint("pid", std::numeric_limits<std::int32_t>::max()));
+  if (pid == 0) {
+    // Pid 0 names no process a reader could prove; refuse it before any backend sees it.
+    return Status::InvalidArgument(m.At("pid") +
+                                   ": expected the serving process's pid (> 0), found 0");
+  }
   d.host.pid = static_cast<std::int64_t>(pid);
+  if (const msgpack::object* shm = m.Find("shm")) {
+    KVFERRY_ASSIGN_OR_RETURN(wire::MapView sm, wire::MapView::Of(*shm, m.At("shm")));
+    ShmProof proof;
+    constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+    KVFERRY_ASSIGN_OR_RETURN(proof.start_time, sm.Uint("start", kMax));
+    KVFERRY_ASSIGN_OR_RETURN(proof.nonce_addr, sm.Uint("nonce_at", kMax));
+    KVFERRY_ASSIGN_OR_RETURN(proof.nonce, sm.Uint("nonce", kMax));
+    if (proof.nonce_addr == 0) {
+      return Status::InvalidArgument(m.At("shm") +
+                                     ": expected a non-zero address of the instance nonce");
+    }
+    d.shm = proof;
+  }
   if (const msgpack::object* tcp = m.Find("tcp")) {
     KVFERRY_ASSIGN_OR_RETURN(wire::MapView tm, wire::MapView::Of(*tcp, m.At("tcp")));
     TcpEndpoint ep;

@@ -48,6 +48,10 @@ Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& optio
   return std::unique_ptr<Transport>(std::move(engine));
 }
 
+bool ServingPermitsAnyTracer(const TransportOptions& options) {
+  return options.shm_permit_any_tracer && options.serve && options.kind != TransportKind::kTcp;
+}
+
 Result<std::unique_ptr<Engine>> Engine::Create(const TransportOptions& options) {
   if (options.tcp_connections_per_peer < 1 || options.shm_threads < 1 ||
       options.max_request_bytes == 0) {
@@ -57,11 +61,15 @@ Result<std::unique_ptr<Engine>> Engine::Create(const TransportOptions& options) 
   }
   std::unique_ptr<Engine> e(new Engine(options));
   KVFERRY_ASSIGN_OR_RETURN(e->self_, LocalHostIdentity());
+  KVFERRY_ASSIGN_OR_RETURN(e->shm_proof_, ShmBackend::LocalProof());
   const bool use_shm = options.kind != TransportKind::kTcp;
   const bool use_tcp = options.kind != TransportKind::kShm;
   if (use_shm) {
     e->backends_.push_back(std::make_unique<ShmBackend>(e->self_, options.shm_threads));
-    if (options.serve) ShmBackend::PermitReaders();
+    if (ServingPermitsAnyTracer(options)) {
+      ShmBackend::PermitAnyTracer();
+      e->permitted_any_tracer_ = true;
+    }
   }
   if (use_tcp) {
     e->backends_.push_back(std::make_unique<tcp::TcpBackend>(
@@ -125,6 +133,7 @@ Status Engine::DeregisterMemory(RegionId id) {
 Result<std::vector<std::uint8_t>> Engine::Descriptor() {
   PeerDescriptor d;
   d.host = self_;
+  d.shm = shm_proof_;
   if (server_) {
     d.tcp = TcpEndpoint{
         options_.tcp_advertise_host.empty() ? options_.tcp_bind_host : options_.tcp_advertise_host,
@@ -147,6 +156,12 @@ Result<PeerId> Engine::Connect(std::span<const std::uint8_t> descriptor, Deadlin
       reasons += std::string(reasons.empty() ? "" : "; ") + backend->name() + ": " +
                  std::string(peer.status().message());
       continue;
+    }
+    if (!reasons.empty() && d.host.boot_id == self_.boot_id &&
+        d.host.pid_namespace == self_.pid_namespace) {
+      // A peer on this host that shm could not read: say why, and how to enable shm.
+      Log().warn("peer process {} on this host is read over {}, not shm: {}", d.host.pid,
+                 backend->name(), reasons);
     }
     std::lock_guard<std::mutex> lock(mu_);
     const PeerId id = next_peer_++;

@@ -16,10 +16,17 @@
 
 namespace kvferry {
 
+/// Whether a transport created with `options` calls prctl(PR_SET_PTRACER_ANY): only when it
+/// serves, may use shm, and shm_permit_any_tracer is set.
+bool ServingPermitsAnyTracer(const TransportOptions& options);
+
 class Engine final : public Transport {
  public:
   static Result<std::unique_ptr<Engine>> Create(const TransportOptions& options);
   ~Engine() override;
+
+  /// Whether Create called prctl(PR_SET_PTRACER_ANY) for this transport.
+  bool permitted_any_tracer() const { return permitted_any_tracer_; }
 
   Status RegisterMemory(RegionId id, void* addr, std::size_t length) override;
   Status DeregisterMemory(RegionId id) override;
@@ -50,6 +57,8 @@ class Engine final : public Transport {
 
   const TransportOptions options_;
   HostIdentity self_;
+  ShmProof shm_proof_;
+  bool permitted_any_tracer_ = false;
   RegionRegistry registry_;
   tcp::ServerCounters server_counters_;
   std::unique_ptr<tcp::TcpServer> server_;

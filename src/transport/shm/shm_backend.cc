@@ -1,5 +1,6 @@
 #include "transport/shm/shm_backend.h"
 
+#include <openssl/rand.h>
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -8,11 +9,17 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <climits>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <mutex>
+#include <random>
+#include <sstream>
 
 #include "common/errno_text.h"
+#include "common/log.h"
 
 namespace kvferry {
 namespace {
@@ -74,6 +81,61 @@ Status PeerGone(pid_t pid) {
                                   " exited; its reads cannot complete");
 }
 
+// This process's instance nonce. A function-local static: initialised once (thread-safe), at an
+// address that stays mapped for the life of the process, so peers may read it at any time.
+const std::uint64_t& InstanceNonce() {
+  static const std::uint64_t nonce = [] {
+    std::uint64_t v = 0;
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(&v), sizeof(v)) != 1 || v == 0) {
+      std::random_device rd;
+      v = (static_cast<std::uint64_t>(rd()) << 32) | rd() | 1u;
+    }
+    return v;
+  }();
+  return nonce;
+}
+
+// Field 22 of /proc/PID/stat: the process's start time in clock ticks since boot. The command
+// name (field 2) may hold spaces and parentheses, so fields are counted after the last ')'.
+Result<std::uint64_t> ProcessStartTime(pid_t pid) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  std::ifstream file(path);
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (text.empty()) {
+    return Status::PeerDisconnected("cannot read " + path + ": process " + std::to_string(pid) +
+                                    " does not exist (any more)");
+  }
+  const std::size_t name_end = text.rfind(')');
+  std::istringstream rest(name_end == std::string::npos ? std::string()
+                                                        : text.substr(name_end + 1));
+  std::string field;
+  for (int i = 3; i <= 22; ++i) {
+    if (!(rest >> field)) {
+      return Status::Internal(path + " has fewer than 22 fields; is /proc a procfs?");
+    }
+  }
+  std::uint64_t ticks = 0;
+  const auto [end, ec] = std::from_chars(field.data(), field.data() + field.size(), ticks);
+  if (ec != std::errc() || end != field.data() + field.size()) {
+    return Status::Internal(path + ": field 22 (start time) is '" + field + "', expected a number");
+  }
+  return ticks;
+}
+
+// What /proc/sys/kernel/yama/ptrace_scope says, for error messages.
+std::string YamaScopeText() {
+  std::ifstream file("/proc/sys/kernel/yama/ptrace_scope");
+  int scope = -1;
+  if (!(file >> scope)) return "this host has no Yama";
+  return "this host has kernel.yama.ptrace_scope=" + std::to_string(scope);
+}
+
+std::string Hex(std::uint64_t v) {
+  std::ostringstream out;
+  out << "0x" << std::hex << v;
+  return out.str();
+}
+
 // Reads every piece with as few process_vm_readv calls as possible, resuming after short reads.
 Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piece>& pieces,
                   std::uint64_t* bytes) {
@@ -99,11 +161,7 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
     if (n < 0) {
       const int err = errno;
       if (err == ESRCH || !peer.Alive()) return PeerGone(peer.pid());
-      if (err == EPERM) {
-        return Status::Unavailable("process_vm_readv on pid " + std::to_string(peer.pid()) +
-                                   " was refused (EPERM): run both processes as the same user, "
-                                   "or use the tcp transport");
-      }
+      if (err == EPERM) return Status::Unavailable(ShmBackend::RefusedReadText(peer.pid()));
       if (err == EFAULT) {
         return Status::Internal("process_vm_readv on pid " + std::to_string(peer.pid()) +
                                 " hit unmapped memory: the peer freed a registered region "
@@ -182,14 +240,74 @@ class ShmPeer final : public BackendPeer {
   std::shared_ptr<WorkQueue> pool_;
 };
 
+// Proves that the process behind `peer` (a pidfd opened before this call) is the one that wrote
+// `proof`: same start time, same instance nonce in its memory, and still alive after both checks,
+// so that neither check can have looked at a process that replaced it.
+Status ProveInstance(const ShmPeerState& peer, const ShmProof& proof) {
+  const pid_t pid = peer.pid();
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t start, ProcessStartTime(pid));
+  if (start != proof.start_time) {
+    return Status::PeerDisconnected(
+        "process " + std::to_string(pid) + " started at tick " + std::to_string(start) +
+        " but the descriptor names a process started at tick " + std::to_string(proof.start_time) +
+        ": the peer exited and its pid names another process now; get a new descriptor");
+  }
+  std::uint64_t nonce = 0;
+  iovec local{&nonce, sizeof(nonce)};
+  // An address in the peer's address space, never dereferenced here.
+  iovec remote{reinterpret_cast<void*>(proof.nonce_addr),  // NOLINT(performance-no-int-to-ptr)
+               sizeof(nonce)};
+  const ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+  if (n != static_cast<ssize_t>(sizeof(nonce))) {
+    const int err = n < 0 ? errno : 0;
+    if (err == EPERM) return Status::Unavailable(ShmBackend::RefusedReadText(pid));
+    if (err == ESRCH || !peer.Alive()) return PeerGone(pid);
+    return Status::PeerDisconnected(
+        "process " + std::to_string(pid) + " has no readable instance nonce at " +
+        Hex(proof.nonce_addr) + " (" + (n < 0 ? ErrnoText(err) : std::string("short read")) +
+        "): it is not the process that wrote the descriptor; get a new descriptor");
+  }
+  if (nonce != proof.nonce) {
+    return Status::PeerDisconnected(
+        "the instance nonce of process " + std::to_string(pid) +
+        " differs from the descriptor's: it is not the process that wrote the descriptor (a "
+        "restarted instance that got the same pid); get a new descriptor");
+  }
+  if (!peer.Alive()) return PeerGone(pid);
+  return Status::Ok();
+}
+
 }  // namespace
 
 ShmBackend::ShmBackend(HostIdentity self, int threads)
     : self_(std::move(self)), pool_(std::make_shared<WorkQueue>(threads, "kvferry-shm")) {}
 
-void ShmBackend::PermitReaders() {
-  // Without Yama this has no effect and may fail with EINVAL; either way nothing to report.
-  (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+Result<ShmProof> ShmBackend::LocalProof() {
+  ShmProof proof;
+  KVFERRY_ASSIGN_OR_RETURN(proof.start_time, ProcessStartTime(getpid()));
+  const std::uint64_t& nonce = InstanceNonce();
+  proof.nonce_addr = reinterpret_cast<std::uint64_t>(&nonce);
+  proof.nonce = nonce;
+  return proof;
+}
+
+void ShmBackend::PermitAnyTracer() {
+  // Without Yama this has no effect and fails with EINVAL; nothing to report then.
+  if (prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0) {
+    Log().info(
+        "shm_permit_any_tracer: prctl(PR_SET_PTRACER_ANY) done; under Yama every process may "
+        "now ptrace this one (not only read its memory)");
+  }
+}
+
+std::string ShmBackend::RefusedReadText(pid_t pid) {
+  return "the kernel refused process_vm_readv on process " + std::to_string(pid) + " (EPERM; " +
+         YamaScopeText() +
+         "): shm needs the same user (or CAP_SYS_PTRACE) and, under Yama ptrace_scope=1, a "
+         "reader that descends from the serving process or a serving process that permits "
+         "tracers: set shm_permit_any_tracer there (kvferry serve --shm-permit-any-tracer), "
+         "which lets every process ptrace it, or run `sysctl kernel.yama.ptrace_scope=0`; "
+         "otherwise use the tcp transport";
 }
 
 Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& peer,
@@ -199,6 +317,16 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& p
         "shm needs the peer on this kernel and PID namespace; the peer has boot id " +
         peer.host.boot_id + " and PID namespace " + std::to_string(peer.host.pid_namespace) +
         ", this process " + self_.boot_id + " and " + std::to_string(self_.pid_namespace));
+  }
+  if (peer.host.pid <= 0 || peer.host.pid > INT_MAX) {
+    return Status::InvalidArgument("the peer's pid is " + std::to_string(peer.host.pid) +
+                                   ": expected the serving process's pid (> 0)");
+  }
+  if (!peer.shm) {
+    return Status::Unavailable(
+        "the peer's descriptor has no shm section (start time and instance nonce), so process " +
+        std::to_string(peer.host.pid) +
+        " cannot be proven to be the peer; the peer runs an older kvferry: use tcp");
   }
   const auto pid = static_cast<pid_t>(peer.host.pid);
   const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
@@ -211,7 +339,10 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& p
                                "; shm needs Linux 5.3 or later");
   }
   auto state = std::make_shared<ShmPeerState>(pid, pidfd);
-  // Probe one byte, so that a kernel that refuses (EPERM) is found now, not mid-transfer.
+  // Before the first read of a region: prove that the process is the one that wrote the
+  // descriptor, so a reused pid is never read as the peer.
+  KVFERRY_RETURN_IF_ERROR(ProveInstance(*state, *peer.shm));
+  // Probe one byte of a region, so that unmapped memory is found now, not mid-transfer.
   if (!peer.regions.empty()) {
     std::byte probe{};
     iovec local{&probe, 1};
@@ -221,10 +352,11 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& p
         1};
     if (process_vm_readv(pid, &local, 1, &remote, 1, 0) != 1) {
       const int err = errno;
-      return Status::Unavailable("process_vm_readv on peer process " + std::to_string(pid) +
-                                 " failed (" + ErrnoText(err) +
-                                 "): the kernel does not let this process read the peer's "
-                                 "memory; run both as the same user or use the tcp transport");
+      if (err == EPERM) return Status::Unavailable(RefusedReadText(pid));
+      return Status::Unavailable("process_vm_readv of the peer's region " +
+                                 std::to_string(peer.regions.front().id) + " in process " +
+                                 std::to_string(pid) + " failed (" + ErrnoText(err) +
+                                 "); use the tcp transport");
     }
   }
   return std::unique_ptr<BackendPeer>(

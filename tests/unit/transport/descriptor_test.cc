@@ -14,7 +14,8 @@ using ::testing::HasSubstr;
 PeerDescriptor Sample() {
   return PeerDescriptor{{"87d27ef8-ec29-4dbb-b1ee-24fd9ed0171c", 4026531836u, 4242},
                         TcpEndpoint{"127.0.0.1", 40001, 0xfedcba9876543210ull},
-                        {{0, 0x7f0000001000, 1u << 20}, {5, 0x7f0000200000, 4096}}};
+                        {{0, 0x7f0000001000, 1u << 20}, {5, 0x7f0000200000, 4096}},
+                        std::nullopt};
 }
 
 TEST(DescriptorTest, RoundTrips) {
@@ -25,6 +26,37 @@ TEST(DescriptorTest, RoundTrips) {
   PeerDescriptor no_tcp = d;
   no_tcp.tcp.reset();
   EXPECT_EQ(*DecodeDescriptor(EncodeDescriptor(no_tcp)), no_tcp);
+}
+
+TEST(DescriptorTest, ShmProofRoundTrips) {
+  PeerDescriptor d = Sample();
+  d.shm = ShmProof{123456789, 0x55d0c0de1000ull, 0x0123456789abcdefull};
+  Result<PeerDescriptor> back = DecodeDescriptor(EncodeDescriptor(d));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, d);
+}
+
+// Issue 11: pid 0 names no process a reader could prove; it was accepted and handed to shm.
+TEST(DescriptorTest, RefusesPidZeroAndNegativePids) {
+  PeerDescriptor d = Sample();
+  d.host.pid = 0;
+  Result<PeerDescriptor> zero = DecodeDescriptor(EncodeDescriptor(d));
+  ASSERT_FALSE(zero.ok());
+  EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(zero.status().message(), HasSubstr("pid (> 0), found 0"));
+  d.host.pid = -7;
+  Result<PeerDescriptor> negative = DecodeDescriptor(EncodeDescriptor(d));
+  ASSERT_FALSE(negative.ok());
+  EXPECT_EQ(negative.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(negative.status().message(), HasSubstr("found -7"));
+}
+
+TEST(DescriptorTest, RefusesAnShmSectionWithoutANonceAddress) {
+  PeerDescriptor d = Sample();
+  d.shm = ShmProof{1, 0, 42};
+  Result<PeerDescriptor> back = DecodeDescriptor(EncodeDescriptor(d));
+  ASSERT_FALSE(back.ok());
+  EXPECT_THAT(back.status().message(), HasSubstr("non-zero address of the instance nonce"));
 }
 
 TEST(DescriptorTest, RefusesDuplicateAndWrappingRegions) {
