@@ -24,6 +24,7 @@
 #include "common/subprocess.h"
 #include "kvferry/transport.h"
 #include "sidechannel/auth.h"
+#include "sidechannel/client.h"
 #include "sidechannel/listener.h"
 #include "sidechannel/zmq_util.h"
 #include "tests/test_timing.h"
@@ -437,6 +438,36 @@ TEST_F(SideChannelHostileTest, APeerWithASkewedClockCanReadWhyItWasRefused) {
   ASSERT_NE(err, nullptr);
   EXPECT_EQ(err->code, StatusCode::kUnauthenticated);
   EXPECT_THAT(err->message, HasSubstr("from this host's clock"));
+}
+
+// Finding 6: the side-channel client kept idle sockets for every endpoint it ever called.
+TEST(SideChannelClientTest, IdleSocketsAreKeptForABoundedNumberOfEndpoints) {
+  std::vector<std::unique_ptr<sidechannel::Listener>> listeners;
+  for (int i = 0; i < 3; ++i) {
+    sidechannel::ListenerOptions o;
+    o.base_port = FreeLoopbackPorts(1);
+    Result<std::unique_ptr<sidechannel::Listener>> l = sidechannel::Listener::Start(
+        o, [](const wire::Message&) -> wire::Message { return wire::Ack{1}; });
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    listeners.push_back(std::move(l).value());
+  }
+  sidechannel::ClientOptions co;
+  co.max_idle_endpoints = 2;
+  sidechannel::Client client(co);
+  for (const auto& l : listeners) {
+    Result<wire::Message> r = client.Call(l->endpoint(), wire::MetadataRequest{{"d", 0, 0}},
+                                          DeadlineAfter(milliseconds(5000)));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  const sidechannel::ClientStats s = client.Stats();
+  EXPECT_EQ(s.idle_endpoints, 2u);
+  EXPECT_EQ(s.idle_sockets, 2u);
+  // The least recently used endpoint was dropped; calling it again works and evicts the next.
+  ASSERT_TRUE(client
+                  .Call(listeners[0]->endpoint(), wire::MetadataRequest{{"d", 0, 0}},
+                        DeadlineAfter(milliseconds(5000)))
+                  .ok());
+  EXPECT_EQ(client.Stats().idle_endpoints, 2u);
 }
 
 }  // namespace

@@ -81,6 +81,33 @@ TEST(SchedulerRule2, IncompleteParamsAreRejectedClearlyAndNothingIsQueued) {
   EXPECT_EQ(s.UpdateStateAfterAlloc("d-req-3", bad_port, {}).code(), StatusCode::kInvalidArgument);
 }
 
+// Issue 11, finding 6: remote_tp_size was only checked to be >= 1 (a worker then looped over every
+// claimed rank), and remote_port + rank was never checked against 65535.
+TEST(SchedulerRule14, RemoteRanksAreBoundedBeforeAnythingIsQueued) {
+  Scheduler s = DecodeScheduler();
+  KvTransferParams huge = CompleteRemotePrefill();
+  huge.remote_tp_size = 1 << 30;
+  Status st = s.UpdateStateAfterAlloc("d-huge", huge, std::vector<std::int64_t>{1});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("TP size in 1..256"));
+  KvTransferParams past_port = CompleteRemotePrefill();
+  past_port.remote_port = 65535;
+  past_port.remote_tp_size = 2;  // ranks at 65535 and 65536
+  EXPECT_EQ(s.UpdateStateAfterAlloc("d-port", past_port, std::vector<std::int64_t>{1}).code(),
+            StatusCode::kInvalidArgument);
+  KvTransferParams last_port = CompleteRemotePrefill();
+  last_port.remote_port = 65534;
+  last_port.remote_tp_size = 2;
+  EXPECT_TRUE(s.UpdateStateAfterAlloc("d-ok", last_port, std::vector<std::int64_t>{1}).ok());
+  const ConnectorMetadata md = s.BuildConnectorMeta();
+  ASSERT_EQ(md.loads.size(), 1u);
+  EXPECT_EQ(md.loads[0].request_id, "d-ok");
+  // Metadata claiming more ranks than kvferry allows does not decode.
+  ConnectorMetadata forged = md;
+  forged.loads[0].remote_tp_size = kMaxTpSize + 1;
+  EXPECT_FALSE(ConnectorMetadata::Decode(forged.Encode()).ok());
+}
+
 TEST(SchedulerRule2, MissingRemoteRequestIdFallsBackToTheRequestId) {
   Scheduler s = DecodeScheduler();
   KvTransferParams p = CompleteRemotePrefill();
