@@ -35,7 +35,10 @@ Result<std::int64_t> Integer(const Json& v, std::string_view field, std::int64_t
   const std::string expected = "an integer in " + std::to_string(lo) + ".." + std::to_string(hi);
   if (v.is_number_unsigned()) {
     const auto u = v.get<std::uint64_t>();
-    if (u > static_cast<std::uint64_t>(hi)) return Wrong(field, expected, v);
+    // nlohmann stores every non-negative integer literal as unsigned: check both bounds here.
+    if (u > static_cast<std::uint64_t>(hi) || static_cast<std::int64_t>(u) < lo) {
+      return Wrong(field, expected, v);
+    }
     return static_cast<std::int64_t>(u);
   }
   if (!v.is_number_integer()) return Wrong(field, expected, v);
