@@ -1,10 +1,12 @@
 // kvferry demo: a prefill and a decode instance (kvferry serve, TP workers each) on this host,
 // driven through a proxy that forwards kv_transfer_params, with every byte verified.
 // kvferry bench e2e: the same pipeline over a sweep of prompt lengths.
+#include <openssl/rand.h>
 #include <unistd.h>
 #include <zmq.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -25,6 +27,7 @@
 #include "kvferry/rank_table.h"
 #include "sidechannel/zmq_util.h"
 #include "tools/commands.h"
+#include "tools/control_client.h"
 #include "tools/engine_protocol.h"
 
 namespace kvferry::cli {
@@ -91,51 +94,18 @@ struct PipelineResult {
   bool leaked = false;
 };
 
-// One control connection to a kvferry serve instance.
-class Control {
- public:
-  explicit Control(const std::string& endpoint) : socket_(ZMQ_DEALER) {
-    (void)socket_.SetInt(ZMQ_SNDTIMEO, 5000);
-    zmq_connect(socket_.get(), endpoint.c_str());
+// 32 random bytes as hex: the secret of instances the demo starts itself.
+std::string RandomSecret() {
+  std::array<std::uint8_t, 32> bytes{};
+  RAND_bytes(bytes.data(), static_cast<int>(bytes.size()));
+  std::string hex;
+  for (std::uint8_t b : bytes) {
+    static constexpr char kDigits[] = "0123456789abcdef";
+    hex.push_back(kDigits[b >> 4]);
+    hex.push_back(kDigits[b & 15]);
   }
-  void Send(const Json& j) {
-    const std::string text = j.dump();
-    (void)sidechannel::SendFrames(
-        socket_.get(),
-        {std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size())});
-  }
-  // A reply if one is ready.
-  std::optional<Json> TryRecv() {
-    int events = 0;
-    std::size_t len = sizeof(events);
-    zmq_getsockopt(socket_.get(), ZMQ_EVENTS, &events, &len);
-    if ((events & ZMQ_POLLIN) == 0) return std::nullopt;
-    std::vector<std::vector<std::uint8_t>> frames;
-    bool truncated = false;
-    if (!sidechannel::RecvFrames(socket_.get(), &frames, 1, 64 << 20, &truncated).ok() ||
-        frames.empty()) {
-      return std::nullopt;
-    }
-    Json j = Json::parse(frames[0].begin(), frames[0].end(), nullptr, false);
-    if (j.is_discarded()) return std::nullopt;
-    return j;
-  }
-  // Request and wait for its reply (no generate in flight).
-  Result<Json> Call(const Json& j, milliseconds timeout) {
-    Send(j);
-    const Deadline deadline = DeadlineAfter(timeout);
-    while (Clock::now() < deadline) {
-      zmq_pollitem_t item{socket_.get(), 0, ZMQ_POLLIN, 0};
-      zmq_poll(&item, 1, 50);
-      if (std::optional<Json> r = TryRecv()) return *r;
-    }
-    return Status::Timeout("instance did not answer '" + j.value("op", "") + "'");
-  }
-  void* socket() const { return socket_.get(); }
-
- private:
-  sidechannel::ZmqSocket socket_;
-};
+  return hex;
+}
 
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -185,6 +155,12 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
   const std::string table_path = (dir / "ranktable.json").string();
   std::ofstream(table_path) << table.ToJson();
 
+  // Control messages are signed with the instances' secret (docs/control.md): KVFERRY_SECRET, or
+  // for the instances started here when it is unset, a fresh random one passed to them.
+  const bool external = !a.prefill_control.empty() && !a.decode_control.empty();
+  const char* env_secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe)
+  std::string secret = env_secret != nullptr ? env_secret : "";
+  if (secret.empty() && !external) secret = RandomSecret();
   auto spawn = [&](const char* role, int tp, int base, int control) -> Result<Subprocess> {
     std::vector<std::string> argv = {SelfExe(),
                                      "serve",
@@ -207,14 +183,13 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                      "--exit-on-stdin-eof"};
     if (a.shm_permit_any_tracer) argv.emplace_back("--shm-permit-any-tracer");
     for (const std::string& s : ModelArgv(a.model)) argv.push_back(s);
-    KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv));
+    KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv, {"KVFERRY_SECRET=" + secret}));
     KVFERRY_ASSIGN_OR_RETURN(std::string line, p.ReadLine(milliseconds(60000)));
     if (line.rfind("READY ", 0) != 0) {
       return Status::Internal(std::string(role) + " instance did not start: " + line);
     }
     return p;
   };
-  const bool external = !a.prefill_control.empty() && !a.decode_control.empty();
   std::optional<Subprocess> prefill_proc;
   std::optional<Subprocess> decode_proc;
   if (!external) {
@@ -223,9 +198,10 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
     KVFERRY_ASSIGN_OR_RETURN(decode_proc,
                              spawn("decode", a.decode_tp, decode_base, decode_control));
   }
-  Control prefill(external ? a.prefill_control
-                           : "tcp://127.0.0.1:" + std::to_string(prefill_control));
-  Control decode(external ? a.decode_control : "tcp://127.0.0.1:" + std::to_string(decode_control));
+  ControlClient prefill(
+      external ? a.prefill_control : "tcp://127.0.0.1:" + std::to_string(prefill_control), secret);
+  ControlClient decode(
+      external ? a.decode_control : "tcp://127.0.0.1:" + std::to_string(decode_control), secret);
   // Instances that already ran count from before this run: report this run's bytes only.
   std::uint64_t bytes_before = 0;
   if (external) {
@@ -274,10 +250,10 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
       const std::string id = "req-" + std::to_string(next);
       Json params = ParamsToJson(KvTransferParams{});
       params["do_remote_decode"] = true;
-      prefill.Send({{"op", "generate"},
-                    {"request_id", id},
-                    {"prompt", prompts[next]},
-                    {"kv_transfer_params", params}});
+      (void)prefill.Send({{"op", "generate"},
+                          {"request_id", id},
+                          {"prompt", prompts[next]},
+                          {"kv_transfer_params", params}});
       InFlight f;
       f.sent = Clock::now();
       if (a.abort_rate > 0 && unit(rng) < a.abort_rate) {
@@ -296,7 +272,7 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
         ++it;
         continue;
       }
-      (it->decode ? decode : prefill).Send({{"op", "abort"}, {"request_id", it->id}});
+      (void)(it->decode ? decode : prefill).Send({{"op", "abort"}, {"request_id", it->id}});
       it = aborts.erase(it);
     }
     zmq_pollitem_t items[2] = {{prefill.socket(), 0, ZMQ_POLLIN, 0},
@@ -327,10 +303,10 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
         aborts.push_back({Clock::now() + random_delay(20000), true, id});
       }
       const std::size_t index = static_cast<std::size_t>(std::stoul(id.substr(4)));
-      decode.Send({{"op", "generate"},
-                   {"request_id", id},
-                   {"prompt", prompts[index]},
-                   {"kv_transfer_params", (*r)["kv_transfer_params"]}});
+      (void)decode.Send({{"op", "generate"},
+                         {"request_id", id},
+                         {"prompt", prompts[index]},
+                         {"kv_transfer_params", (*r)["kv_transfer_params"]}});
     }
     while (std::optional<Json> r = decode.TryRecv()) {
       const std::string id = r->value("request_id", "");

@@ -3,6 +3,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -12,6 +13,7 @@
 #include <string>
 
 #include "common/clock.h"
+#include "common/log.h"
 #include "engine/engine.h"
 #include "sidechannel/zmq_util.h"
 #include "tools/commands.h"
@@ -29,6 +31,7 @@ struct ServeArgs {
   int dp_rank = 0;
   std::string host = "127.0.0.1";
   int base_port = 5557;
+  std::string control_host = "127.0.0.1";
   int control_port = 0;
   std::string rank_table;
   std::string transport = "auto";
@@ -39,6 +42,32 @@ struct ServeArgs {
   int compute_us_per_token = 0;
   bool exit_on_stdin_eof = false;
 };
+
+const char* OpName(ControlOp op) {
+  switch (op) {
+    case ControlOp::kGenerate:
+      return "generate";
+    case ControlOp::kAbort:
+      return "abort";
+    case ControlOp::kStats:
+      return "stats";
+    case ControlOp::kShutdown:
+      return "shutdown";
+    case ControlOp::kUnknown:
+      break;
+  }
+  return "unknown";
+}
+
+// The nonce an authentication header claims (bytes 12-27; zero if the header is not one), to
+// bind a refusal to the request it refuses. Unverified: it only routes the answer.
+sidechannel::AuthNonce ClaimedNonce(const std::vector<std::uint8_t>& header) {
+  sidechannel::AuthNonce nonce{};
+  if (header.size() == sidechannel::kAuthHeaderBytes) {
+    std::copy_n(header.begin() + 12, nonce.size(), nonce.begin());
+  }
+  return nonce;
+}
 
 // Eight hex digits that differ between launches.
 std::string LaunchTag() {
@@ -72,6 +101,15 @@ int RunServe(const ServeArgs& a) {
   c.visible_devices = ParseVisibleDevices(a.visible_devices);
   const char* secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe): startup
   if (secret != nullptr) c.secret = secret;
+  // The control socket (docs/control.md): loopback unless --control-host says otherwise, and
+  // then only with a secret, because whoever can send it messages can shut the instance down.
+  if (c.secret.empty() && !sidechannel::IsLoopbackHost(a.control_host)) {
+    std::cerr << "kvferry serve: the control socket would listen on " << a.control_host
+              << " without a secret, so anyone who reaches it could submit requests or shut this "
+                 "instance down; set KVFERRY_SECRET (the proxy needs the same), or leave "
+                 "--control-host at 127.0.0.1\n";
+    return 2;
+  }
   c.transport = *transport;
   c.shm_permit_any_tracer = a.shm_permit_any_tracer;
   c.model = *model;
@@ -91,22 +129,133 @@ int RunServe(const ServeArgs& a) {
     return 1;
   }
   sidechannel::ZmqSocket control(ZMQ_ROUTER);
-  const std::string endpoint = "tcp://" + a.host + ":" + std::to_string(a.control_port);
-  if (zmq_bind(control.get(), endpoint.c_str()) != 0) {
-    std::cerr << "kvferry serve: cannot bind the control socket " << endpoint << ": "
+  (void)control.SetInt64(ZMQ_MAXMSGSIZE, static_cast<std::int64_t>(kMaxControlFrameBytes));
+  (void)control.SetInt(ZMQ_SNDTIMEO, 0);  // a proxy that does not read loses its replies
+  if (a.control_host.find(':') != std::string::npos) (void)control.SetInt(ZMQ_IPV6, 1);
+  const std::string wanted =
+      "tcp://" + sidechannel::BracketedHost(a.control_host) + ":" +
+      (a.control_port == 0 ? std::string("*") : std::to_string(a.control_port));
+  if (zmq_bind(control.get(), wanted.c_str()) != 0) {
+    std::cerr << "kvferry serve: cannot bind the control socket " << wanted << ": "
               << sidechannel::ZmqError() << "\n";
     return 1;
   }
-  std::cout << "READY " << endpoint << std::endl;
+  char bound[256] = {};
+  std::size_t bound_len = sizeof(bound);
+  zmq_getsockopt(control.get(), ZMQ_LAST_ENDPOINT, bound, &bound_len);
+  std::cout << "READY " << bound << std::endl;
 
-  std::map<std::string, std::vector<std::uint8_t>> reply_to;  // request id -> proxy identity
-  auto reply = [&](const std::vector<std::uint8_t>& identity, const Json& j) {
-    const std::string text = j.dump();
-    (void)sidechannel::SendFrames(
-        control.get(),
-        {identity, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size())});
-  };
   bool running = true;
+  const std::size_t max_prompt_tokens =
+      static_cast<std::size_t>(c.model.num_blocks * c.model.tokens_per_block);
+  struct Pending {
+    std::vector<std::uint8_t> identity;
+    sidechannel::AuthNonce nonce;
+  };
+  std::map<std::string, Pending> reply_to;  // request id -> the proxy that asked, its nonce
+  sidechannel::ReplayGuard replay(kControlMaxClockSkew, 1u << 16);
+  RateLimitedCounter refusals;
+  auto reply = [&](const std::vector<std::uint8_t>& identity, const sidechannel::AuthNonce& nonce,
+                   Json j) {
+    const SignedMessage m = SignControlReply(c.secret, nonce, std::move(j));
+    (void)sidechannel::SendFrames(control.get(), {identity, m.header, m.body});
+  };
+  auto refuse = [&](const std::vector<std::uint8_t>& identity, const sidechannel::AuthNonce& nonce,
+                    const Status& s, const ControlRequest* request) {
+    if (const std::uint64_t n = refusals.Hit(); n != 0) {
+      std::cerr << "kvferry serve: refused control message #" << n << ": " << s.ToString() << "\n";
+    }
+    Json j = {{"ok", false},
+              {"aborted", false},
+              {"code", StatusCodeName(s.code())},
+              {"error", s.ToString()}};
+    if (request != nullptr && request->op != ControlOp::kUnknown) j["op"] = OpName(request->op);
+    if (request != nullptr && request->request_id) j["request_id"] = *request->request_id;
+    reply(identity, nonce, std::move(j));
+  };
+  // One message: [identity][authentication header][JSON]. Every outcome is a signed reply bound to
+  // the nonce the header claims (zero if it has none), except a message without an identity.
+  auto handle = [&](const std::vector<std::vector<std::uint8_t>>& frames, bool truncated) {
+    const std::vector<std::uint8_t>& identity = frames[0];
+    const sidechannel::AuthNonce nonce =
+        frames.size() >= 2 ? ClaimedNonce(frames[1]) : sidechannel::AuthNonce{};
+    if (truncated) {
+      refuse(identity, nonce,
+             Status::ResourceExhausted(
+                 "message: expected two frames, [authentication header][JSON]; found more"),
+             nullptr);
+      return;
+    }
+    if (frames.size() != 3) {
+      refuse(identity, nonce,
+             Status::InvalidArgument(
+                 "message: expected two frames, [authentication header][JSON]; found " +
+                 std::to_string(frames.size() - 1)),
+             nullptr);
+      return;
+    }
+    Result<sidechannel::AuthHeader> auth =
+        sidechannel::VerifyMessage(c.secret, sidechannel::AuthKind::kRequest, frames[1], frames[2],
+                                   sidechannel::AuthNonce{}, kControlMaxClockSkew);
+    if (!auth.ok()) {
+      refuse(identity, nonce, auth.status(), nullptr);
+      return;
+    }
+    if (!replay.Accept(*auth)) {
+      refuse(identity, nonce,
+             Status::Unauthenticated("replayed message: this nonce was already accepted"), nullptr);
+      return;
+    }
+    ParsedControlRequest parsed = ParseControlRequest(frames[2], max_prompt_tokens);
+    if (!parsed.status.ok()) {
+      refuse(identity, nonce, parsed.status, &parsed.request);
+      return;
+    }
+    ControlRequest& r = parsed.request;
+    switch (r.op) {
+      case ControlOp::kGenerate: {
+        if (reply_to.count(*r.request_id) != 0) {
+          refuse(identity, nonce,
+                 Status::InvalidArgument("request_id: \"" + *r.request_id +
+                                         "\" is already in flight on this instance; expected a "
+                                         "new id"),
+                 &r);
+          return;
+        }
+        reply_to[*r.request_id] = {identity, nonce};
+        (*instance)->Submit({*r.request_id, std::move(r.prompt), std::move(r.params)});
+        return;
+      }
+      case ControlOp::kAbort:
+        // No reply of its own: the request's generate reply says how it ended.
+        (*instance)->Abort(*r.request_id);
+        return;
+      case ControlOp::kStats: {
+        const engine::InstanceStats s = (*instance)->Stats();
+        reply(identity, nonce,
+              {{"ok", true},
+               {"used_blocks", s.used_blocks},
+               {"cached_blocks", s.cached_blocks},
+               {"holds", s.holds},
+               {"loads_outstanding", s.loads_outstanding},
+               {"bytes_read", s.bytes_read},
+               {"requests_done", s.requests_done},
+               {"requests_failed", s.requests_failed},
+               {"requests_aborted", s.requests_aborted},
+               {"control_refused", refusals.count()},
+               {"transfer_p50_us", s.transfer_p50_us},
+               {"transfer_p99_us", s.transfer_p99_us}});
+        return;
+      }
+      case ControlOp::kShutdown:
+        reply(identity, nonce, {{"ok", true}});
+        running = false;
+        return;
+      case ControlOp::kUnknown:
+        return;  // ParseControlRequest refuses unknown ops
+    }
+  };
+
   while (running) {
     // With --exit-on-stdin-eof (kvferry demo passes it) the instance ends with its parent.
     zmq_pollitem_t items[2] = {{control.get(), 0, ZMQ_POLLIN, 0},
@@ -119,67 +268,37 @@ int RunServe(const ServeArgs& a) {
         break;
       }
     }
-    for (;;) {
+    while (running) {
       int events = 0;
       std::size_t len = sizeof(events);
       zmq_getsockopt(control.get(), ZMQ_EVENTS, &events, &len);
       if ((events & ZMQ_POLLIN) == 0) break;
       std::vector<std::vector<std::uint8_t>> frames;
       bool truncated = false;
-      if (!sidechannel::RecvFrames(control.get(), &frames, 2, 64 << 20, &truncated).ok() ||
-          frames.size() != 2) {
-        continue;
+      if (!sidechannel::RecvFrames(control.get(), &frames, 3, kMaxControlFrameBytes, &truncated)
+               .ok() ||
+          frames.empty()) {
+        continue;  // nothing to answer: no identity
       }
-      const Json req = Json::parse(frames[1].begin(), frames[1].end(), nullptr, false);
-      if (req.is_discarded() || !req.is_object()) {
-        reply(frames[0], {{"error", "expected a JSON object"}});
-        continue;
-      }
-      const std::string op = req.value("op", "");
-      if (op == "generate") {
-        engine::EngineRequest r;
-        r.request_id = req.value("request_id", "");
-        r.prompt = req.value("prompt", std::vector<std::int32_t>{});
-        r.params = ParamsFromJson(req.value("kv_transfer_params", Json::object()));
-        reply_to[r.request_id] = frames[0];
-        (*instance)->Submit(std::move(r));
-      } else if (op == "abort") {
-        // No reply of its own: the request's generate reply says how it ended.
-        (*instance)->Abort(req.value("request_id", ""));
-      } else if (op == "stats") {
-        const engine::InstanceStats s = (*instance)->Stats();
-        reply(frames[0], {{"used_blocks", s.used_blocks},
-                          {"cached_blocks", s.cached_blocks},
-                          {"holds", s.holds},
-                          {"loads_outstanding", s.loads_outstanding},
-                          {"bytes_read", s.bytes_read},
-                          {"requests_done", s.requests_done},
-                          {"requests_failed", s.requests_failed},
-                          {"requests_aborted", s.requests_aborted},
-                          {"transfer_p50_us", s.transfer_p50_us},
-                          {"transfer_p99_us", s.transfer_p99_us}});
-      } else if (op == "shutdown") {
-        reply(frames[0], {{"ok", true}});
-        running = false;
-      } else {
-        reply(frames[0], {{"error", "unknown op '" + op + "'"}});
-      }
+      handle(frames, truncated);
     }
     for (const engine::EngineResult& r : (*instance)->Step()) {
       auto it = reply_to.find(r.request_id);
       if (it == reply_to.end()) continue;
-      reply(it->second, {{"request_id", r.request_id},
-                         {"ok", r.status.ok()},
-                         {"aborted", r.status.code() == StatusCode::kCancelled},
-                         {"error", r.status.ok() ? "" : r.status.ToString()},
-                         {"kv_transfer_params", ParamsToJson(r.params)},
-                         {"prefix_hit_blocks", r.prefix_hit_blocks},
-                         {"loaded_blocks", r.loaded_blocks},
-                         {"recomputed_blocks", r.recomputed_blocks},
-                         {"verified_bytes", r.verified_bytes},
-                         {"queue_ms", r.queue_ms},
-                         {"compute_ms", r.compute_ms},
-                         {"load_ms", r.load_ms}});
+      reply(it->second.identity, it->second.nonce,
+            {{"request_id", r.request_id},
+             {"ok", r.status.ok()},
+             {"aborted", r.status.code() == StatusCode::kCancelled},
+             {"code", StatusCodeName(r.status.code())},
+             {"error", r.status.ok() ? "" : r.status.ToString()},
+             {"kv_transfer_params", ParamsToJson(r.params)},
+             {"prefix_hit_blocks", r.prefix_hit_blocks},
+             {"loaded_blocks", r.loaded_blocks},
+             {"recomputed_blocks", r.recomputed_blocks},
+             {"verified_bytes", r.verified_bytes},
+             {"queue_ms", r.queue_ms},
+             {"compute_ms", r.compute_ms},
+             {"load_ms", r.load_ms}});
       reply_to.erase(it);
     }
   }
@@ -211,7 +330,15 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
   serve->add_option("--dp-rank", a->dp_rank, "DP rank")->capture_default_str();
   serve->add_option("--host", a->host, "Address to bind and advertise")->capture_default_str();
   serve->add_option("--base-port", a->base_port, "Side-channel base port")->capture_default_str();
-  serve->add_option("--control-port", a->control_port, "Proxy control port")->required();
+  serve
+      ->add_option("--control-port", a->control_port,
+                   "Proxy control port (0: any free port, named in the READY line)")
+      ->required()
+      ->check(CLI::Range(0, 65535));
+  serve
+      ->add_option("--control-host", a->control_host,
+                   "Address of the control socket; anything but loopback needs KVFERRY_SECRET")
+      ->capture_default_str();
   serve->add_option("--rank-table", a->rank_table,
                     "Global rank table (JSON; default DISAGGREGATED_PREFILL_RANK_TABLE_PATH)");
   serve->add_option("--visible-devices", a->visible_devices,

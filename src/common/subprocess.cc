@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 #include "common/errno_text.h"
@@ -37,7 +38,17 @@ Result<Subprocess> Subprocess::Spawn(const std::vector<std::string>& argv,
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  // Entries of `env` replace this process's variables of the same name (getenv takes the first).
+  auto overridden = [&env](std::string_view entry) {
+    const std::string_view name = entry.substr(0, entry.find('=') + 1);
+    for (const std::string& e : env) {
+      if (std::string_view(e).substr(0, e.find('=') + 1) == name) return true;
+    }
+    return false;
+  };
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!overridden(*e)) env_strings.emplace_back(*e);
+  }
   env_strings.insert(env_strings.end(), env.begin(), env.end());
   std::vector<char*> envp;
   envp.reserve(env_strings.size() + 1);

@@ -16,8 +16,8 @@ namespace kvferry {
 /// two seconds, then kills it. Move-only. Not thread-safe.
 class Subprocess {
  public:
-  /// Starts argv[0] (a path) with `argv`; extra `env` entries ("NAME=value") are added to this
-  /// process's environment. stderr is inherited.
+  /// Starts argv[0] (a path) with `argv` and this process's environment, where `env` entries
+  /// ("NAME=value") are added or replace the variable of the same name. stderr is inherited.
   static Result<Subprocess> Spawn(const std::vector<std::string>& argv,
                                   const std::vector<std::string>& env = {});
   Subprocess(Subprocess&& other) noexcept;

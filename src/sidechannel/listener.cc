@@ -1,6 +1,5 @@
 #include "sidechannel/listener.h"
 
-#include <arpa/inet.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -12,22 +11,6 @@
 #include "common/log.h"
 
 namespace kvferry::sidechannel {
-namespace {
-
-bool IsLoopbackHost(const std::string& host) {
-  if (host == "localhost") return true;
-  unsigned char buf[16];
-  if (inet_pton(AF_INET, host.c_str(), buf) == 1) return buf[0] == 127;
-  if (inet_pton(AF_INET6, host.c_str(), buf) == 1) return host == "::1";
-  return false;
-}
-
-std::string Bracketed(const std::string& host) {
-  return host.find(':') != std::string::npos ? "[" + host + "]" : host;
-}
-
-}  // namespace
-
 int ListenerPort(const ListenerOptions& o) {
   return o.base_port + o.dp_rank * o.tp_size + o.tp_rank;
 }
@@ -61,7 +44,8 @@ Result<std::unique_ptr<Listener>> Listener::Start(const ListenerOptions& options
   if (options.bind_host.find(':') != std::string::npos) {
     KVFERRY_RETURN_IF_ERROR(router.SetInt(ZMQ_IPV6, 1));
   }
-  const std::string endpoint = "tcp://" + Bracketed(options.bind_host) + ":" + std::to_string(port);
+  const std::string endpoint =
+      "tcp://" + BracketedHost(options.bind_host) + ":" + std::to_string(port);
   if (zmq_bind(router.get(), endpoint.c_str()) != 0) {
     const int err = zmq_errno();
     return Status::Unavailable(

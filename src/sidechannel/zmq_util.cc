@@ -1,5 +1,7 @@
 #include "sidechannel/zmq_util.h"
 
+#include <arpa/inet.h>
+
 #include <cerrno>
 #include <cstring>
 
@@ -89,6 +91,18 @@ Status RecvFrames(void* socket, std::vector<std::vector<std::uint8_t>>* frames,
     zmq_msg_close(&msg);
     if (!more) return Status::Ok();
   }
+}
+
+bool IsLoopbackHost(const std::string& host) {
+  if (host == "localhost") return true;
+  unsigned char buf[16];
+  if (inet_pton(AF_INET, host.c_str(), buf) == 1) return buf[0] == 127;
+  if (inet_pton(AF_INET6, host.c_str(), buf) == 1) return host == "::1";
+  return false;
+}
+
+std::string BracketedHost(const std::string& host) {
+  return host.find(':') != std::string::npos ? "[" + host + "]" : host;
 }
 
 }  // namespace kvferry::sidechannel

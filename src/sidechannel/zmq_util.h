@@ -48,4 +48,11 @@ Status RecvFrames(void* socket, std::vector<std::vector<std::uint8_t>>* frames,
 
 std::string ZmqError();
 
+/// True for "localhost", 127.0.0.0/8 and ::1: addresses only this host can reach. Listeners
+/// without a shared secret bind to these only.
+bool IsLoopbackHost(const std::string& host);
+
+/// `host` as it goes into a ZeroMQ tcp endpoint: IPv6 literals in brackets.
+std::string BracketedHost(const std::string& host);
+
 }  // namespace kvferry::sidechannel

@@ -66,7 +66,7 @@ model=(--num-blocks 1024 --layers 4)
 start() {  # role ns ip: starts the instance (pid in $work/ROLE.pid) and waits until it is ready
   local before
   before=$(grep -c READY "$work/$1.log")  # counted first: the new one may be ready at once
-  ip netns exec "$2" "$kvferry" serve --role "$1" --tp 2 --host "$3" \
+  ip netns exec "$2" "$kvferry" serve --role "$1" --tp 2 --host "$3" --control-host "$3" \
     --base-port 7100 --control-port 7000 --rank-table "$work/ranktable.json" --transport tcp \
     --hold-lease-ms 4000 "${model[@]}" </dev/null >>"$work/$1.log" 2>&1 &
   echo $! >>"$work/pids"
