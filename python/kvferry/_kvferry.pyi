@@ -15,6 +15,10 @@ class UnauthenticatedError(Error): ...
 
 class CacheSpec:
     @staticmethod
+    def create(kind: str, layers: int, parts: list[tuple[str, int, int]], num_blocks: int,
+               tokens_per_block: int, dtype: str = ..., layout: str = ..., tp_size: int = ...,
+               tp_rank: int = ...) -> CacheSpec: ...
+    @staticmethod
     def mha(layers: int, kv_heads: int, head_dim: int, num_blocks: int, tokens_per_block: int,
             dtype: str = ..., tp_size: int = ..., tp_rank: int = ..., layout: str = ...) -> CacheSpec: ...
     @staticmethod
