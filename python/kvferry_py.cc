@@ -148,11 +148,13 @@ PYBIND11_MODULE(_kvferry, m) {
           [](const std::string& kind, int layers,
              const std::vector<std::tuple<std::string, std::int64_t, std::int64_t>>& parts,
              std::int64_t num_blocks, std::int64_t tokens_per_block, const std::string& dtype,
-             const std::string& layout, int tp_size, int tp_rank) {
+             const std::string& layout, int tp_size, int tp_rank,
+             const std::vector<std::int64_t>& fields) {
             CacheSpecOptions o;
             LayerSpec layer;
             layer.kind = Unwrap(ParseCacheKind(kind));
             for (const auto& [name, heads, dim] : parts) layer.parts.push_back({name, heads, dim});
+            layer.fields = fields;
             o.layers.assign(static_cast<std::size_t>(std::max(layers, 0)), layer);
             o.num_blocks = num_blocks;
             o.tokens_per_block = tokens_per_block;
@@ -162,10 +164,14 @@ PYBIND11_MODULE(_kvferry, m) {
             o.tp_rank = tp_rank;
             return MakeSpec(std::move(o));
           },
-          "Any uniform cache: parts are (name, model-wide heads, head_dim); names enter the hash.",
+          "Any uniform cache: parts are (name, model-wide heads, head_dim); names enter the hash. "
+          "fields: for kind 'mla_fused', the widths packed in each row (kv_lora_rank, "
+          "qk_rope_head_dim); they enter the hash.",
           py::arg("kind"), py::arg("layers"), py::arg("parts"), py::arg("num_blocks"),
           py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("layout") = "token_major",
-          py::arg("tp_size") = 1, py::arg("tp_rank") = 0)
+          py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
+          py::arg("fields") = std::vector<std::int64_t>{})
+      .def_property_readonly("fields", &CacheSpec::fields)
       .def_property_readonly("kind", [](const CacheSpec& s) { return CacheKindName(s.kind()); })
       .def_property_readonly("num_layers", &CacheSpec::num_layers)
       .def_property_readonly("num_parts", &CacheSpec::num_parts)

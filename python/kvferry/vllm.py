@@ -181,6 +181,12 @@ class _Settings:
         if model is not None and hasattr(model, "get_total_num_kv_heads"):
             self.total_kv_heads = int(model.get_total_num_kv_heads())
         self.use_mla = bool(_get(model, "use_mla", False))
+        # The fused MLA cache's row split, from the HF config as vLLM's MLA backends read it.
+        self.mla_split: Optional[tuple[int, int]] = None
+        hf = _get(model, "hf_text_config") or _get(model, "hf_config")
+        lora, rope = _get(hf, "kv_lora_rank"), _get(hf, "qk_rope_head_dim")
+        if self.use_mla and isinstance(lora, int) and isinstance(rope, int):
+            self.mla_split = (lora, rope)
 
     def worker_ranks(self) -> tuple[int, int]:
         """(tp_size, tp_rank) of this worker process: vLLM's parallel state where it is
@@ -336,10 +342,11 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             prefer_heads_first = bool(current_platform.is_cpu())
         except Exception:
             pass
-        reg = read_caches(kv_caches, s.block_size, s.total_kv_heads, tp_size, prefer_heads_first)
+        reg = read_caches(kv_caches, s.block_size, s.total_kv_heads, tp_size, prefer_heads_first,
+                          s.mla_split)
         spec = _kvferry.CacheSpec.create(reg.kind, len(reg.bases), reg.parts, reg.num_blocks,
                                          reg.tokens_per_block, reg.dtype, reg.layout, tp_size,
-                                         tp_rank)
+                                         tp_rank, list(reg.fields))
         if reg.kind == "mha" and reg.local_heads != spec.local_heads(0):
             raise _kvferry.InvalidArgumentError(
                 f"the cache tensors hold {reg.local_heads} KV heads per rank, but "

@@ -10,12 +10,15 @@ Accepted (see README, "Using kvferry from Python and vLLM"):
   * ``(2, num_blocks, block_size, heads, head_dim)`` (FlashAttention before the K/V-inner change)
     with NHD strides (token-major blocks) or HND strides (head-major blocks);
   * ``(2, num_blocks, heads, block_size, head_dim)``, vLLM's CPU backend (head-major blocks);
+  * ``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)`` contiguous, vLLM's MLA
+    backends: one ``mla_fused`` part whose split (from the model config) enters the hash;
   * per-layer tuples of contiguous parts: ``(K, V)`` each ``(num_blocks, block_size, heads,
     head_dim)``, ``(latent, rope)`` or ``(latent, rope, indexer)`` each
     ``(num_blocks, block_size, dim)`` (vllm-ascend);
   * dtypes fp16, bf16, fp32 and the 1-byte fp8 caches (uint8, int8, float8_e4m3fn, float8_e5m2).
 Refused, naming what was found: tensors not in host memory, K and V interleaved inside a block
-(``(num_blocks, 2, ...)``), MLA as one fused tensor, any other shape or stride pattern.
+(``(num_blocks, 2, ...)``), a fused MLA tensor without the model's kv_lora_rank and
+qk_rope_head_dim or whose width disagrees with them, any other shape or stride pattern.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class CacheLayoutError(_kvferry.NotSupportedError):  # type: ignore[misc, valid-
 class Registration:
     """What register_kv_caches hands the native worker."""
 
-    kind: str  # "mha", "mla", "sparse_mla"
+    kind: str  # "mha", "mla", "sparse_mla", "mla_fused"
     layout: str  # "token_major" or "head_major"
     dtype: str
     parts: list[tuple[str, int, int]]  # (name, model-wide heads, head_dim) per part
@@ -80,6 +83,7 @@ class Registration:
     local_heads: int  # KV heads per part on this rank (1 for MLA parts)
     bases: list[list[int]]  # [unique layer][part]
     layer_names: list[str]  # one name per unique tensor (layers sharing a tensor: the first)
+    fields: tuple[int, ...] = ()  # mla_fused: (kv_lora_rank, qk_rope_head_dim)
 
 
 def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
@@ -171,9 +175,11 @@ def _contiguous(info: TensorInfo) -> bool:
 
 
 def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Optional[int],
-                tp_size: int, prefer_heads_first: bool) -> Registration:
+                tp_size: int, prefer_heads_first: bool,
+                mla_split: Optional[tuple[int, int]] = None) -> Registration:
     """Reads every layer's tensors. `block_size` is vLLM's logical block size; `total_kv_heads`
-    the model's (None: this rank's heads times tp_size, no replication)."""
+    the model's (None: this rank's heads times tp_size, no replication); `mla_split` the model's
+    (kv_lora_rank, qk_rope_head_dim) when it is an MLA model (None otherwise)."""
     if not kv_caches:
         raise _kvferry.InvalidArgumentError("register_kv_caches got no layers")
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
@@ -189,7 +195,7 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
         if key in seen:  # a layer sharing another's tensor: registered once
             continue
         g, layer_bases = _read_layer(name, infos, block_size, total_kv_heads, tp_size,
-                                     prefer_heads_first)
+                                     prefer_heads_first, mla_split)
         if geometry is None:
             geometry = g
         elif g != geometry:
@@ -201,12 +207,14 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
         names.append(name)
     assert geometry is not None
     kind, layout, dtype, parts, num_blocks, local_heads = geometry
+    fields = tuple(mla_split) if kind == "mla_fused" and mla_split else ()
     return Registration(kind, layout, dtype, list(parts), num_blocks, block_size, local_heads,
-                        bases, names)
+                        bases, names, fields)
 
 
 def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
-                total_kv_heads: Optional[int], tp_size: int, prefer_heads_first: bool):
+                total_kv_heads: Optional[int], tp_size: int, prefer_heads_first: bool,
+                mla_split: Optional[tuple[int, int]] = None):
     first = infos[0]
     dtype, tag = _dtype(name, first)
     for info in infos[1:]:
@@ -231,9 +239,7 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                 "K and V are interleaved inside each block (num_blocks, 2, ...); kvferry moves "
                 "each part as one region of whole blocks and cannot move this layout yet"))
         if len(s) == 3:
-            raise _refuse(name, first, (
-                "MLA as one fused (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim) "
-                "tensor is not supported yet; kvferry moves latent and rope as separate parts"))
+            return _fused_mla(name, first, block_size, mla_split, suffix, dtype)
         raise _refuse(name, first, "not a KV cache layout kvferry knows (see the README)")
     # vllm-ascend: a tuple of contiguous parts per layer.
     for info in infos:
@@ -267,3 +273,26 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
         kind = "mla" if len(infos) == 2 else "sparse_mla"
         return (kind, "token_major", dtype, parts, first.shape[0], 1), [i.address for i in infos]
     raise _refuse(name, first, f"{len(infos)} parts per layer in a layout kvferry does not know")
+
+
+def _fused_mla(name: str, info: TensorInfo, block_size: int,
+               mla_split: Optional[tuple[int, int]], suffix: str, dtype: str):
+    """vLLM's MLA cache: (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim), each token's
+    row holding latent then rope. Moved as one replicated part of whole blocks; the split comes
+    from the model config and enters the compatibility hash."""
+    if mla_split is None:
+        raise _refuse(name, info, (
+            "a 3-D tensor is vLLM's fused MLA cache (num_blocks, block_size, kv_lora_rank + "
+            "qk_rope_head_dim), but the model config gives no kv_lora_rank and "
+            "qk_rope_head_dim (model_config.use_mla with hf_text_config.kv_lora_rank and "
+            "qk_rope_head_dim)"))
+    lora, rope = mla_split
+    if info.shape[2] != lora + rope:
+        raise _refuse(name, info, (
+            f"the row width {info.shape[2]} is not kv_lora_rank {lora} + qk_rope_head_dim "
+            f"{rope} = {lora + rope} from the model config"))
+    if not _contiguous(info):
+        raise _refuse(name, info, "a fused MLA cache must be contiguous")
+    nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size, False)
+    parts = (("latent_rope" + suffix, 1, lora + rope),)
+    return ("mla_fused", "token_major", dtype, parts, nblocks, 1), [info.address]

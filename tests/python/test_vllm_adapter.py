@@ -18,14 +18,21 @@ from common import free_port
 BS, HEADS, DIM, NB, LAYERS = 4, 2, 8, 16, 2
 
 
-def config(role, port, extra=None, tp=1, heads=HEADS, block_size=BS, policy=None):
+def config(role, port, extra=None, tp=1, heads=HEADS, block_size=BS, policy=None, mla=None):
+    """vLLM's config as connectors read it; `mla` = (kv_lora_rank, qk_rope_head_dim) for an MLA
+    model (vLLM reads both from the HF config)."""
+    model = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: heads)
+    if mla is not None:
+        model = SimpleNamespace(use_mla=True, get_total_num_kv_heads=lambda: 1,
+                                hf_text_config=SimpleNamespace(kv_lora_rank=mla[0],
+                                                               qk_rope_head_dim=mla[1]))
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
             kv_role=role, engine_id=f"{role}-{port}", kv_load_failure_policy=policy,
             kv_connector_extra_config=dict({"base_port": port}, **(extra or {}))),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0),
         cache_config=SimpleNamespace(block_size=block_size),
-        model_config=SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: heads))
+        model_config=model)
 
 
 class Blocks:
@@ -114,6 +121,13 @@ def ascend_tuple(dtype=np.float32):  # vllm-ascend: (K, V) per layer
     return tuple(np.zeros((NB, BS, HEADS, DIM), dtype=dtype) for _ in range(2))
 
 
+LORA, ROPE = 24, 8  # a small kv_lora_rank + qk_rope_head_dim
+
+
+def mla_fused(dtype=np.float32):  # vLLM's MLA backends: (num_blocks, block_size, lora + rope)
+    return np.zeros((NB, BS, LORA + ROPE), dtype=dtype)
+
+
 def fill_random(cache, seed):
     rng = np.random.default_rng(seed)
     for part in (cache if isinstance(cache, tuple) else [cache]):
@@ -125,16 +139,20 @@ def block_view(cache, block):
     """Logical contents of one block, every part: what must arrive byte for byte."""
     if isinstance(cache, tuple):
         return np.stack([p[block] for p in cache]).view(np.uint8)
+    if cache.ndim == 3:  # fused MLA: blocks outermost
+        return np.ascontiguousarray(cache[block]).view(np.uint8)
     return np.ascontiguousarray(cache[:, block]).view(np.uint8)
 
 
-def transfer(make, dtype=np.float32, p_make=None, expect_release=True, wrap=lambda c: c):
+def transfer(make, dtype=np.float32, p_make=None, expect_release=True, wrap=lambda c: c,
+             p_kw=None, d_kw=None):
     """Prefill holds request r-1's blocks; decode loads them as vLLM drives both sides."""
     pport, dport = free_port(), free_port()
-    p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "SCHEDULER")
-    p_work = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "WORKER")
-    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport), "SCHEDULER")
-    d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", dport), "WORKER")
+    p_kw, d_kw = p_kw or {}, d_kw or {}
+    p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport, **p_kw), "SCHEDULER")
+    p_work = kvferry.vllm.KvferryConnector(config("kv_producer", pport, **p_kw), "WORKER")
+    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, **d_kw), "SCHEDULER")
+    d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, **d_kw), "WORKER")
     p_caches = {f"l{i}": (p_make or make)(dtype) for i in range(LAYERS)}
     d_caches = {f"l{i}": make(dtype) for i in range(LAYERS)}
     for i, c in enumerate(p_caches.values()):
@@ -186,6 +204,37 @@ def test_torch_tensors_move_every_byte(make):
     for name in p:
         for r, l in zip(remote, local):
             np.testing.assert_array_equal(block_view(d[name], l), block_view(p[name], r))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.uint8], ids=["fp16", "fp8"])
+def test_fused_mla_moves_every_byte(dtype):
+    p, d, remote, local, errors = transfer(mla_fused, dtype, p_kw={"mla": (LORA, ROPE)},
+                                           d_kw={"mla": (LORA, ROPE)})
+    assert errors == set()
+    for name in p:
+        for r, l in zip(remote, local):
+            np.testing.assert_array_equal(block_view(d[name], l), block_view(p[name], r))
+    reg = geometry_of(mla_fused, mla=(LORA, ROPE))
+    assert (reg.kind, reg.fields, reg.parts) == ("mla_fused", (LORA, ROPE),
+                                                 [("latent_rope", 1, LORA + ROPE)])
+
+
+def test_fused_mla_with_another_split_is_refused_not_corrupted():
+    # Same row width (32), different split: the compatibility hash differs, no byte moves.
+    p, d, remote, local, errors = transfer(mla_fused, p_kw={"mla": (LORA, ROPE)},
+                                           d_kw={"mla": (LORA - 8, ROPE + 8)},
+                                           expect_release=False)
+    assert errors == set(local)
+    for name in d:
+        assert not d[name].any()
+
+
+def test_fused_mla_needs_the_split_from_the_model_config():
+    with pytest.raises(CacheLayoutError, match="kv_lora_rank") as e:
+        geometry_of(mla_fused)  # use_mla False: no split
+    assert "(16, 4, 32)" in str(e.value)
+    with pytest.raises(CacheLayoutError, match="row width 32 is not kv_lora_rank 24"):
+        geometry_of(mla_fused, mla=(LORA, ROPE + 1))
 
 
 def test_nhd_against_hnd_is_refused_not_corrupted():
@@ -365,3 +414,50 @@ def test_contract_details():
     s = kvferry.vllm.KvferryConnector.build_kv_connector_stats({"bytes_read": 5})
     s.aggregate(kvferry.vllm.KvferryConnector.build_kv_connector_stats({"bytes_read": 7}))
     assert s.reduce()["bytes_read"] == 12 and not s.is_empty()
+
+
+def test_finished_req_ids_abort_a_load_in_flight():
+    """vLLM lists a request in finished_req_ids when it finishes it (client abort) while its load
+    runs: the adapter cancels the native load at once, reports the request once in
+    finished_recving, and reports none of its blocks as load errors (nothing to recompute)."""
+    import socket
+    silent = socket.socket()  # accepts TCP, never speaks ZMTP: the handshake cannot finish
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        port = free_port()
+        d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", port), "SCHEDULER")
+        d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", port), "WORKER")
+        d_work.register_kv_caches({"l0": fa_nhd()})
+        params = dict(GOOD, remote_port=silent.getsockname()[1], remote_block_ids=[1, 2])
+        dreq = request("d-7", params, 2 * BS)
+        assert d_sched.get_num_new_matched_tokens(dreq, 0) == (2 * BS, True)
+        d_sched.update_state_after_alloc(dreq, Blocks([3, 4]), 2 * BS)
+        d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+        d_work.start_load_kv(None)
+        native, aborted, codes = d_work._worker, [], []
+
+        class Recorder:
+            def __getattr__(self, name):
+                return getattr(native, name)
+
+            def abort_load(self, rid, why):
+                aborted.append(rid)
+                return native.abort_load(rid, why)
+
+            def take_load_errors(self):
+                errors = native.take_load_errors()
+                codes.extend((e["request_id"], e["code"]) for e in errors)
+                return errors
+
+        d_work._worker = Recorder()
+        got = d_work.get_finished({"d-7"})[1] or poll(lambda: d_work.get_finished(set())[1],
+                                                       "the aborted load")
+        assert aborted == ["d-7"]
+        assert got == {"d-7"}
+        # Cancelled, not the handshake's timeout: the abort reached the load.
+        assert codes == [("d-7", "Cancelled")]
+        assert d_work.get_block_ids_with_load_errors() == set()
+        assert d_work.get_finished(set()) == (None, None)  # reported once
+    finally:
+        silent.close()
