@@ -1,11 +1,14 @@
 // kvferry's Python module (_kvferry): the connector's scheduler and worker, the cache spec, the
 // rank table. Every call that may block releases the GIL. Errors become Python exceptions through
-// one mapping function, ThrowIfError.
+// one mapping function, ThrowIfError, which must run with the GIL held: a call that releases it
+// keeps its Status or Result and converts it after the release scope ends.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvferry/cache_spec.h"
@@ -140,6 +143,35 @@ PYBIND11_MODULE(_kvferry, m) {
           py::arg("layers"), py::arg("latent_dim"), py::arg("rope_dim"), py::arg("indexer_dim"),
           py::arg("num_blocks"), py::arg("tokens_per_block"), py::arg("dtype") = "bf16",
           py::arg("tp_size") = 1, py::arg("tp_rank") = 0)
+      .def_static(
+          "create",
+          [](const std::string& kind, int layers,
+             const std::vector<std::tuple<std::string, std::int64_t, std::int64_t>>& parts,
+             std::int64_t num_blocks, std::int64_t tokens_per_block, const std::string& dtype,
+             const std::string& layout, int tp_size, int tp_rank,
+             const std::vector<std::int64_t>& fields) {
+            CacheSpecOptions o;
+            LayerSpec layer;
+            layer.kind = Unwrap(ParseCacheKind(kind));
+            for (const auto& [name, heads, dim] : parts) layer.parts.push_back({name, heads, dim});
+            layer.fields = fields;
+            o.layers.assign(static_cast<std::size_t>(std::max(layers, 0)), layer);
+            o.num_blocks = num_blocks;
+            o.tokens_per_block = tokens_per_block;
+            o.dtype = Unwrap(ParseDType(dtype));
+            o.layout = Unwrap(ParseBlockLayout(layout));
+            o.tp_size = tp_size;
+            o.tp_rank = tp_rank;
+            return MakeSpec(std::move(o));
+          },
+          "Any uniform cache: parts are (name, model-wide heads, head_dim); names enter the hash. "
+          "fields: for kind 'mla_fused', the widths packed in each row (kv_lora_rank, "
+          "qk_rope_head_dim); they enter the hash.",
+          py::arg("kind"), py::arg("layers"), py::arg("parts"), py::arg("num_blocks"),
+          py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("layout") = "token_major",
+          py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
+          py::arg("fields") = std::vector<std::int64_t>{})
+      .def_property_readonly("fields", &CacheSpec::fields)
       .def_property_readonly("kind", [](const CacheSpec& s) { return CacheKindName(s.kind()); })
       .def_property_readonly("num_layers", &CacheSpec::num_layers)
       .def_property_readonly("num_parts", &CacheSpec::num_parts)
@@ -266,8 +298,13 @@ PYBIND11_MODULE(_kvferry, m) {
                ThrowIfError(Status::InvalidArgument(
                    "failure_policy must be 'recompute' or 'fail', found '" + failure_policy + "'"));
              }
-             py::gil_scoped_release release;
-             return Unwrap(Worker::Create(std::move(c)));
+             // Errors become exceptions only with the GIL held: PyErr_SetString without it
+             // crashes the interpreter.
+             Result<std::unique_ptr<Worker>> worker = [&] {
+               py::gil_scoped_release release;
+               return Worker::Create(std::move(c));
+             }();
+             return Unwrap(std::move(worker));
            }),
            py::arg("role"), py::arg("engine_id"), py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
            py::arg("dp_rank") = 0, py::arg("host") = "127.0.0.1", py::arg("base_port") = 5557,

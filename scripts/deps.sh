@@ -18,6 +18,7 @@ PACKAGES=(
   gnuplot-nox                          # bench e2e --chart
   pybind11-dev python3-dev             # the Python module
   python3-pytest python3-numpy         # its tests
+  python3-torch                        # vLLM adapter tests with real (CPU) torch tensors
   iproute2 nftables                    # two-host tests: namespaces, tbf, packet loss
 )
 

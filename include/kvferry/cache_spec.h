@@ -38,10 +38,14 @@ enum class CacheKind : std::uint8_t {
   kMla = 1,
   /// Sparse MLA: latent, rope and indexer parts, replicated on every TP rank.
   kSparseMla = 2,
+  /// MLA with latent and rope fused in one row per token (vLLM's
+  /// `(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)` tensor): one part whose
+  /// `fields` name the two widths, replicated on every TP rank.
+  kMlaFused = 3,
 };
-const char* CacheKindName(CacheKind kind);  // "mha", "mla", "sparse_mla"
+const char* CacheKindName(CacheKind kind);  // "mha", "mla", "sparse_mla", "mla_fused"
 Result<CacheKind> ParseCacheKind(std::string_view name);
-/// Number of parts a layer of this kind has: 2, 2, 3.
+/// Number of parts a layer of this kind has: 2, 2, 3, 1.
 std::size_t CacheKindParts(CacheKind kind);
 
 /// Which axis is outermost inside one block of one part.
@@ -69,6 +73,10 @@ struct PartSpec {
 struct LayerSpec {
   CacheKind kind = CacheKind::kMha;
   std::vector<PartSpec> parts;
+  /// kMlaFused only (required there, empty for every other kind): the widths of the fields
+  /// packed side by side in each row of its one part, {kv_lora_rank, qk_rope_head_dim}, summing
+  /// to the part's head_dim. Part of the compatibility hash: 512+64 and 448+128 rows do not mix.
+  std::vector<std::int64_t> fields;
 
   friend bool operator==(const LayerSpec&, const LayerSpec&) = default;
 };
@@ -84,6 +92,14 @@ struct CacheSpecOptions {
   /// The TP group this cache belongs to: MHA heads are split across it.
   int tp_size = 1;
   int tp_rank = 0;
+  /// Bytes from the start of one block of a part to the start of the next, one entry per part;
+  /// empty means every part is packed (stride = BlockBytes). A stride larger than the block lets
+  /// parts interleave block by block inside one tensor: vLLM's `(num_blocks, 2, block_size,
+  /// heads, head_dim)` has stride 2 * BlockBytes for K and V, V's base one block after K's. Each
+  /// stride must be at least BlockBytes(part) and a multiple of the element size. A property of
+  /// this side's memory only: not in the compatibility hash, and the two sides of a transfer may
+  /// use different strides.
+  std::vector<std::int64_t> block_strides;
 };
 
 /// SHA-256 digest of the fields both sides of a transfer must agree on.
@@ -95,7 +111,9 @@ using CompatibilityHash = std::array<std::uint8_t, 32>;
 class CacheSpec {
  public:
   /// Validates: at least one layer; part count matching the kind; all sizes positive; every layer
-  /// equal to layer 0; heads divisible across the TP group; no 64-bit overflow in any byte count.
+  /// equal to layer 0; heads divisible across the TP group; fields present exactly for kMlaFused
+  /// (two, summing to head_dim); block strides as documented on CacheSpecOptions; no 64-bit
+  /// overflow in any byte count.
   static Result<CacheSpec> Create(CacheSpecOptions options);
 
   /// Shorthands for uniform models.
@@ -110,12 +128,18 @@ class CacheSpec {
                                      std::int64_t indexer_dim, std::int64_t num_blocks,
                                      std::int64_t tokens_per_block, DType dtype, int tp_size = 1,
                                      int tp_rank = 0);
+  /// kMlaFused: one part "latent_rope" of head_dim latent_dim + rope_dim, fields {latent, rope}.
+  static Result<CacheSpec> MlaFused(int num_layers, std::int64_t latent_dim, std::int64_t rope_dim,
+                                    std::int64_t num_blocks, std::int64_t tokens_per_block,
+                                    DType dtype, int tp_size = 1, int tp_rank = 0);
 
   const CacheSpecOptions& options() const { return options_; }
   int num_layers() const { return static_cast<int>(options_.layers.size()); }
   CacheKind kind() const { return options_.layers.front().kind; }
   /// The parts of every layer (they all agree).
   const std::vector<PartSpec>& parts() const { return options_.layers.front().parts; }
+  /// kMlaFused: the widths packed in each row of its part (LayerSpec::fields); else empty.
+  const std::vector<std::int64_t>& fields() const { return options_.layers.front().fields; }
   int num_parts() const { return static_cast<int>(parts().size()); }
   std::int64_t num_blocks() const { return options_.num_blocks; }
   std::int64_t tokens_per_block() const { return options_.tokens_per_block; }
@@ -129,16 +153,23 @@ class CacheSpec {
   std::int64_t FirstLocalHead(int part) const;
   /// Bytes of one block of one part on this rank.
   std::int64_t BlockBytes(int part) const { return block_bytes_[static_cast<std::size_t>(part)]; }
-  /// Bytes of one part of one layer: num_blocks * BlockBytes(part).
+  /// Bytes from the start of one block of `part` to the start of the next.
+  std::int64_t BlockStride(int part) const {
+    return block_strides_[static_cast<std::size_t>(part)];
+  }
+  /// Extent of one part of one layer, from its base to the end of its last block:
+  /// (num_blocks - 1) * BlockStride(part) + BlockBytes(part); num_blocks * BlockBytes(part) when
+  /// packed. Interleaved parts' extents overlap; their blocks do not.
   std::int64_t PartBytes(int part) const { return part_bytes_[static_cast<std::size_t>(part)]; }
-  /// Bytes of the whole cache on this rank.
+  /// Bytes of cache data on this rank: layers * num_blocks * the sum of BlockBytes.
   std::int64_t TotalBytes() const { return total_bytes_; }
   /// Alignment every part's base address must have: the element size.
   std::int64_t RequiredAlignment() const { return DTypeSize(options_.dtype); }
 
   /// Hash of the model-level geometry: kind, layers, parts (names, model-wide heads, dims),
-  /// tokens per block, dtype and layout. Block counts and TP placement are not in it: two sides
-  /// with different cache sizes or TP sizes can still exchange blocks.
+  /// fused fields, tokens per block, dtype and layout. Block counts, block strides and TP placement
+  /// are not in it: two sides with different cache sizes, memory layouts of whole blocks or TP
+  /// sizes can still exchange blocks.
   CompatibilityHash Hash() const;
   /// The exact text that Hash() digests; also a readable one-line summary.
   std::string CanonicalText() const;
@@ -148,7 +179,8 @@ class CacheSpec {
            a.options_.num_blocks == b.options_.num_blocks &&
            a.options_.tokens_per_block == b.options_.tokens_per_block &&
            a.options_.dtype == b.options_.dtype && a.options_.layout == b.options_.layout &&
-           a.options_.tp_size == b.options_.tp_size && a.options_.tp_rank == b.options_.tp_rank;
+           a.options_.tp_size == b.options_.tp_size && a.options_.tp_rank == b.options_.tp_rank &&
+           a.block_strides_ == b.block_strides_;
   }
 
  private:
@@ -156,6 +188,7 @@ class CacheSpec {
 
   CacheSpecOptions options_;
   std::vector<std::int64_t> block_bytes_;
+  std::vector<std::int64_t> block_strides_;
   std::vector<std::int64_t> part_bytes_;
   std::int64_t total_bytes_ = 0;
 };
@@ -175,7 +208,9 @@ struct HeadRange {
 HeadRange SplitHeads(std::int64_t model_heads, int tp_size, int rank);
 
 /// The base address of every part of every layer of one registered cache, checked against its
-/// spec: non-null, aligned to the element size, and no two parts overlapping.
+/// spec: non-null, aligned to the element size, and no two blocks of different parts sharing a
+/// byte. Parts with equal block strides may interleave (each block of one in the gap between
+/// blocks of the other); parts with different strides must not share any byte of their extents.
 class CacheAddresses {
  public:
   /// `bases[layer][part]`; each region is spec.PartBytes(part) long.

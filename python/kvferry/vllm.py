@@ -1,53 +1,89 @@
-"""kvferry as a vLLM KV connector.
+"""kvferry as a vLLM KV connector (KVConnectorBase_V1).
 
-Use it with vLLM's disaggregated serving by passing, on both instances::
+Use it with vLLM's disaggregated serving by passing, on both instances, one configuration for all
+ranks (TP/DP ranks come from vLLM's parallel state, cache geometry from the tensors)::
 
     --kv-transfer-config '{"kv_connector": "KvferryConnector",
                            "kv_connector_module_path": "kvferry.vllm",
                            "kv_role": "kv_producer",          # kv_consumer on the decode side
                            "engine_id": "prefill-0",
+                           "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"base_port": 5557, "host": "10.0.0.1",
                                                          "secret": "...", "transport": "auto"}}'
 
-The class has the method set of vLLM's KVConnectorBase_V1 and subclasses it when vLLM is
-importable; without vLLM it works standalone (the tests drive it with plain objects and numpy
-arrays). Settings come from kv_connector_extra_config, then from the reference connector's
-environment variables (VLLM_ASCEND_LLMDD_RPC_IP, VLLM_ASCEND_LLMDD_RPC_PORT,
+The class subclasses KVConnectorBase_V1 when vLLM is importable; without vLLM it works
+standalone (the tests drive it as vLLM's scheduler and one-process-per-rank workers do). Extra
+settings come from kv_connector_extra_config, then from the reference connector's environment
+variables (VLLM_ASCEND_LLMDD_RPC_IP, VLLM_ASCEND_LLMDD_RPC_PORT,
 DISAGGREGATED_PREFILL_RANK_TABLE_PATH, ASCEND_RT_VISIBLE_DEVICES) and KVFERRY_SECRET.
+
+Contract kept towards vLLM: no scheduler hook raises on request input (bad kv_transfer_params are
+logged once and mean "no remote KV"); finished_recving holds only requests vLLM handed over as
+loads; finished_sending only requests vLLM has finished.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
 
 from . import _kvferry
+from .vllm_layout import read_caches
 
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
         KVConnectorBase_V1 as _Base,
         KVConnectorMetadata as _MetaBase,
-        KVConnectorRole as _Role,
     )
 except Exception:  # vLLM absent: standalone
     _Base = object
     _MetaBase = object
-    _Role = None
+try:  # pragma: no cover - depends on the vLLM version
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore
+        KVConnectorStats as _StatsBase,
+    )
+except Exception:
+    _StatsBase = object
 
-SCHEDULER = "scheduler"
-WORKER = "worker"
+logger = logging.getLogger("kvferry.vllm")
 
-_DTYPES = {
-    "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
-    "int8": "int8", "int32": "int32", "int64": "int64", "uint16": "bf16",
-}
+_MAX_ID_BYTES = 1024  # the wire format's bound on request, engine and host names
+_MAX_BLOCKS = 1 << 22
+_MAX_TP = 1 << 16
+_STAT_COUNTERS = ("bytes_read", "reads", "merged_runs", "loads_done", "loads_failed",
+                  "handshakes", "failures")
 
 
 class KvferryConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
-    """The scheduler's per-step metadata, as bytes (picklable, shipped to worker processes)."""
+    """The scheduler's per-step metadata (picklable, shipped to worker processes): the native
+    metadata as bytes, and the requests whose loads vLLM waits for in finished_recving."""
 
-    def __init__(self, data: bytes = b""):
+    def __init__(self, data: bytes = b"", awaited: tuple[str, ...] = ()):
         self.data = data
+        self.awaited = tuple(awaited)
+
+
+class KvferryConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
+    """kvferry's worker counters for one interval, summed over workers (vLLM's KVConnectorStats
+    contract: data, reset, aggregate, reduce, is_empty)."""
+
+    def __init__(self, data: Optional[dict] = None):
+        self.data = dict(data or {})
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: "KvferryConnectorStats") -> "KvferryConnectorStats":
+        for key, value in (getattr(other, "data", None) or {}).items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -58,10 +94,50 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
-def _role_name(role: Any) -> str:
-    name = getattr(role, "name", role)
-    name = str(name).lower()
-    return SCHEDULER if "scheduler" in name else WORKER
+def _is_scheduler(role: Any) -> bool:
+    return "scheduler" in str(getattr(role, "name", role)).lower()
+
+
+def _int(value: Any) -> Optional[int]:
+    """An int that is not a bool; None for anything else."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _name(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value.encode()) <= _MAX_ID_BYTES
+
+
+def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
+    """The load a request's kv_transfer_params ask for, normalised to what kvferry's scheduler
+    takes, and "" ; or (None, why) when they ask for none ("" why) or are unusable. Accepts
+    NixlConnector's shapes too: `tp_size` for remote_tp_size, remote_block_ids as one group."""
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None, ""
+    blocks = params.get("remote_block_ids")
+    if (isinstance(blocks, (list, tuple)) and len(blocks) == 1
+            and isinstance(blocks[0], (list, tuple))):
+        blocks = blocks[0]  # NixlConnector's hybrid allocator: a tuple of one group
+    if not isinstance(blocks, (list, tuple)) or len(blocks) > _MAX_BLOCKS or any(
+            _int(b) is None or not 0 <= b < (1 << 62) for b in blocks):
+        return None, "remote_block_ids must be a list of block ids"
+    tp = params.get("remote_tp_size", params.get("tp_size"))
+    port = _int(params.get("remote_port"))
+    out = {"do_remote_prefill": True, "remote_block_ids": list(blocks),
+           "remote_engine_id": params.get("remote_engine_id"),
+           "remote_host": params.get("remote_host"), "remote_port": port,
+           "remote_tp_size": _int(tp)}
+    if not _name(out["remote_engine_id"]) or not _name(out["remote_host"]):
+        return None, "remote_engine_id and remote_host must be non-empty strings"
+    if port is None or not 1 <= port <= 65535:
+        return None, "remote_port must be a port number"
+    if out["remote_tp_size"] is None or not 1 <= out["remote_tp_size"] <= _MAX_TP:
+        return None, "remote_tp_size (or tp_size) must be a positive TP size"
+    rid = params.get("remote_request_id")
+    if rid is not None:
+        if not _name(rid):
+            return None, "remote_request_id must be a non-empty string"
+        out["remote_request_id"] = rid
+    return out, ""
 
 
 class _Settings:
@@ -70,15 +146,21 @@ class _Settings:
     def __init__(self, vllm_config: Any):
         ktc = _get(vllm_config, "kv_transfer_config")
         extra = dict(_get(ktc, "kv_connector_extra_config", {}) or {})
+        self.extra = extra
         self.kv_role = _get(ktc, "kv_role", "kv_producer")
         if self.kv_role not in ("kv_producer", "kv_consumer"):
             raise _kvferry.InvalidArgumentError(
                 f"kv_role must be kv_producer (prefill) or kv_consumer (decode), found {self.kv_role!r}")
+        self.native_role = "prefill" if self.kv_role == "kv_producer" else "decode"
         self.engine_id = str(_get(ktc, "engine_id", "") or extra.get("engine_id", "kvferry-0"))
         parallel = _get(vllm_config, "parallel_config")
-        self.tp_size = int(extra.get("tp_size", _get(parallel, "tensor_parallel_size", 1)))
-        self.dp_rank = int(extra.get("dp_rank", _get(parallel, "data_parallel_rank_local", 0) or 0))
-        self.tp_rank = int(extra.get("tp_rank", 0))
+        self.tp_size = int(extra.get("tp_size", _get(parallel, "tensor_parallel_size", 1) or 1))
+        dp = None
+        for field in ("data_parallel_index", "data_parallel_rank", "data_parallel_rank_local"):
+            dp = _int(_get(parallel, field))
+            if dp is not None:
+                break
+        self.dp_rank = int(extra.get("dp_rank", dp or 0))
         self.host = extra.get("host", os.environ.get("VLLM_ASCEND_LLMDD_RPC_IP", "127.0.0.1"))
         self.base_port = int(extra.get("base_port", os.environ.get("VLLM_ASCEND_LLMDD_RPC_PORT", 5557)))
         self.secret = extra.get("secret", os.environ.get("KVFERRY_SECRET", ""))
@@ -94,20 +176,46 @@ class _Settings:
         self.server_id = extra.get("server_id", self.host)
         self.hold_lease_ms = int(extra.get("hold_lease_ms", 120000))
         self.transfer_timeout_ms = int(extra.get("transfer_timeout_ms", 30000))
-        self.failure_policy = extra.get("kv_load_failure_policy", "recompute")
-        self.num_kv_heads = extra.get("num_kv_heads")  # model-wide; else local heads * tp_size
-        self.layout = extra.get("block_layout", "token_major")
+        self.failure_policy = (_get(ktc, "kv_load_failure_policy")
+                               or extra.get("kv_load_failure_policy", "recompute"))
         cache = _get(vllm_config, "cache_config")
-        self.block_size = int(extra.get("block_size", _get(cache, "block_size", 16)))
+        self.block_size = int(_get(cache, "block_size", 16) or 16)
+        model = _get(vllm_config, "model_config")
+        self.total_kv_heads: Optional[int] = None
+        if model is not None and hasattr(model, "get_total_num_kv_heads"):
+            self.total_kv_heads = int(model.get_total_num_kv_heads())
+        self.use_mla = bool(_get(model, "use_mla", False))
+        # The fused MLA cache's row split, from the HF config as vLLM's MLA backends read it.
+        self.mla_split: Optional[tuple[int, int]] = None
+        hf = _get(model, "hf_text_config") or _get(model, "hf_config")
+        lora, rope = _get(hf, "kv_lora_rank"), _get(hf, "qk_rope_head_dim")
+        if self.use_mla and isinstance(lora, int) and isinstance(rope, int):
+            self.mla_split = (lora, rope)
 
-
-def _array_info(a: Any) -> tuple[int, tuple[int, ...], str]:
-    """(address, shape, dtype name) of a torch tensor or numpy array."""
-    if hasattr(a, "data_ptr"):  # torch
-        dtype = str(a.dtype).replace("torch.", "")
-        return int(a.data_ptr()), tuple(int(x) for x in a.shape), _DTYPES.get(dtype, dtype)
-    dtype = str(a.dtype)
-    return int(a.ctypes.data), tuple(int(x) for x in a.shape), _DTYPES.get(dtype, dtype)
+    def worker_ranks(self) -> tuple[int, int]:
+        """(tp_size, tp_rank) of this worker process: vLLM's parallel state where it is
+        importable and initialised (as NixlConnector reads it); else the extra config's
+        tp_size/tp_rank (tests); a TP size above 1 with neither is a configuration error."""
+        try:  # pragma: no cover - with vLLM
+            from vllm.distributed.parallel_state import (  # type: ignore
+                get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size)
+            size, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        except Exception:
+            size = rank = None
+        if size is not None:  # pragma: no cover - with vLLM
+            for key, value in (("tp_size", size), ("tp_rank", rank)):
+                if key in self.extra and int(self.extra[key]) != value:
+                    raise _kvferry.InvalidArgumentError(
+                        f"kv_connector_extra_config sets {key}={self.extra[key]} but vLLM's "
+                        f"parallel state says {value}; remove {key}: ranks come from vLLM")
+            return size, rank
+        if "tp_rank" in self.extra:
+            return self.tp_size, int(self.extra["tp_rank"])
+        if self.tp_size == 1:
+            return 1, 0
+        raise _kvferry.InvalidArgumentError(
+            f"TP size {self.tp_size} but vLLM's parallel state is not available to tell this "
+            "worker's TP rank; run inside vLLM's worker processes")
 
 
 class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
@@ -119,45 +227,105 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
                 super().__init__(vllm_config, role, kv_cache_config)
             except TypeError:
                 super().__init__(vllm_config, role)
-        self._settings = _Settings(vllm_config)
-        self._role = _role_name(role)
-        self._connector_metadata: Optional[KvferryConnectorMetadata] = None
+        else:
+            self._role = role
+            self._connector_metadata: Optional[KvferryConnectorMetadata] = None
+        self._settings = s = _Settings(vllm_config)
+        self._is_scheduler = _is_scheduler(role)
         self._scheduler: Optional[_kvferry.Scheduler] = None
         self._worker: Optional[_kvferry.Worker] = None
-        s = self._settings
-        if self._role == SCHEDULER:
+        self._awaited_next: list[str] = []  # scheduler: loads vLLM waits for, this step
+        self._warned: set[str] = set()  # scheduler: requests whose bad params were logged
+        self._awaited: set[str] = set()  # worker: loads to report in finished_recving
+        self._holds: set[str] = set()  # worker: holds not yet reported as sent
+        self._finished_seen: set[str] = set()  # worker: held requests vLLM has finished
+        self._load_error_blocks: set[int] = set()
+        self._stats_reported: dict = {}
+        if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
-                "prefill" if s.kv_role == "kv_producer" else "decode", s.engine_id, s.host,
-                s.base_port, s.dp_rank, s.tp_size, s.hold_lease_ms)
+                s.native_role, s.engine_id, s.host, s.base_port, s.dp_rank, s.tp_size,
+                s.hold_lease_ms)
+
+    if _Base is object:
+        @property
+        def role(self) -> Any:
+            return self._role
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+        """HND (head-major blocks) for MHA, so K/V of a run of heads is one byte range; MLA
+        caches have no head axis: no preference."""
+        model = _get(vllm_config, "model_config")
+        if model is None or bool(_get(model, "use_mla", False)):
+            return None
+        return "HND"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> KvferryConnectorStats:
+        return KvferryConnectorStats(data)
 
     # ----------------------------------------------------------------- scheduler side
 
+    def _params(self, request: Any) -> Optional[dict]:
+        params, why = remote_prefill_params(_get(request, "kv_transfer_params"))
+        rid = str(_get(request, "request_id"))
+        if why and rid not in self._warned and len(self._warned) < 100000:
+            self._warned.add(rid)
+            logger.warning("request %s: ignoring kv_transfer_params %r (%s); it is prefilled "
+                           "locally", rid, _get(request, "kv_transfer_params"), why)
+        return params
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = _get(request, "kv_transfer_params") or {}
-        prompt = _get(request, "num_prompt_tokens")
-        if prompt is None:
-            prompt = len(_get(request, "prompt_token_ids", []) or [])
-        return self._scheduler.get_num_new_matched_tokens(dict(params), int(prompt), int(num_computed_tokens))
+        params = self._params(request)
+        if params is None:
+            return 0, False
+        prompt = _get(request, "prompt_token_ids")
+        count = len(prompt) if prompt is not None else int(_get(request, "num_prompt_tokens", 0))
+        count -= int(num_computed_tokens)
+        return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = _get(request, "kv_transfer_params")
-        if not params or not params.get("do_remote_prefill"):
+        raw = _get(request, "kv_transfer_params")
+        if not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
             return
-        if hasattr(blocks, "get_unhashed_block_ids"):
-            block_ids = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        else:
-            block_ids = list(blocks) if num_external_tokens > 0 else []
-        self._scheduler.update_state_after_alloc(_get(request, "request_id"), params, block_ids)
+        params = self._params(request)
+        raw["do_remote_prefill"] = False  # one load per request, whatever happens next
+        if params is None:
+            return
+        block_ids: list[int] = []
+        if num_external_tokens > 0:
+            ids = (blocks.get_unhashed_block_ids() if hasattr(blocks, "get_unhashed_block_ids")
+                   else blocks)
+            block_ids = [int(b) for b in ids]
+        rid = str(_get(request, "request_id"))
+        self._scheduler.update_state_after_alloc(rid, params, block_ids)
+        if num_external_tokens > 0:
+            self._awaited_next.append(rid)  # else: a full prefix hit only notifies the prefill side
 
     def build_connector_meta(self, scheduler_output: Any = None) -> KvferryConnectorMetadata:
-        return KvferryConnectorMetadata(self._scheduler.build_connector_meta())
+        awaited, self._awaited_next = self._awaited_next, []
+        return KvferryConnectorMetadata(self._scheduler.build_connector_meta(), tuple(awaited))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        rid = str(_get(request, "request_id"))
+        self._warned.discard(rid)
+        raw = _get(request, "kv_transfer_params")
+        if not isinstance(raw, dict):
+            return False, None
         status = _get(request, "status")
-        reason = getattr(status, "name", str(status))
-        params = _get(request, "kv_transfer_params") or {}
-        return self._scheduler.request_finished(_get(request, "request_id"), dict(params), reason,
-                                                list(block_ids))
+        reason = str(getattr(status, "name", status))
+        if raw.get("do_remote_prefill"):
+            # Finished before update_state_after_alloc (aborted while waiting): a load of no
+            # blocks only tells the prefill side to free; vLLM waits for nothing.
+            raw["do_remote_prefill"] = False
+            params, _ = remote_prefill_params(dict(raw, do_remote_prefill=True))
+            if params is not None and self._settings.native_role == "decode":
+                self._scheduler.request_finished(rid, params, reason, [])
+            return False, None
+        if raw.get("do_remote_decode") is not True:
+            return False, None
+        return self._scheduler.request_finished(rid, {"do_remote_decode": True}, reason,
+                                                [int(b) for b in block_ids])
 
     # ----------------------------------------------------------------- worker side
 
@@ -168,43 +336,42 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._connector_metadata = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Takes {layer name: (K, V) | (latent, rope) | (latent, rope, indexer)} of torch tensors
-        or numpy arrays shaped [num_blocks, block_size, heads, head_dim] (MHA) or
-        [num_blocks, block_size, dim] (MLA parts)."""
+        """Takes vLLM's {layer name: tensor} (or vllm-ascend's {layer name: tuple of parts}) and
+        registers them; the geometry comes from shapes and strides (kvferry.vllm_layout)."""
         s = self._settings
-        names = list(kv_caches.keys())
-        first = kv_caches[names[0]]
-        parts = [_array_info(t) for t in first]
-        _, shape0, dtype = parts[0]
-        num_blocks, block_size = shape0[0], shape0[1]
-        if len(parts) == 3:
-            spec = _kvferry.CacheSpec.sparse_mla(len(names), parts[0][1][-1], parts[1][1][-1],
-                                                 parts[2][1][-1], num_blocks, block_size, dtype,
-                                                 s.tp_size, s.tp_rank)
-        elif len(parts) == 2 and parts[0][1][-1] != parts[1][1][-1]:
-            spec = _kvferry.CacheSpec.mla(len(names), parts[0][1][-1], parts[1][1][-1], num_blocks,
-                                          block_size, dtype, s.tp_size, s.tp_rank)
-        elif len(parts) == 2:
-            local_heads = shape0[2] if len(shape0) == 4 else 1
-            heads = int(s.num_kv_heads) if s.num_kv_heads else local_heads * s.tp_size
-            spec = _kvferry.CacheSpec.mha(len(names), heads, shape0[-1], num_blocks, block_size,
-                                          dtype, s.tp_size, s.tp_rank, s.layout)
-        else:
+        tp_size, tp_rank = s.worker_ranks()
+        prefer_heads_first = False
+        try:  # pragma: no cover - with vLLM
+            from vllm.platforms import current_platform  # type: ignore
+            prefer_heads_first = bool(current_platform.is_cpu())
+        except Exception:
+            pass
+        reg = read_caches(kv_caches, s.block_size, s.total_kv_heads, tp_size, prefer_heads_first,
+                          s.mla_split)
+        spec = _kvferry.CacheSpec.create(reg.kind, len(reg.bases), reg.parts, reg.num_blocks,
+                                         reg.tokens_per_block, reg.dtype, reg.layout, tp_size,
+                                         tp_rank, list(reg.fields))
+        if reg.kind == "mha" and reg.local_heads != spec.local_heads(0):
             raise _kvferry.InvalidArgumentError(
-                f"layer {names[0]} has {len(parts)} cache parts; expected 2 (K/V or MLA) or 3 (sparse MLA)")
-        bases = [[_array_info(t)[0] for t in kv_caches[n]] for n in names]
-        self._worker = _kvferry.Worker(
-            "prefill" if s.kv_role == "kv_producer" else "decode", s.engine_id, s.tp_size,
-            s.tp_rank, s.dp_rank, s.host, s.base_port, s.secret, s.transport, s.rank_table,
-            s.server_id, s.visible_devices, s.transfer_timeout_ms, s.hold_lease_ms,
-            s.failure_policy, shm_permit_any_tracer=s.shm_permit_any_tracer)
-        self._worker.register_kv_caches(spec, bases)
+                f"the cache tensors hold {reg.local_heads} KV heads per rank, but "
+                f"{reg.parts[0][1]} model-wide heads over TP {tp_size} give "
+                f"{spec.local_heads(0)} to rank {tp_rank}")
+        worker = _kvferry.Worker(
+            s.native_role, s.engine_id, tp_size, tp_rank, s.dp_rank, s.host, s.base_port,
+            s.secret, s.transport, s.rank_table, s.server_id, s.visible_devices,
+            s.transfer_timeout_ms, s.hold_lease_ms, s.failure_policy,
+            shm_permit_any_tracer=s.shm_permit_any_tracer)
+        worker.register_kv_caches(spec, reg.bases)
+        self._worker = worker
         self._spec = spec
-        self._load_error_blocks: set[int] = set()
+        self._registration = reg
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
-        if self._worker is not None and self._connector_metadata is not None:
-            self._worker.start_load_kv(self._connector_metadata.data)
+        md = self._connector_metadata
+        if self._worker is None or md is None:
+            return
+        self._awaited.update(getattr(md, "awaited", ()))
+        self._worker.start_load_kv(md.data)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole requests, finished before the request is scheduled: nothing to wait."""
@@ -216,19 +383,49 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         """Nothing is pushed, so nothing to wait for."""
 
     def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        if self._worker is None:
+            return None, None
+        for rid in finished_req_ids or ():
+            if rid in self._awaited:  # vLLM finished it (aborted): stop its load early
+                self._worker.abort_load(rid, "the request was finished by vLLM")
+            self._finished_seen.add(rid)
         sending, receiving = self._worker.get_finished()
-        for e in self._worker.take_load_errors():
+        errors = self._worker.take_load_errors()
+        self._holds |= set(sending)
+        sent = {r for r in self._holds if r in self._finished_seen}
+        self._holds -= sent
+        self._finished_seen -= sent
+        # Only finished ids of held requests are kept; the rest were never sends.
+        if len(self._finished_seen) > 100000:
+            self._finished_seen.clear()
+        recv = {r for r in receiving if r in self._awaited}
+        self._awaited -= recv
+        for e in errors:
+            if e["code"] == "Cancelled":
+                continue  # vLLM finished the request itself: nothing to recompute
+            if e["request_id"] not in recv and e["request_id"] not in self._awaited:
+                continue  # a notify-only load: no blocks of vLLM's were involved
             self._load_error_blocks.update(e["block_ids"])
-        return (sending or None, receiving or None)
+        return (sent or None, recv or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        for e in self._worker.take_load_errors():
-            self._load_error_blocks.update(e["block_ids"])
         out, self._load_error_blocks = self._load_error_blocks, set()
         return out
+
+    def get_kv_connector_stats(self) -> Optional[KvferryConnectorStats]:
+        """The worker's transfer counters since the previous call (None before registration or
+        when nothing moved)."""
+        if self._worker is None:
+            return None
+        now = self._worker.stats()
+        delta = {k: now[k] - self._stats_reported.get(k, 0) for k in _STAT_COUNTERS}
+        self._stats_reported = {k: now[k] for k in _STAT_COUNTERS}
+        stats = KvferryConnectorStats(delta)
+        return None if stats.is_empty() else stats
 
     def stats(self) -> dict:
         return self._worker.stats() if self._worker is not None else {}
 
     def shutdown(self) -> None:
         self._worker = None
+

@@ -59,24 +59,47 @@ Result<std::vector<BlockRun>> MergeBlockRuns(std::span<const std::int64_t> remot
   return runs;
 }
 
+std::vector<PartBlockGeometry> PartBlockGeometryOf(const CacheSpec& remote,
+                                                   const CacheSpec& local) {
+  std::vector<PartBlockGeometry> out;
+  out.reserve(static_cast<std::size_t>(local.num_parts()));
+  for (int p = 0; p < local.num_parts(); ++p) {
+    out.push_back(
+        {remote.BlockBytes(p), local.BlockBytes(p), remote.BlockStride(p), local.BlockStride(p)});
+  }
+  return out;
+}
+
 std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
                                      std::span<const PartBlockBytes> block_bytes,
                                      const TpSource& source) {
+  std::vector<PartBlockGeometry> packed;
+  packed.reserve(block_bytes.size());
+  for (const PartBlockBytes& b : block_bytes)
+    packed.push_back({b.remote, b.local, b.remote, b.local});
+  return RunByteRanges(runs, num_layers, packed, source);
+}
+
+std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
+                                     std::span<const PartBlockGeometry> blocks,
+                                     const TpSource& source) {
   std::vector<ByteRange> out;
   for (int layer = 0; layer < num_layers; ++layer) {
-    for (std::size_t p = 0; p < block_bytes.size(); ++p) {
+    for (std::size_t p = 0; p < blocks.size(); ++p) {
       const BlockSlice& slice = source.part_slices[p];
-      const PartBlockBytes& bb = block_bytes[p];
+      const PartBlockGeometry& bb = blocks[p];
+      const bool packed = bb.remote_stride == bb.remote && bb.local_stride == bb.local;
       const int part = static_cast<int>(p);
       for (const BlockRun& run : runs) {
-        if (slice.whole_block) {
+        if (slice.whole_block && packed) {
           out.push_back({layer, part, run.remote_start * bb.remote, run.local_start * bb.local,
                          run.count * bb.remote});
           continue;
         }
         for (std::int64_t b = 0; b < run.count; ++b) {
-          out.push_back({layer, part, (run.remote_start + b) * bb.remote + slice.remote_offset,
-                         (run.local_start + b) * bb.local + slice.local_offset, slice.length});
+          out.push_back(
+              {layer, part, (run.remote_start + b) * bb.remote_stride + slice.remote_offset,
+               (run.local_start + b) * bb.local_stride + slice.local_offset, slice.length});
         }
       }
     }

@@ -54,9 +54,28 @@ struct PartBlockBytes {
   std::int64_t local = 0;
 };
 
+/// Block sizes of one part on each side and the distance between the starts of consecutive
+/// blocks on each side (CacheSpec::BlockStride; equal to the block size when packed).
+struct PartBlockGeometry {
+  std::int64_t remote = 0;
+  std::int64_t local = 0;
+  std::int64_t remote_stride = 0;
+  std::int64_t local_stride = 0;
+};
+
+/// Block sizes and strides of every part, for reads from `remote` into `local` (the two specs
+/// must have the same parts, which their equal compatibility hashes guarantee).
+std::vector<PartBlockGeometry> PartBlockGeometryOf(const CacheSpec& remote, const CacheSpec& local);
+
 /// The byte ranges of `runs` for `num_layers` layers, part by part, using the slice of every
-/// block that `source` names. Whole-block slices give one range per run; partial slices give one
-/// range per block. Ordered by layer, part, then run.
+/// block that `source` names. Whole-block slices of packed parts (stride = block size on both
+/// sides) give one range per run; partial slices or strided parts give one range per block.
+/// Ordered by layer, part, then run.
+std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
+                                     std::span<const PartBlockGeometry> blocks,
+                                     const TpSource& source);
+
+/// The same for packed parts on both sides (every stride equal to its block size).
 std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
                                      std::span<const PartBlockBytes> block_bytes,
                                      const TpSource& source);

@@ -36,11 +36,50 @@ std::string PartLabel(int layer, int part, const PartSpec& spec) {
          "')";
 }
 
+std::string JoinFields(const std::vector<std::int64_t>& fields) {
+  std::string out;
+  for (std::size_t i = 0; i < fields.size(); ++i) {
+    if (i > 0) out += "+";
+    out += std::to_string(fields[i]);
+  }
+  return out;
+}
+
+Status ValidateFields(int layer, const LayerSpec& spec) {
+  const std::string label = "layer " + std::to_string(layer);
+  if (spec.kind != CacheKind::kMlaFused) {
+    if (spec.fields.empty()) return Status::Ok();
+    return Status::InvalidArgument(label + " is " + CacheKindName(spec.kind) + " with fields [" +
+                                   JoinFields(spec.fields) +
+                                   "]; only mla_fused layers pack fields in one row");
+  }
+  std::int64_t sum = 0;
+  bool positive = true;
+  for (std::int64_t f : spec.fields) {
+    positive = positive && f > 0 && f <= spec.parts.front().head_dim;
+    if (positive) sum += f;
+  }
+  if (spec.fields.size() != 2 || !positive || sum != spec.parts.front().head_dim) {
+    return Status::InvalidArgument(
+        label +
+        " is mla_fused and needs two positive fields (kv_lora_rank, qk_rope_head_dim) "
+        "summing to its part's head_dim " +
+        std::to_string(spec.parts.front().head_dim) + ", found [" + JoinFields(spec.fields) + "]");
+  }
+  return Status::Ok();
+}
+
 Status ValidateLayerAgainstFirst(int index, const LayerSpec& layer, const LayerSpec& first) {
   if (layer.kind != first.kind) {
     return Status::InvalidArgument(
         "layer " + std::to_string(index) + " is " + CacheKindName(layer.kind) + " but layer 0 is " +
         CacheKindName(first.kind) + "; kvferry needs every layer to share one cache shape");
+  }
+  if (layer.fields != first.fields) {
+    return Status::InvalidArgument("layer " + std::to_string(index) + " has fields [" +
+                                   JoinFields(layer.fields) + "] but layer 0 has [" +
+                                   JoinFields(first.fields) +
+                                   "]; kvferry needs every layer to share one cache shape");
   }
   for (std::size_t p = 0; p < layer.parts.size(); ++p) {
     const PartSpec& a = layer.parts[p];
@@ -70,6 +109,20 @@ Status ValidateTpSplit(const PartSpec& part, int tp_size) {
                                    std::to_string(tp_size) + ": one of them must divide the other");
   }
   return Status::Ok();
+}
+
+CacheSpecOptions Uniform(int num_layers, LayerSpec layer, std::int64_t num_blocks,
+                         std::int64_t tokens_per_block, DType dtype, BlockLayout layout,
+                         int tp_size, int tp_rank) {
+  CacheSpecOptions o;
+  o.layers.assign(static_cast<std::size_t>(std::max(num_layers, 0)), layer);
+  o.num_blocks = num_blocks;
+  o.tokens_per_block = tokens_per_block;
+  o.dtype = dtype;
+  o.layout = layout;
+  o.tp_size = tp_size;
+  o.tp_rank = tp_rank;
+  return o;
 }
 
 }  // namespace
@@ -129,6 +182,8 @@ const char* CacheKindName(CacheKind kind) {
       return "mla";
     case CacheKind::kSparseMla:
       return "sparse_mla";
+    case CacheKind::kMlaFused:
+      return "mla_fused";
   }
   return "unknown";
 }
@@ -138,11 +193,23 @@ Result<CacheKind> ParseCacheKind(std::string_view name) {
   if (n == "mha" || n == "gqa") return CacheKind::kMha;
   if (n == "mla") return CacheKind::kMla;
   if (n == "sparse_mla" || n == "sfa") return CacheKind::kSparseMla;
+  if (n == "mla_fused") return CacheKind::kMlaFused;
   return Status::InvalidArgument("unknown cache kind '" + std::string(name) +
-                                 "': expected mha, mla or sparse_mla");
+                                 "': expected mha, mla, sparse_mla or mla_fused");
 }
 
-std::size_t CacheKindParts(CacheKind kind) { return kind == CacheKind::kSparseMla ? 3 : 2; }
+std::size_t CacheKindParts(CacheKind kind) {
+  switch (kind) {
+    case CacheKind::kSparseMla:
+      return 3;
+    case CacheKind::kMlaFused:
+      return 1;
+    case CacheKind::kMha:
+    case CacheKind::kMla:
+      return 2;
+  }
+  return 2;
+}
 
 const char* BlockLayoutName(BlockLayout layout) {
   return layout == BlockLayout::kHeadMajor ? "head_major" : "token_major";
@@ -202,6 +269,7 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
                                        std::to_string(part.head_dim));
       }
     }
+    KVFERRY_RETURN_IF_ERROR(ValidateFields(li, layer));
     if (l > 0) KVFERRY_RETURN_IF_ERROR(ValidateLayerAgainstFirst(li, layer, first));
   }
   if (first.kind == CacheKind::kMha && first.parts[0].num_heads != first.parts[1].num_heads) {
@@ -214,6 +282,13 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
     for (const PartSpec& part : first.parts) {
       KVFERRY_RETURN_IF_ERROR(ValidateTpSplit(part, options.tp_size));
     }
+  }
+
+  if (!options.block_strides.empty() && options.block_strides.size() != first.parts.size()) {
+    return Status::InvalidArgument("expected one block stride per part (" +
+                                   std::to_string(first.parts.size()) + "), found " +
+                                   std::to_string(options.block_strides.size()) +
+                                   "; leave block_strides empty for packed parts");
   }
 
   CacheSpec spec(std::move(options));
@@ -230,13 +305,27 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
     if (block) block = CheckedMul(*block, part.head_dim);
     if (block) block = CheckedMul(*block, elem);
     if (!block) return overflow("bytes per block");
+    const std::int64_t stride = spec.options_.block_strides.empty()
+                                    ? *block
+                                    : spec.options_.block_strides[static_cast<std::size_t>(p)];
+    if (stride < *block || stride % elem != 0) {
+      return Status::InvalidArgument(
+          "part '" + part.name + "' has block stride " + std::to_string(stride) +
+          " bytes; expected at least its block of " + std::to_string(*block) +
+          " bytes and a multiple of the element size " + std::to_string(elem) +
+          " (blocks of one part must not overlap)");
+    }
     std::optional<std::int64_t> whole = CheckedMul(*block, spec.num_blocks());
     if (!whole) return overflow("bytes per layer");
+    std::optional<std::int64_t> extent = CheckedMul(stride, spec.num_blocks() - 1);
+    if (extent) extent = CheckedAdd(*extent, *block);
+    if (!extent) return overflow("extent");
     std::optional<std::int64_t> sum = CheckedAdd(per_layer, *whole);
     if (!sum) return overflow("bytes per layer");
     per_layer = *sum;
     spec.block_bytes_.push_back(*block);
-    spec.part_bytes_.push_back(*whole);
+    spec.block_strides_.push_back(stride);
+    spec.part_bytes_.push_back(*extent);
   }
   std::optional<std::int64_t> total = CheckedMul(per_layer, spec.num_layers());
   if (!total) {
@@ -249,27 +338,44 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
 Result<CacheSpec> CacheSpec::Mha(int num_layers, std::int64_t kv_heads, std::int64_t head_dim,
                                  std::int64_t num_blocks, std::int64_t tokens_per_block,
                                  DType dtype, int tp_size, int tp_rank, BlockLayout layout) {
-  LayerSpec layer{CacheKind::kMha, {{"k", kv_heads, head_dim}, {"v", kv_heads, head_dim}}};
-  return Create({std::vector<LayerSpec>(static_cast<std::size_t>(std::max(num_layers, 0)), layer),
-                 num_blocks, tokens_per_block, dtype, layout, tp_size, tp_rank});
+  LayerSpec layer;
+  layer.kind = CacheKind::kMha;
+  layer.parts = {{"k", kv_heads, head_dim}, {"v", kv_heads, head_dim}};
+  return Create(Uniform(num_layers, std::move(layer), num_blocks, tokens_per_block, dtype, layout,
+                        tp_size, tp_rank));
 }
 
 Result<CacheSpec> CacheSpec::Mla(int num_layers, std::int64_t latent_dim, std::int64_t rope_dim,
                                  std::int64_t num_blocks, std::int64_t tokens_per_block,
                                  DType dtype, int tp_size, int tp_rank) {
-  LayerSpec layer{CacheKind::kMla, {{"latent", 1, latent_dim}, {"rope", 1, rope_dim}}};
-  return Create({std::vector<LayerSpec>(static_cast<std::size_t>(std::max(num_layers, 0)), layer),
-                 num_blocks, tokens_per_block, dtype, BlockLayout::kTokenMajor, tp_size, tp_rank});
+  LayerSpec layer;
+  layer.kind = CacheKind::kMla;
+  layer.parts = {{"latent", 1, latent_dim}, {"rope", 1, rope_dim}};
+  return Create(Uniform(num_layers, std::move(layer), num_blocks, tokens_per_block, dtype,
+                        BlockLayout::kTokenMajor, tp_size, tp_rank));
 }
 
 Result<CacheSpec> CacheSpec::SparseMla(int num_layers, std::int64_t latent_dim,
                                        std::int64_t rope_dim, std::int64_t indexer_dim,
                                        std::int64_t num_blocks, std::int64_t tokens_per_block,
                                        DType dtype, int tp_size, int tp_rank) {
-  LayerSpec layer{CacheKind::kSparseMla,
-                  {{"latent", 1, latent_dim}, {"rope", 1, rope_dim}, {"indexer", 1, indexer_dim}}};
-  return Create({std::vector<LayerSpec>(static_cast<std::size_t>(std::max(num_layers, 0)), layer),
-                 num_blocks, tokens_per_block, dtype, BlockLayout::kTokenMajor, tp_size, tp_rank});
+  LayerSpec layer;
+  layer.kind = CacheKind::kSparseMla;
+  layer.parts = {{"latent", 1, latent_dim}, {"rope", 1, rope_dim}, {"indexer", 1, indexer_dim}};
+  return Create(Uniform(num_layers, std::move(layer), num_blocks, tokens_per_block, dtype,
+                        BlockLayout::kTokenMajor, tp_size, tp_rank));
+}
+
+Result<CacheSpec> CacheSpec::MlaFused(int num_layers, std::int64_t latent_dim,
+                                      std::int64_t rope_dim, std::int64_t num_blocks,
+                                      std::int64_t tokens_per_block, DType dtype, int tp_size,
+                                      int tp_rank) {
+  LayerSpec layer;
+  layer.kind = CacheKind::kMlaFused;
+  layer.parts = {{"latent_rope", 1, latent_dim + rope_dim}};
+  layer.fields = {latent_dim, rope_dim};
+  return Create(Uniform(num_layers, std::move(layer), num_blocks, tokens_per_block, dtype,
+                        BlockLayout::kTokenMajor, tp_size, tp_rank));
 }
 
 std::int64_t CacheSpec::LocalHeads(int part) const {
@@ -299,10 +405,40 @@ std::string CacheSpec::CanonicalText() const {
     if (i > 0) out += ",";
     out += p.name + ":" + std::to_string(p.num_heads) + "x" + std::to_string(p.head_dim);
   }
+  // Only fused layers carry fields, so every other spec keeps the hash it always had.
+  if (!fields().empty()) {
+    out += " fields=";
+    out += JoinFields(fields());
+  }
   return out;
 }
 
 CompatibilityHash CacheSpec::Hash() const { return Sha256(CanonicalText()); }
+
+namespace {
+
+// Whether some block of part `pa` at base `a` shares a byte with some block of part `pb` at base
+// `b` (a <= b). Equal strides: block i of A and block j of B intersect iff
+// -bytes_b < (b - a) + k * stride < bytes_a for k = j - i in [-(n - 1), n - 1]; the k that can
+// satisfy it form one interval, intersected with that range. Different strides: the extents must
+// not intersect at all (a conservative rule no vLLM layout needs to relax).
+bool BlocksIntersect(const CacheSpec& spec, std::uint64_t a, int pa, std::uint64_t b, int pb) {
+  const std::int64_t stride = spec.BlockStride(pa);
+  if (stride != spec.BlockStride(pb)) return true;  // callers pass intersecting extents only
+  const auto d = static_cast<std::int64_t>(b - a);  // < extent, so it fits
+  const std::int64_t bytes_a = spec.BlockBytes(pa);
+  const std::int64_t bytes_b = spec.BlockBytes(pb);
+  auto floor_div = [](std::int64_t x, std::int64_t y) {
+    return x / y - ((x % y != 0) && ((x < 0) != (y < 0)) ? 1 : 0);
+  };
+  // Smallest k with d + k * stride > -bytes_b, largest k with d + k * stride < bytes_a.
+  const std::int64_t k_min = floor_div(-bytes_b - d, stride) + 1;
+  const std::int64_t k_max = floor_div(bytes_a - d - 1, stride);
+  const std::int64_t n = spec.num_blocks();
+  return std::max(k_min, -(n - 1)) <= std::min(k_max, n - 1);
+}
+
+}  // namespace
 
 Result<CacheAddresses> CacheAddresses::Create(const CacheSpec& spec,
                                               std::vector<std::vector<std::uint64_t>> bases) {
@@ -344,12 +480,19 @@ Result<CacheAddresses> CacheAddresses::Create(const CacheSpec& spec,
   }
   std::sort(regions.begin(), regions.end(),
             [](const Region& a, const Region& b) { return a.begin < b.begin; });
-  for (std::size_t i = 1; i < regions.size(); ++i) {
-    if (regions[i].begin < regions[i - 1].end) {
-      return Status::InvalidArgument(
-          "layer " + std::to_string(regions[i].layer) + " part " + std::to_string(regions[i].part) +
-          " overlaps layer " + std::to_string(regions[i - 1].layer) + " part " +
-          std::to_string(regions[i - 1].part) + ": every part needs its own memory");
+  // Every pair whose extents intersect must keep its blocks apart: interleaved parts are fine,
+  // shared bytes are not. Sorted by start, so the inner loop stops at the first region that
+  // begins past the current one's end.
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    for (std::size_t j = i + 1; j < regions.size() && regions[j].begin < regions[i].end; ++j) {
+      const Region& a = regions[i];
+      const Region& b = regions[j];
+      if (BlocksIntersect(spec, a.begin, a.part, b.begin, b.part)) {
+        return Status::InvalidArgument("layer " + std::to_string(b.layer) + " part " +
+                                       std::to_string(b.part) + " overlaps layer " +
+                                       std::to_string(a.layer) + " part " + std::to_string(a.part) +
+                                       ": every block of every part needs its own memory");
+      }
     }
   }
   return CacheAddresses(std::move(bases));

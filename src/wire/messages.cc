@@ -34,8 +34,17 @@ void PackStrList(Packer& pk, const std::vector<std::string>& items) {
   for (const std::string& s : items) PackStr(pk, s);
 }
 
+void PackInts(Packer& pk, const std::vector<std::int64_t>& items) {
+  pk.pack_array(static_cast<std::uint32_t>(items.size()));
+  for (std::int64_t v : items) pk.pack_int64(v);
+}
+
 void PackCache(Packer& pk, const CacheSpec& spec) {
-  pk.pack_map(9);
+  // Optional keys are sent only when they carry something, so packed unfused caches encode as
+  // they always did.
+  const bool strided = !spec.options().block_strides.empty();
+  const bool fused = !spec.fields().empty();
+  pk.pack_map(9 + (strided ? 1 : 0) + (fused ? 1 : 0));
   PackKey(pk, "kind");
   PackStr(pk, CacheKindName(spec.kind()));
   PackKey(pk, "layers");
@@ -63,6 +72,14 @@ void PackCache(Packer& pk, const CacheSpec& spec) {
   pk.pack_int32(spec.tp_size());
   PackKey(pk, "tp_rank");
   pk.pack_int32(spec.tp_rank());
+  if (strided) {
+    PackKey(pk, "block_strides");
+    PackInts(pk, spec.options().block_strides);
+  }
+  if (fused) {
+    PackKey(pk, "fields");
+    PackInts(pk, spec.fields());
+  }
 }
 
 // Writes the envelope's "v" and "t" and the map header for `fields` more keys.
@@ -187,6 +204,28 @@ Result<PeerRef> DecodePeer(const MapView& parent, const char* key) {
   return peer;
 }
 
+// An optional array of at most `max_items` non-negative int64 values; empty when absent.
+Result<std::vector<std::int64_t>> OptionalInts(const MapView& m, const char* key,
+                                               std::uint32_t max_items) {
+  std::vector<std::int64_t> out;
+  const msgpack::object* v = m.Find(key);
+  if (v == nullptr) return out;
+  if (v->type != msgpack::type::ARRAY || v->via.array.size > max_items) {
+    return Status::InvalidArgument(m.At(key) + ": expected an array of at most " +
+                                   std::to_string(max_items) + " integers");
+  }
+  for (std::uint32_t i = 0; i < v->via.array.size; ++i) {
+    const msgpack::object& item = v->via.array.ptr[i];
+    if (item.type != msgpack::type::POSITIVE_INTEGER || item.via.u64 > kMaxI64) {
+      return Status::InvalidArgument(m.At(key) + "[" + std::to_string(i) +
+                                     "]: expected a non-negative int64, found " +
+                                     ObjectTypeName(item));
+    }
+    out.push_back(static_cast<std::int64_t>(item.via.u64));
+  }
+  return out;
+}
+
 Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, parent.Require(key));
   KVFERRY_ASSIGN_OR_RETURN(MapView m, MapView::Of(*v, parent.At(key)));
@@ -197,7 +236,9 @@ Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
   if (parts_obj->type != msgpack::type::ARRAY || parts_obj->via.array.size > 8) {
     return Status::InvalidArgument(m.At("parts") + ": expected an array of at most 8 parts");
   }
-  LayerSpec layer{kind, {}};
+  LayerSpec layer;
+  layer.kind = kind;
+  KVFERRY_ASSIGN_OR_RETURN(layer.fields, OptionalInts(m, "fields", 8));
   for (std::uint32_t i = 0; i < parts_obj->via.array.size; ++i) {
     KVFERRY_ASSIGN_OR_RETURN(
         MapView pm,
@@ -224,6 +265,7 @@ Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_rank, m.Uint("tp_rank", kMaxI32));
   options.tp_size = static_cast<int>(tp_size);
   options.tp_rank = static_cast<int>(tp_rank);
+  KVFERRY_ASSIGN_OR_RETURN(options.block_strides, OptionalInts(m, "block_strides", 8));
   Result<CacheSpec> spec = CacheSpec::Create(std::move(options));
   if (!spec.ok()) return spec.status().WithContext(m.path());
   return spec;

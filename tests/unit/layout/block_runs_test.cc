@@ -163,5 +163,103 @@ TEST(RunByteRangesTest, WholeBlockRunIsOneRangePerLayerAndPart) {
                           ByteRange{1, 0, 300, 700, 400}, ByteRange{1, 1, 30, 70, 40}));
 }
 
+// Property test for strided parts: K and V interleaved block by block in one buffer on one side
+// (vLLM's (num_blocks, 2, ...)), packed or differently strided on the other, whole blocks and
+// head-major head slices. Every byte of every block lands where a naive per-block copy puts it,
+// and no byte outside the destination blocks is written.
+TEST(RunByteRangesTest, StridedPartsMatchTheNaiveCopy) {
+  std::mt19937_64 rng(20261131);
+  for (int iter = 0; iter < 400; ++iter) {
+    const std::int64_t remote_blocks = 1 + static_cast<std::int64_t>(rng() % 12);
+    const std::int64_t local_blocks = 1 + static_cast<std::int64_t>(rng() % 12);
+    const int parts = 2;
+    const int layers = 1 + static_cast<int>(rng() % 2);
+    // Remote blocks hold 2 heads of 8 bytes, local blocks 1 or 2 heads (a head slice or whole).
+    const bool slice = rng() % 2 == 0;
+    const std::int64_t rb = 16;
+    const std::int64_t lb = slice ? 8 : 16;
+    // Stride in blocks: 1 = packed, 2 = interleaved K/V, 3 = interleaved with padding.
+    const std::int64_t rs = rb * (1 + static_cast<std::int64_t>(rng() % 3));
+    const std::int64_t ls = lb * (1 + static_cast<std::int64_t>(rng() % 3));
+    const std::vector<PartBlockGeometry> geometry(parts, PartBlockGeometry{rb, lb, rs, ls});
+    const std::int64_t head_offset = slice ? 8 * static_cast<std::int64_t>(rng() % 2) : 0;
+    TpSource source{0, std::vector<BlockSlice>(parts, BlockSlice{head_offset, 0, lb, !slice})};
+
+    // Each (layer, part) region: part p's block b at base + p * block + b * stride when
+    // interleaved (stride >= 2 blocks), else parts one after the other.
+    auto region = [&](std::int64_t blocks, std::int64_t bytes, std::int64_t stride) {
+      return (blocks - 1) * stride + bytes + parts * bytes;
+    };
+    auto base = [&](int layer, int part, std::int64_t blocks, std::int64_t bytes,
+                    std::int64_t stride) {
+      const std::int64_t per_layer = region(blocks, bytes, stride) + (blocks * stride);
+      return layer * per_layer +
+             (stride >= 2 * bytes ? part * bytes : part * ((blocks - 1) * stride + bytes));
+    };
+    std::vector<std::uint8_t> src(
+        static_cast<std::size_t>(layers * (region(remote_blocks, rb, rs) + remote_blocks * rs)));
+    for (auto& byte : src) byte = static_cast<std::uint8_t>(rng());
+    std::vector<std::uint8_t> got(
+        static_cast<std::size_t>(layers * (region(local_blocks, lb, ls) + local_blocks * ls)), 0);
+    std::vector<std::uint8_t> want = got;
+
+    std::vector<std::int64_t> local(static_cast<std::size_t>(local_blocks));
+    std::iota(local.begin(), local.end(), 0);
+    std::shuffle(local.begin(), local.end(), rng);
+    std::sort(local.begin(),
+              local.begin() + static_cast<std::ptrdiff_t>(rng() % (local.size() + 1)));
+    local.resize(static_cast<std::size_t>(rng() % (std::min(local_blocks, remote_blocks) + 1)));
+    std::vector<std::int64_t> remote;
+    for (std::size_t i = 0; i < local.size(); ++i) {
+      remote.push_back(static_cast<std::int64_t>(rng() % remote_blocks));
+    }
+    Result<std::vector<BlockRun>> runs = MergeBlockRuns(remote, local, remote_blocks, local_blocks);
+    ASSERT_TRUE(runs.ok()) << runs.status().ToString();
+
+    for (const ByteRange& r : RunByteRanges(*runs, layers, geometry, source)) {
+      ASSERT_LE(r.local_offset + r.length, (local_blocks - 1) * ls + lb) << "past the extent";
+      std::memcpy(&got[static_cast<std::size_t>(base(r.layer, r.part, local_blocks, lb, ls) +
+                                                r.local_offset)],
+                  &src[static_cast<std::size_t>(base(r.layer, r.part, remote_blocks, rb, rs) +
+                                                r.remote_offset)],
+                  static_cast<std::size_t>(r.length));
+    }
+    for (int l = 0; l < layers; ++l) {
+      for (int p = 0; p < parts; ++p) {
+        for (std::size_t i = 0; i < local.size(); ++i) {
+          std::memcpy(
+              &want[static_cast<std::size_t>(base(l, p, local_blocks, lb, ls) + local[i] * ls)],
+              &src[static_cast<std::size_t>(base(l, p, remote_blocks, rb, rs) + remote[i] * rs +
+                                            head_offset)],
+              static_cast<std::size_t>(lb));
+        }
+      }
+    }
+    ASSERT_EQ(got, want) << "iteration " << iter << " rs " << rs << " ls " << ls;
+  }
+}
+
+TEST(RunByteRangesTest, StridedWholeBlocksAreOneRangePerBlock) {
+  // Local K/V interleaved (stride 2 blocks), remote packed: a run of 2 cannot be one read.
+  const std::vector<BlockRun> runs = {{3, 7, 2}};
+  const std::vector<PartBlockGeometry> blocks = {{100, 100, 100, 200}};
+  TpSource whole{0, {{0, 0, 100, true}}};
+  EXPECT_THAT(RunByteRanges(runs, 1, blocks, whole),
+              ElementsAre(ByteRange{0, 0, 300, 1400, 100}, ByteRange{0, 0, 400, 1600, 100}));
+}
+
+TEST(RunByteRangesTest, GeometryOfTwoSpecsCarriesBothStrides) {
+  CacheSpecOptions o = CacheSpec::Mha(1, 2, 8, 4, 4, DType::kFloat16)->options();
+  o.block_strides = {256, 256};
+  CacheSpec local = *CacheSpec::Create(o);
+  CacheSpec remote = *CacheSpec::Mha(1, 2, 8, 9, 4, DType::kFloat16);
+  const std::vector<PartBlockGeometry> g = PartBlockGeometryOf(remote, local);
+  ASSERT_EQ(g.size(), 2u);
+  EXPECT_EQ(g[1].remote, 128);
+  EXPECT_EQ(g[1].local, 128);
+  EXPECT_EQ(g[1].remote_stride, 128);
+  EXPECT_EQ(g[1].local_stride, 256);
+}
+
 }  // namespace
 }  // namespace kvferry

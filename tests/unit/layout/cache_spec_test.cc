@@ -5,6 +5,8 @@
 
 #include <cstdlib>
 #include <limits>
+#include <random>
+#include <vector>
 
 namespace kvferry {
 namespace {
@@ -81,8 +83,8 @@ TEST(CacheSpecTest, RejectsZeroAndNegativeSizes) {
 
 TEST(CacheSpecTest, RejectsLayersThatDisagree) {
   CacheSpecOptions o;
-  o.layers = {{CacheKind::kMha, {{"k", 8, 128}, {"v", 8, 128}}},
-              {CacheKind::kMha, {{"k", 8, 128}, {"v", 8, 64}}}};
+  o.layers = {{CacheKind::kMha, {{"k", 8, 128}, {"v", 8, 128}}, {}},
+              {CacheKind::kMha, {{"k", 8, 128}, {"v", 8, 64}}, {}}};
   o.num_blocks = 4;
   o.tokens_per_block = 16;
   Result<CacheSpec> spec = CacheSpec::Create(o);
@@ -91,13 +93,13 @@ TEST(CacheSpecTest, RejectsLayersThatDisagree) {
   EXPECT_THAT(spec.status().message(),
               HasSubstr("layer 1 part 1 ('v') has head_dim 64 but layer 0 has 128"));
 
-  o.layers[1] = {CacheKind::kMla, {{"k", 8, 128}, {"v", 8, 128}}};
+  o.layers[1] = {CacheKind::kMla, {{"k", 8, 128}, {"v", 8, 128}}, {}};
   EXPECT_THAT(CacheSpec::Create(o).status().message(), HasSubstr("layer 1 is mla but layer 0"));
 }
 
 TEST(CacheSpecTest, RejectsWrongPartCountForKind) {
   CacheSpecOptions o;
-  o.layers = {{CacheKind::kSparseMla, {{"latent", 1, 512}, {"rope", 1, 64}}}};
+  o.layers = {{CacheKind::kSparseMla, {{"latent", 1, 512}, {"rope", 1, 64}}, {}}};
   o.num_blocks = 4;
   o.tokens_per_block = 16;
   EXPECT_THAT(CacheSpec::Create(o).status().message(), HasSubstr("needs 3 parts, found 2"));
@@ -162,6 +164,147 @@ TEST(CacheAddressesTest, RejectsMisalignedNullOverlappingAndMiscounted) {
                   .status()
                   .message(),
               HasSubstr("wraps around"));
+}
+
+// --- Block strides: parts interleaved block by block in one tensor (vLLM's (num_blocks, 2, ...)).
+
+CacheSpecOptions Interleaved(int layers, std::int64_t blocks, std::int64_t stride_blocks) {
+  CacheSpecOptions o = CacheSpec::Mha(layers, 2, 8, blocks, 4, DType::kFloat16)->options();
+  const std::int64_t block = 4 * 2 * 8 * 2;  // 128 bytes
+  o.block_strides = {stride_blocks * block, stride_blocks * block};
+  return o;
+}
+
+TEST(CacheSpecStrideTest, StridedPartsSpanTheirExtentAndKeepTheHash) {
+  Result<CacheSpec> spec = CacheSpec::Create(Interleaved(3, 10, 2));
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  EXPECT_EQ(spec->BlockBytes(0), 128);
+  EXPECT_EQ(spec->BlockStride(1), 256);
+  EXPECT_EQ(spec->PartBytes(0), 9 * 256 + 128);
+  EXPECT_EQ(spec->TotalBytes(), 3 * 2 * 10 * 128);  // data bytes, not extents
+  CacheSpec packed = *CacheSpec::Mha(3, 2, 8, 10, 4, DType::kFloat16);
+  EXPECT_EQ(packed.BlockStride(0), 128);
+  EXPECT_EQ(packed.PartBytes(0), 10 * 128);
+  EXPECT_EQ(spec->Hash(), packed.Hash());  // memory layout, not model geometry
+  EXPECT_FALSE(*spec == packed);
+}
+
+TEST(CacheSpecStrideTest, RejectsStridesShorterThanABlockMisalignedOrMiscounted) {
+  CacheSpecOptions o = Interleaved(1, 4, 2);
+  o.block_strides = {127, 256};
+  EXPECT_THAT(CacheSpec::Create(o).status().message(),
+              HasSubstr("block stride 127 bytes; expected at least its block of 128"));
+  o.block_strides = {257, 256};
+  EXPECT_THAT(CacheSpec::Create(o).status().message(), HasSubstr("multiple of the element size 2"));
+  o.block_strides = {256};
+  EXPECT_THAT(CacheSpec::Create(o).status().message(), HasSubstr("one block stride per part (2)"));
+}
+
+TEST(CacheAddressesStrideTest, InterleavedPartsAreAcceptedAndSharedBytesRefused) {
+  CacheSpec spec = *CacheSpec::Create(Interleaved(2, 4, 2));  // 128-byte blocks, stride 256
+  // Layer 0: K at 0x1000, V one block later; layer 1 right after layer 0's tensor.
+  EXPECT_TRUE(CacheAddresses::Create(spec, {{0x1000, 0x1080}, {0x1400, 0x1480}}).ok());
+  // V starts half a block into K's first block.
+  EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x1040}, {0x1400, 0x1480}}).status().message(),
+              HasSubstr("overlaps"));
+  // V's block 0 is K's block 1.
+  EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x1100}, {0x1400, 0x1480}}).status().message(),
+              HasSubstr("overlaps"));
+  // Layer 1 interleaved into layer 0's tensor: its K block 0 is layer 0's V block 1.
+  EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x1080}, {0x1180, 0x1600}}).status().message(),
+              HasSubstr("overlaps"));
+  // Four parts sharing one tensor at stride 4 blocks would need stride 512; at 256 they collide.
+  EXPECT_THAT(CacheAddresses::Create(spec, {{0x1000, 0x1080}, {0x1100, 0x1180}}).status().message(),
+              HasSubstr("overlaps"));
+}
+
+// Property test: on random strides, block sizes and bases, CacheAddresses accepts exactly the
+// placements where no byte belongs to two blocks (checked by marking every byte of every block).
+TEST(CacheAddressesStrideTest, RandomPlacementsMatchAByteByByteCheck) {
+  std::mt19937_64 rng(20261130);
+  int accepted = 0;
+  int refused = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    const std::int64_t blocks = 1 + static_cast<std::int64_t>(rng() % 5);
+    const std::int64_t dim = 1 + static_cast<std::int64_t>(rng() % 3);  // block = 4 * dim bytes
+    CacheSpecOptions o = CacheSpec::Mha(2, 1, dim, blocks, 4, DType::kInt8)->options();
+    const std::int64_t block = 4 * dim;
+    const std::int64_t s0 = block * (1 + static_cast<std::int64_t>(rng() % 3));
+    const std::int64_t s1 =
+        rng() % 2 == 0 ? s0 : block * (1 + static_cast<std::int64_t>(rng() % 3));
+    o.block_strides = {s0, s1};
+    Result<CacheSpec> spec = CacheSpec::Create(o);
+    ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+    std::vector<std::vector<std::uint64_t>> bases(2, std::vector<std::uint64_t>(2));
+    for (auto& layer : bases) {
+      for (auto& base : layer) base = 0x1000 + rng() % 160;
+    }
+    std::vector<int> owners(0x1000 + 160 + 3 * 12 * 5, 0);
+    bool clash = false;
+    for (int l = 0; l < 2; ++l) {
+      for (int p = 0; p < 2; ++p) {
+        for (std::int64_t b = 0; b < blocks; ++b) {
+          for (std::int64_t i = 0; i < block; ++i) {
+            const auto at = static_cast<std::size_t>(
+                static_cast<std::int64_t>(
+                    bases[static_cast<std::size_t>(l)][static_cast<std::size_t>(p)]) +
+                b * spec->BlockStride(p) + i);
+            clash = clash || owners[at] != 0;
+            owners[at] = 1;
+          }
+        }
+      }
+    }
+    Result<CacheAddresses> a = CacheAddresses::Create(*spec, bases);
+    if (s0 == s1) {
+      // Equal strides: the check is exact.
+      ASSERT_EQ(a.ok(), !clash) << "iteration " << iter << ": " << a.status().ToString();
+    } else {
+      // Different strides: never accept a clash (extents must be disjoint, a stricter rule).
+      ASSERT_TRUE(!a.ok() || !clash) << "iteration " << iter;
+    }
+    (a.ok() ? accepted : refused) += 1;
+  }
+  EXPECT_GT(accepted, 100);
+  EXPECT_GT(refused, 100);
+}
+
+// --- Fused MLA: latent and rope side by side in one row.
+
+TEST(CacheSpecFusedMlaTest, OnePartReplicatedWithTheSplitInTheHash) {
+  Result<CacheSpec> spec = CacheSpec::MlaFused(61, 512, 64, 100, 16, DType::kBFloat16, 4, 3);
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  EXPECT_EQ(spec->kind(), CacheKind::kMlaFused);
+  EXPECT_EQ(spec->num_parts(), 1);
+  EXPECT_EQ(spec->LocalHeads(0), 1);
+  EXPECT_EQ(spec->BlockBytes(0), 16 * 576 * 2);
+  EXPECT_THAT(spec->CanonicalText(), HasSubstr("kind=mla_fused"));
+  EXPECT_THAT(spec->CanonicalText(), HasSubstr("parts=latent_rope:1x576 fields=512+64"));
+  EXPECT_NE(spec->Hash(), CacheSpec::MlaFused(61, 448, 128, 100, 16, DType::kBFloat16)->Hash());
+  EXPECT_EQ(spec->Hash(), CacheSpec::MlaFused(61, 512, 64, 7, 16, DType::kBFloat16)->Hash());
+  EXPECT_EQ(ParseCacheKind("mla_fused").value(), CacheKind::kMlaFused);
+  EXPECT_EQ(CacheKindParts(CacheKind::kMlaFused), 1u);
+  // Unfused specs keep the canonical text (and hash) they always had.
+  EXPECT_THAT(CacheSpec::Mla(1, 512, 64, 4, 16, DType::kBFloat16)->CanonicalText(),
+              ::testing::Not(HasSubstr("fields")));
+}
+
+TEST(CacheSpecFusedMlaTest, RejectsBadFieldsAndFieldsOnOtherKinds) {
+  CacheSpecOptions o = CacheSpec::MlaFused(2, 512, 64, 4, 16, DType::kBFloat16)->options();
+  for (auto& layer : o.layers) layer.fields = {500, 64};
+  EXPECT_THAT(CacheSpec::Create(o).status().message(),
+              HasSubstr("two positive fields (kv_lora_rank, qk_rope_head_dim) summing to its "
+                        "part's head_dim 576, found [500+64]"));
+  for (auto& layer : o.layers) layer.fields = {576};
+  EXPECT_THAT(CacheSpec::Create(o).status().message(), HasSubstr("found [576]"));
+  for (auto& layer : o.layers) layer.fields = {512, 64};
+  o.layers[1].fields = {448, 128};
+  EXPECT_THAT(CacheSpec::Create(o).status().message(),
+              HasSubstr("layer 1 has fields [448+128] but layer 0 has [512+64]"));
+  CacheSpecOptions mla = CacheSpec::Mla(1, 512, 64, 4, 16, DType::kBFloat16)->options();
+  mla.layers[0].fields = {512, 64};
+  EXPECT_THAT(CacheSpec::Create(mla).status().message(),
+              HasSubstr("only mla_fused layers pack fields"));
 }
 
 }  // namespace

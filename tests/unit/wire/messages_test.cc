@@ -47,6 +47,23 @@ TEST(WireTest, MetadataWithoutOptionalFieldsRoundTrips) {
   EXPECT_EQ(std::get<AgentMetadata>(*back), m);
 }
 
+TEST(WireTest, StridedAndFusedCacheSpecsRoundTrip) {
+  AgentMetadata m = SampleMetadata();
+  CacheSpecOptions o = CacheSpec::Mha(2, 8, 128, 64, 16, DType::kBFloat16)->options();
+  o.block_strides = {2 * 16 * 8 * 128 * 2, 2 * 16 * 8 * 128 * 2};
+  for (const CacheSpec& cache :
+       {*CacheSpec::Create(o), *CacheSpec::MlaFused(61, 512, 64, 100, 16, DType::kBFloat16)}) {
+    m.cache = cache;
+    m.cache_hash = cache.Hash();
+    Result<Message> back = Decode(Encode(m));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    const AgentMetadata& got = std::get<AgentMetadata>(*back);
+    EXPECT_EQ(got, m);
+    EXPECT_EQ(got.cache.BlockStride(1), cache.BlockStride(1));
+    EXPECT_EQ(got.cache.fields(), cache.fields());
+  }
+}
+
 // --- Malformed input, class by class. Every case must be a clear error, never a crash. ---
 
 using Packer = msgpack::packer<msgpack::sbuffer>;

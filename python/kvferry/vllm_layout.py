@@ -1,0 +1,298 @@
+"""The geometry of vLLM's KV cache tensors, read from their shapes and strides.
+
+vLLM hands ``register_kv_caches`` one tensor per attention layer (vllm-ascend: a tuple per layer).
+This module turns them into a kvferry ``CacheSpec`` plus the base address of every part, or
+refuses them with an error that names the shape and strides it got. Nothing here trusts a setting
+that could disagree with the tensors: the only inputs besides the tensors are the logical block
+size vLLM's scheduler counts in and the model-wide KV head count, both from vLLM's own config.
+
+Accepted (see README, "Using kvferry from Python and vLLM"):
+  * ``(2, num_blocks, block_size, heads, head_dim)`` (FlashAttention before the K/V-inner change)
+    with NHD strides (token-major blocks) or HND strides (head-major blocks);
+  * ``(2, num_blocks, heads, block_size, head_dim)``, vLLM's CPU backend (head-major blocks);
+  * ``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)`` contiguous, vLLM's MLA
+    backends: one ``mla_fused`` part whose split (from the model config) enters the hash;
+  * per-layer tuples of contiguous parts: ``(K, V)`` each ``(num_blocks, block_size, heads,
+    head_dim)``, ``(latent, rope)`` or ``(latent, rope, indexer)`` each
+    ``(num_blocks, block_size, dim)`` (vllm-ascend);
+  * dtypes fp16, bf16, fp32 and the 1-byte fp8 caches (uint8, int8, float8_e4m3fn, float8_e5m2).
+Refused, naming what was found: tensors not in host memory, K and V interleaved inside a block
+(``(num_blocks, 2, ...)``), a fused MLA tensor without the model's kv_lora_rank and
+qk_rope_head_dim or whose width disagrees with them, any other shape or stride pattern.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from . import _kvferry
+
+# dtype name -> (kvferry dtype, tag). A tag names 1-byte float formats that kvferry moves as
+# plain bytes; it goes into the part names, so the compatibility hash tells e4m3 from e5m2.
+_DTYPES = {
+    "float16": ("fp16", ""), "half": ("fp16", ""), "bfloat16": ("bf16", ""),
+    "float32": ("fp32", ""), "float": ("fp32", ""),
+    "uint8": ("int8", "fp8"), "int8": ("int8", "fp8"),
+    "float8_e4m3fn": ("int8", "fp8_e4m3fn"), "float8_e5m2": ("int8", "fp8_e5m2"),
+    "int32": ("int32", ""), "int64": ("int64", ""),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Address, logical shape, strides in elements, element type and device of one tensor."""
+
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    device: str
+
+    def describe(self) -> str:
+        return f"shape {self.shape}, strides {self.strides}, dtype {self.dtype}, device {self.device}"
+
+
+def tensor_info(t: Any) -> TensorInfo:
+    """Reads a torch tensor or a numpy array without copying it."""
+    if hasattr(t, "data_ptr"):  # torch
+        dtype = str(t.dtype).replace("torch.", "")
+        return TensorInfo(int(t.data_ptr()), tuple(int(x) for x in t.shape),
+                          tuple(int(x) for x in t.stride()), dtype, int(t.element_size()),
+                          str(t.device))
+    item = int(t.dtype.itemsize)
+    return TensorInfo(int(t.ctypes.data), tuple(int(x) for x in t.shape),
+                      tuple(int(s) // item for s in t.strides), str(t.dtype), item, "cpu")
+
+
+class CacheLayoutError(_kvferry.NotSupportedError):  # type: ignore[misc, valid-type]
+    """The tensors are in a layout kvferry cannot move without corrupting them."""
+
+
+@dataclass
+class Registration:
+    """What register_kv_caches hands the native worker."""
+
+    kind: str  # "mha", "mla", "sparse_mla", "mla_fused"
+    layout: str  # "token_major" or "head_major"
+    dtype: str
+    parts: list[tuple[str, int, int]]  # (name, model-wide heads, head_dim) per part
+    num_blocks: int  # logical blocks (vLLM's scheduler block ids)
+    tokens_per_block: int  # logical block size
+    local_heads: int  # KV heads per part on this rank (1 for MLA parts)
+    bases: list[list[int]]  # [unique layer][part]
+    layer_names: list[str]  # one name per unique tensor (layers sharing a tensor: the first)
+    fields: tuple[int, ...] = ()  # mla_fused: (kv_lora_rank, qk_rope_head_dim)
+
+
+def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
+    return CacheLayoutError(f"layer {name}: {info.describe()}: {why}")
+
+
+def _check_device(name: str, info: TensorInfo) -> None:
+    if not info.device.startswith("cpu"):
+        raise _refuse(name, info, (
+            f"the cache is in {info.device} memory, which this kvferry build cannot move "
+            "(transfers would fail later with misleading errors); run vLLM with its CPU backend, "
+            "or use a connector that moves device memory until kvferry does"))
+
+
+def _dtype(name: str, info: TensorInfo) -> tuple[str, str]:
+    if info.dtype not in _DTYPES:
+        raise _refuse(name, info, f"dtype {info.dtype} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[info.dtype]
+
+
+def _dense_inner(info: TensorInfo, dims: tuple[int, int, int]) -> Optional[tuple[int, int, int]]:
+    """The physical order of three logical dims (outermost first) when they are densely packed
+    with the last one innermost and contiguous; None otherwise."""
+    a, b, d = dims
+    s, st = info.shape, info.strides
+    if st[d] != 1:
+        return None
+    if st[b] == s[d] and st[a] == s[b] * s[d]:
+        return (a, b, d)
+    if st[a] == s[d] and st[b] == s[a] * s[d]:
+        return (b, a, d)
+    return None
+
+
+def _logical_blocks(name: str, info: TensorInfo, kernel_blocks: int, kernel_size: int,
+                    logical_size: int, head_major: bool) -> int:
+    """Logical block count: vLLM's scheduler may count in blocks larger than the kernel's."""
+    if logical_size % kernel_size != 0:
+        raise _refuse(name, info, (
+            f"the tensor's block size {kernel_size} does not divide vLLM's block size "
+            f"{logical_size}"))
+    ratio = logical_size // kernel_size
+    if ratio > 1 and head_major:
+        raise _refuse(name, info, (
+            f"head-major kernel blocks of {kernel_size} tokens inside logical blocks of "
+            f"{logical_size} are not one head-major block; use the NHD layout or equal sizes"))
+    if kernel_blocks % ratio != 0:
+        raise _refuse(name, info, (
+            f"{kernel_blocks} kernel blocks are not a whole number of logical blocks of "
+            f"{ratio} kernel blocks"))
+    return kernel_blocks // ratio
+
+
+def _kv_first(name: str, info: TensorInfo, block_size: int, local_heads: Optional[int],
+              prefer_heads_first: bool) -> tuple[str, int, int, int, int, list[int]]:
+    """A (2, num_blocks, X, Y, head_dim) tensor: K and V are each one contiguous region.
+    Returns (layout, kernel blocks, kernel block size, local heads, head_dim, [K base, V base])."""
+    s, st = info.shape, info.strides
+    if st[1] != s[2] * s[3] * s[4] or st[0] < s[1] * st[1]:
+        raise _refuse(name, info, "K and V are not each one dense region of whole blocks")
+    order = _dense_inner(info, (2, 3, 4))
+    if order is None:
+        raise _refuse(name, info, "the inside of a block is not densely packed with head_dim "
+                      "innermost")
+    # Which logical dim holds tokens: FlashAttention puts tokens at 2, the CPU backend heads.
+    tokens_at_2 = (s[3] == local_heads) if local_heads is not None else s[2] == block_size
+    tokens_at_3 = (s[2] == local_heads) if local_heads is not None else s[3] == block_size
+    if tokens_at_2 and tokens_at_3:  # equal sizes: the backend decides
+        tokens_at_2 = not prefer_heads_first
+    elif not tokens_at_2 and not tokens_at_3:
+        raise _refuse(name, info, (
+            f"neither dim 2 nor dim 3 holds this rank's {local_heads} KV heads"
+            if local_heads is not None else
+            f"neither dim 2 nor dim 3 is vLLM's block size {block_size}"))
+    token_dim, head_dim_axis = (2, 3) if tokens_at_2 else (3, 2)
+    layout = "token_major" if order[0] == token_dim else "head_major"
+    base = info.address
+    return (layout, s[1], s[token_dim], s[head_dim_axis], s[4],
+            [base, base + st[0] * info.itemsize])
+
+
+def _contiguous(info: TensorInfo) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(info.shape), reversed(info.strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Optional[int],
+                tp_size: int, prefer_heads_first: bool,
+                mla_split: Optional[tuple[int, int]] = None) -> Registration:
+    """Reads every layer's tensors. `block_size` is vLLM's logical block size; `total_kv_heads`
+    the model's (None: this rank's heads times tp_size, no replication); `mla_split` the model's
+    (kv_lora_rank, qk_rope_head_dim) when it is an MLA model (None otherwise)."""
+    if not kv_caches:
+        raise _kvferry.InvalidArgumentError("register_kv_caches got no layers")
+    seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    geometry = None
+    bases: list[list[int]] = []
+    names: list[str] = []
+    for name, cache in kv_caches.items():
+        tensors = list(cache) if isinstance(cache, (tuple, list)) else [cache]
+        infos = [tensor_info(t) for t in tensors]
+        for info in infos:
+            _check_device(name, info)
+        key = (infos[0].address, infos[0].shape)
+        if key in seen:  # a layer sharing another's tensor: registered once
+            continue
+        g, layer_bases = _read_layer(name, infos, block_size, total_kv_heads, tp_size,
+                                     prefer_heads_first, mla_split)
+        if geometry is None:
+            geometry = g
+        elif g != geometry:
+            raise _kvferry.InvalidArgumentError(
+                f"layer {name} has geometry {g}, layer {names[0]} {geometry}; kvferry needs "
+                "every attention layer alike")
+        seen[key] = name
+        bases.append(layer_bases)
+        names.append(name)
+    assert geometry is not None
+    kind, layout, dtype, parts, num_blocks, local_heads = geometry
+    fields = tuple(mla_split) if kind == "mla_fused" and mla_split else ()
+    return Registration(kind, layout, dtype, list(parts), num_blocks, block_size, local_heads,
+                        bases, names, fields)
+
+
+def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
+                total_kv_heads: Optional[int], tp_size: int, prefer_heads_first: bool,
+                mla_split: Optional[tuple[int, int]] = None):
+    first = infos[0]
+    dtype, tag = _dtype(name, first)
+    for info in infos[1:]:
+        if info.dtype != first.dtype:
+            raise _refuse(name, info, f"part dtype differs from the first part's {first.dtype}")
+    suffix = f":{tag}" if tag else ""
+    if len(infos) == 1:
+        s = first.shape
+        if len(s) == 5 and s[0] == 2:
+            local = None
+            if total_kv_heads is not None:
+                local = max(total_kv_heads // tp_size, 1)
+            layout, kblocks, ksize, heads, head_dim, layer_bases = _kv_first(
+                name, first, block_size, local, prefer_heads_first)
+            nblocks = _logical_blocks(name, first, kblocks, ksize, block_size,
+                                      layout == "head_major")
+            model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
+            parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
+            return ("mha", layout, dtype, parts, nblocks, heads), layer_bases
+        if len(s) == 5 and s[1] == 2:
+            raise _refuse(name, first, (
+                "K and V are interleaved inside each block (num_blocks, 2, ...); kvferry moves "
+                "each part as one region of whole blocks and cannot move this layout yet"))
+        if len(s) == 3:
+            return _fused_mla(name, first, block_size, mla_split, suffix, dtype)
+        raise _refuse(name, first, "not a KV cache layout kvferry knows (see the README)")
+    # vllm-ascend: a tuple of contiguous parts per layer.
+    for info in infos:
+        if not _contiguous(info):
+            raise _refuse(name, info, "a per-layer part must be contiguous")
+        if info.shape[0] != first.shape[0]:
+            raise _refuse(name, info, f"part block count differs from {first.shape[0]}")
+    if len(infos) == 2 and all(len(i.shape) == 4 for i in infos) and infos[0].shape == infos[1].shape:
+        nb, x, y, head_dim = first.shape
+        local = max(total_kv_heads // tp_size, 1) if total_kv_heads is not None else None
+        if x == block_size and (local is None or y == local):
+            layout, heads = "token_major", y
+        elif y == block_size and (local is None or x == local):
+            layout, heads = "head_major", x
+        else:
+            raise _refuse(name, first, f"no dim 1 or 2 is vLLM's block size {block_size} with "
+                          f"this rank's {local} heads beside it")
+        model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
+        parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
+        return ("mha", layout, dtype, parts, nb, heads), [i.address for i in infos]
+    if len(infos) in (2, 3) and all(len(i.shape) in (3, 4) for i in infos):
+        dims = []
+        for info in infos:
+            if info.shape[1] != block_size or (len(info.shape) == 4 and info.shape[2] != 1):
+                raise _refuse(name, info, f"an MLA part must be (num_blocks, {block_size}, dim)")
+            dims.append(info.shape[-1])
+        if len(infos) == 2 and dims[0] == dims[1]:
+            raise _refuse(name, first, "two parts of equal width but not 4-D K/V")
+        labels = ("latent", "rope", "indexer")
+        parts = tuple((labels[i] + suffix, 1, d) for i, d in enumerate(dims))
+        kind = "mla" if len(infos) == 2 else "sparse_mla"
+        return (kind, "token_major", dtype, parts, first.shape[0], 1), [i.address for i in infos]
+    raise _refuse(name, first, f"{len(infos)} parts per layer in a layout kvferry does not know")
+
+
+def _fused_mla(name: str, info: TensorInfo, block_size: int,
+               mla_split: Optional[tuple[int, int]], suffix: str, dtype: str):
+    """vLLM's MLA cache: (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim), each token's
+    row holding latent then rope. Moved as one replicated part of whole blocks; the split comes
+    from the model config and enters the compatibility hash."""
+    if mla_split is None:
+        raise _refuse(name, info, (
+            "a 3-D tensor is vLLM's fused MLA cache (num_blocks, block_size, kv_lora_rank + "
+            "qk_rope_head_dim), but the model config gives no kv_lora_rank and "
+            "qk_rope_head_dim (model_config.use_mla with hf_text_config.kv_lora_rank and "
+            "qk_rope_head_dim)"))
+    lora, rope = mla_split
+    if info.shape[2] != lora + rope:
+        raise _refuse(name, info, (
+            f"the row width {info.shape[2]} is not kv_lora_rank {lora} + qk_rope_head_dim "
+            f"{rope} = {lora + rope} from the model config"))
+    if not _contiguous(info):
+        raise _refuse(name, info, "a fused MLA cache must be contiguous")
+    nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size, False)
+    parts = (("latent_rope" + suffix, 1, lora + rope),)
+    return ("mla_fused", "token_major", dtype, parts, nblocks, 1), [info.address]

@@ -1,0 +1,463 @@
+"""kvferry.vllm driven the way vLLM's scheduler and workers drive it (issue 12): hostile params
+never raise out of a scheduler hook, only loads vLLM handed over are reported received, ranks come
+from vLLM's parallel state, and cache tensors in each backend's real shape and strides move
+byte-exact or are refused by name."""
+import sys
+import time
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import kvferry
+import kvferry.vllm
+from kvferry.vllm_layout import CacheLayoutError
+from common import free_port
+
+BS, HEADS, DIM, NB, LAYERS = 4, 2, 8, 16, 2
+
+
+def config(role, port, extra=None, tp=1, heads=HEADS, block_size=BS, policy=None, mla=None):
+    """vLLM's config as connectors read it; `mla` = (kv_lora_rank, qk_rope_head_dim) for an MLA
+    model (vLLM reads both from the HF config)."""
+    model = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: heads)
+    if mla is not None:
+        model = SimpleNamespace(use_mla=True, get_total_num_kv_heads=lambda: 1,
+                                hf_text_config=SimpleNamespace(kv_lora_rank=mla[0],
+                                                               qk_rope_head_dim=mla[1]))
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_role=role, engine_id=f"{role}-{port}", kv_load_failure_policy=policy,
+            kv_connector_extra_config=dict({"base_port": port}, **(extra or {}))),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0),
+        cache_config=SimpleNamespace(block_size=block_size),
+        model_config=model)
+
+
+class Blocks:
+    """vLLM's KVCacheBlocks, as far as connectors use it."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def get_unhashed_block_ids(self):
+        return list(self.ids)
+
+
+def request(rid, params, prompt_tokens, status="WAITING"):
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params,
+                           prompt_token_ids=list(range(prompt_tokens)),
+                           num_prompt_tokens=prompt_tokens, status=SimpleNamespace(name=status))
+
+
+def poll(fn, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+GOOD = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p",
+        "remote_host": "127.0.0.1", "remote_port": 5557, "remote_tp_size": 1}
+HOSTILE = [
+    {"do_remote_prefill": True},
+    dict(GOOD, remote_block_ids="1,2"),
+    dict(GOOD, remote_block_ids=[1, "2"]),
+    dict(GOOD, remote_block_ids=[1, -2]),
+    dict(GOOD, remote_block_ids=[True]),
+    dict(GOOD, remote_port="5557"),
+    dict(GOOD, remote_port=70000),
+    dict(GOOD, remote_tp_size=0),
+    dict(GOOD, remote_host=""),
+    dict(GOOD, remote_engine_id=None),
+    dict(GOOD, remote_engine_id="x" * 5000),
+    dict(GOOD, remote_request_id=7),
+    {k: v for k, v in GOOD.items() if k != "remote_tp_size"},
+]
+
+
+@pytest.mark.parametrize("params", HOSTILE)
+def test_hostile_params_never_raise_and_mean_no_remote_prefill(params):
+    sched = kvferry.vllm.KvferryConnector(config("kv_consumer", 5557), "SCHEDULER")
+    req = request("h", dict(params), 8)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, Blocks([]), 0)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    assert sched.build_connector_meta(None).awaited == ()
+    assert sched.request_finished(req, []) == (False, None)
+
+
+def test_nixl_shaped_params_are_accepted():
+    sched = kvferry.vllm.KvferryConnector(config("kv_consumer", 5557), "SCHEDULER")
+    nixl = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[4, 5]],
+            "remote_engine_id": "p", "remote_request_id": "p-1", "remote_host": "127.0.0.1",
+            "remote_port": 5600, "tp_size": 1}
+    req = request("n", nixl, 2 * BS)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    sched.update_state_after_alloc(req, Blocks([9, 10]), 2 * BS)
+    assert nixl["do_remote_prefill"] is False
+    assert sched.build_connector_meta(None).awaited == ("n",)
+
+
+# ---------------------------------------------------------------- cache layouts
+
+def fa_nhd(dtype=np.float32):  # (2, num_blocks, block_size, heads, head_dim), NHD strides
+    return np.zeros((2, NB, BS, HEADS, DIM), dtype=dtype)
+
+
+def fa_hnd(dtype=np.float32):  # same logical shape, stride order (0, 1, 3, 2, 4)
+    return np.zeros((2, NB, HEADS, BS, DIM), dtype=dtype).transpose(0, 1, 3, 2, 4)
+
+
+def cpu_backend(dtype=np.float32):  # vLLM's CPU backend: (2, num_blocks, heads, block_size, dim)
+    return np.zeros((2, NB, HEADS, BS, DIM), dtype=dtype)
+
+
+def ascend_tuple(dtype=np.float32):  # vllm-ascend: (K, V) per layer
+    return tuple(np.zeros((NB, BS, HEADS, DIM), dtype=dtype) for _ in range(2))
+
+
+LORA, ROPE = 24, 8  # a small kv_lora_rank + qk_rope_head_dim
+
+
+def mla_fused(dtype=np.float32):  # vLLM's MLA backends: (num_blocks, block_size, lora + rope)
+    return np.zeros((NB, BS, LORA + ROPE), dtype=dtype)
+
+
+def fill_random(cache, seed):
+    rng = np.random.default_rng(seed)
+    for part in (cache if isinstance(cache, tuple) else [cache]):
+        base = part.base if part.base is not None else part
+        base.reshape(-1).view(np.uint8)[...] = rng.integers(0, 256, base.nbytes, dtype=np.uint8)
+
+
+def block_view(cache, block):
+    """Logical contents of one block, every part: what must arrive byte for byte."""
+    if isinstance(cache, tuple):
+        return np.stack([p[block] for p in cache]).view(np.uint8)
+    if cache.ndim == 3:  # fused MLA: blocks outermost
+        return np.ascontiguousarray(cache[block]).view(np.uint8)
+    return np.ascontiguousarray(cache[:, block]).view(np.uint8)
+
+
+def transfer(make, dtype=np.float32, p_make=None, expect_release=True, wrap=lambda c: c,
+             p_kw=None, d_kw=None):
+    """Prefill holds request r-1's blocks; decode loads them as vLLM drives both sides."""
+    pport, dport = free_port(), free_port()
+    p_kw, d_kw = p_kw or {}, d_kw or {}
+    p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport, **p_kw), "SCHEDULER")
+    p_work = kvferry.vllm.KvferryConnector(config("kv_producer", pport, **p_kw), "WORKER")
+    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, **d_kw), "SCHEDULER")
+    d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, **d_kw), "WORKER")
+    p_caches = {f"l{i}": (p_make or make)(dtype) for i in range(LAYERS)}
+    d_caches = {f"l{i}": make(dtype) for i in range(LAYERS)}
+    for i, c in enumerate(p_caches.values()):
+        fill_random(c, i)
+    p_work.register_kv_caches({k: wrap(c) for k, c in p_caches.items()})
+    d_work.register_kv_caches({k: wrap(c) for k, c in d_caches.items()})
+    remote, local = [12, 13, 3], [5, 6, 7]
+    preq = request("r-1", {"do_remote_decode": True}, 3 * BS, "FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished(preq, remote)
+    assert delay
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    dreq = request("d-1", dict(params), 3 * BS)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (3 * BS, True)
+    d_sched.update_state_after_alloc(dreq, Blocks(local), 3 * BS)
+    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+    d_work.start_load_kv(None)
+    got = poll(lambda: d_work.get_finished(set())[1], "the load")
+    assert got == {"d-1"}
+    errors = d_work.get_block_ids_with_load_errors()
+    if expect_release:
+        sent = poll(lambda: p_work.get_finished({"r-1"})[0], "the prefill side's release")
+        assert sent == {"r-1"}
+    return p_caches, d_caches, remote, local, errors
+
+
+@pytest.mark.parametrize("make", [fa_nhd, fa_hnd, cpu_backend, ascend_tuple],
+                         ids=["flash_nhd", "flash_hnd", "cpu_backend", "ascend_tuple"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint8], ids=["fp32", "fp16", "fp8"])
+def test_layouts_move_every_byte(make, dtype):
+    p, d, remote, local, errors = transfer(make, dtype)
+    assert errors == set()
+    for name in p:
+        for r, l in zip(remote, local):
+            np.testing.assert_array_equal(block_view(d[name], l), block_view(p[name], r))
+
+
+@pytest.mark.parametrize("make", [fa_nhd, fa_hnd, cpu_backend], ids=["flash_nhd", "flash_hnd", "cpu"])
+def test_torch_tensors_move_every_byte(make):
+    torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
+
+    def wrap(c):
+        t = torch.from_numpy(c)  # same memory, shape and strides, read through torch's API
+        assert t.stride() == tuple(s // c.itemsize for s in c.strides)
+        return t
+
+    p, d, remote, local, errors = transfer(make, np.float16, wrap=wrap)
+    assert errors == set()
+    for name in p:
+        for r, l in zip(remote, local):
+            np.testing.assert_array_equal(block_view(d[name], l), block_view(p[name], r))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.uint8], ids=["fp16", "fp8"])
+def test_fused_mla_moves_every_byte(dtype):
+    p, d, remote, local, errors = transfer(mla_fused, dtype, p_kw={"mla": (LORA, ROPE)},
+                                           d_kw={"mla": (LORA, ROPE)})
+    assert errors == set()
+    for name in p:
+        for r, l in zip(remote, local):
+            np.testing.assert_array_equal(block_view(d[name], l), block_view(p[name], r))
+    reg = geometry_of(mla_fused, mla=(LORA, ROPE))
+    assert (reg.kind, reg.fields, reg.parts) == ("mla_fused", (LORA, ROPE),
+                                                 [("latent_rope", 1, LORA + ROPE)])
+
+
+def test_fused_mla_with_another_split_is_refused_not_corrupted():
+    # Same row width (32), different split: the compatibility hash differs, no byte moves.
+    p, d, remote, local, errors = transfer(mla_fused, p_kw={"mla": (LORA, ROPE)},
+                                           d_kw={"mla": (LORA - 8, ROPE + 8)},
+                                           expect_release=False)
+    assert errors == set(local)
+    for name in d:
+        assert not d[name].any()
+
+
+def test_fused_mla_needs_the_split_from_the_model_config():
+    with pytest.raises(CacheLayoutError, match="kv_lora_rank") as e:
+        geometry_of(mla_fused)  # use_mla False: no split
+    assert "(16, 4, 32)" in str(e.value)
+    with pytest.raises(CacheLayoutError, match="row width 32 is not kv_lora_rank 24"):
+        geometry_of(mla_fused, mla=(LORA, ROPE + 1))
+
+
+def test_nhd_against_hnd_is_refused_not_corrupted():
+    p, d, remote, local, errors = transfer(fa_hnd, p_make=fa_nhd, expect_release=False)
+    assert errors == set(local)
+    for name in d:
+        assert not d[name].any(), "no byte may land when the layouts differ"
+
+
+def geometry_of(make, **kw):
+    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port(), **kw), "WORKER")
+    w.register_kv_caches({"l0": make(np.float32)})
+    return w._registration
+
+
+def test_geometry_read_from_shape_and_strides():
+    assert (geometry_of(fa_nhd).layout, geometry_of(fa_nhd).local_heads) == ("token_major", HEADS)
+    assert geometry_of(fa_hnd).layout == "head_major"
+    cpu = geometry_of(cpu_backend)
+    assert (cpu.layout, cpu.local_heads, cpu.tokens_per_block) == ("head_major", HEADS, BS)
+    # Logical blocks of 8 tokens over kernel blocks of 4: 16 kernel blocks are 8 logical ones.
+    big = geometry_of(fa_nhd, block_size=2 * BS)
+    assert (big.num_blocks, big.tokens_per_block) == (NB // 2, 2 * BS)
+
+
+@pytest.mark.parametrize("tensor, words", [
+    (np.zeros((NB, 2, BS, HEADS, DIM), np.float32), "interleaved"),
+    (np.zeros((NB, BS, 576), np.float32), "MLA"),
+    (np.zeros((2, NB, BS, HEADS, DIM), np.float32)[:, :, :, :, ::2], "dense"),
+    (np.zeros((2, NB, 3, 5, DIM), np.float32), "heads"),
+    (np.zeros((2, NB, BS, HEADS, DIM), np.complex64), "dtype"),
+])
+def test_unknown_layouts_are_refused_naming_shape_and_strides(tensor, words):
+    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+    with pytest.raises(CacheLayoutError, match=words) as e:
+        w.register_kv_caches({"l0": tensor})
+    assert str(tuple(tensor.shape)) in str(e.value) and "strides" in str(e.value)
+
+
+class DeviceTensor:
+    """A CUDA tensor as the adapter sees one: data_ptr() is device memory."""
+
+    shape = (2, NB, BS, HEADS, DIM)
+    dtype = "torch.float16"
+    device = "cuda:0"
+
+    def data_ptr(self):
+        return 0x7F0000000000
+
+    def stride(self):
+        return (NB * BS * HEADS * DIM, BS * HEADS * DIM, HEADS * DIM, DIM, 1)
+
+    def element_size(self):
+        return 2
+
+
+def test_device_tensors_are_refused_at_registration():
+    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+    with pytest.raises(kvferry.NotSupportedError, match="cuda:0 memory"):
+        w.register_kv_caches({"l0": DeviceTensor()})
+
+
+def test_replicated_heads_and_head_count_checked_against_the_model():
+    # 1 KV head in the model, TP 2: every rank holds the one head (replicated).
+    port = free_port(2)
+    w = kvferry.vllm.KvferryConnector(
+        config("kv_consumer", port, extra={"tp_rank": 1}, tp=2, heads=1), "WORKER")
+    w.register_kv_caches({"l0": np.zeros((2, NB, BS, 1, DIM), np.float32)})
+    assert w._spec.local_heads(0) == 1
+    # Tensors with 2 heads per rank where the model says 2 heads over TP 2 (1 each): refused.
+    bad = kvferry.vllm.KvferryConnector(
+        config("kv_consumer", free_port(), extra={"tp_rank": 0}, tp=2, heads=2), "WORKER")
+    with pytest.raises(kvferry.Error):
+        bad.register_kv_caches({"l0": np.zeros((2, NB, BS, 2, DIM), np.float32)})
+
+
+def test_layers_sharing_a_tensor_are_registered_once():
+    shared = fa_nhd()
+    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+    w.register_kv_caches({"l0": shared, "l1": shared, "l2": fa_nhd()})
+    assert w._registration.layer_names == ["l0", "l2"]
+
+
+# ---------------------------------------------------------------- ranks and requests
+
+def fake_parallel_state(monkeypatch, size, rank):
+    ps = types.ModuleType("vllm.distributed.parallel_state")
+    ps.get_tensor_model_parallel_world_size = lambda: size
+    ps.get_tensor_model_parallel_rank = lambda: rank
+    for name in ("vllm", "vllm.distributed"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", ps)
+
+
+def test_tp_ranks_come_from_vllms_parallel_state(monkeypatch):
+    port = free_port(2)
+    workers = []
+    for rank in (0, 1):  # the same config on every rank, as vLLM passes it
+        fake_parallel_state(monkeypatch, 2, rank)
+        w = kvferry.vllm.KvferryConnector(config("kv_producer", port, tp=2, heads=4), "WORKER")
+        w.register_kv_caches({"l0": np.zeros((2, NB, BS, 2, DIM), np.float32)})
+        workers.append(w)
+    assert [w._spec.tp_rank for w in workers] == [0, 1]
+    assert workers[1]._worker.listener_endpoint.endswith(str(port + 1))
+
+
+def test_tp_above_one_without_parallel_state_is_a_clear_error():
+    w = kvferry.vllm.KvferryConnector(config("kv_producer", free_port(), tp=2, heads=4), "WORKER")
+    with pytest.raises(kvferry.InvalidArgumentError, match="parallel state"):
+        w.register_kv_caches({"l0": np.zeros((2, NB, BS, 2, DIM), np.float32)})
+
+
+def test_aborted_waiting_request_only_notifies_the_prefill_side():
+    pport, dport = free_port(), free_port()
+    p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "SCHEDULER")
+    p_work = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "WORKER")
+    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport), "SCHEDULER")
+    d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", dport), "WORKER")
+    p_work.register_kv_caches({"l0": fa_nhd()})
+    d_work.register_kv_caches({"l0": fa_nhd()})
+    delay, params = p_sched.request_finished(
+        request("r-1", {"do_remote_decode": True}, 2 * BS, "FINISHED_LENGTH_CAPPED"), [1, 2])
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    # Decode: the request waits (no blocks yet) and is aborted: vLLM frees it at once.
+    dreq = request("d-1", dict(params), 2 * BS)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (2 * BS, True)
+    dreq.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert d_sched.request_finished(dreq, []) == (False, None)
+    md = d_sched.build_connector_meta(None)
+    assert md.awaited == ()
+    d_work.bind_connector_metadata(md)
+    d_work.start_load_kv(None)
+    assert poll(lambda: p_work.get_finished({"r-1"})[0], "the prefill release") == {"r-1"}
+    # The native worker reports its empty load as done; the adapter must not pass it on.
+    native, seen = d_work._worker, set()
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def get_finished(self):
+            sending, receiving = native.get_finished()
+            seen.update(receiving)
+            return sending, receiving
+
+    d_work._worker = Recorder()
+    results = []
+    poll(lambda: results.append(d_work.get_finished({"d-1"})) or "d-1" in seen, "the native report")
+    assert set(results) == {(None, None)}
+    assert d_work.get_block_ids_with_load_errors() == set()
+
+
+def test_load_failure_reported_as_invalid_blocks_and_policy_read_from_config():
+    port = free_port()
+    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", port, policy="fail"), "SCHEDULER")
+    d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", port, policy="fail"), "WORKER")
+    assert d_work._settings.failure_policy == "fail"
+    d_work.register_kv_caches({"l0": fa_nhd()})
+    dead = dict(GOOD, remote_port=free_port(), remote_block_ids=[1, 2])  # nobody listens
+    dreq = request("d-9", dead, 2 * BS)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (2 * BS, True)
+    d_sched.update_state_after_alloc(dreq, Blocks([3, 4]), 2 * BS)
+    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+    d_work.start_load_kv(None)
+    assert poll(lambda: d_work.get_finished(set())[1], "the failed load", 40) == {"d-9"}
+    assert d_work.get_block_ids_with_load_errors() == {3, 4}
+
+
+def test_contract_details():
+    c = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "SCHEDULER")
+    assert c.role == "SCHEDULER"  # the role vLLM gave, untouched
+    cfg = config("kv_consumer", 1)
+    assert kvferry.vllm.KvferryConnector.get_required_kvcache_layout(cfg) == "HND"
+    cfg.model_config.use_mla = True
+    assert kvferry.vllm.KvferryConnector.get_required_kvcache_layout(cfg) is None
+    s = kvferry.vllm.KvferryConnector.build_kv_connector_stats({"bytes_read": 5})
+    s.aggregate(kvferry.vllm.KvferryConnector.build_kv_connector_stats({"bytes_read": 7}))
+    assert s.reduce()["bytes_read"] == 12 and not s.is_empty()
+
+
+def test_finished_req_ids_abort_a_load_in_flight():
+    """vLLM lists a request in finished_req_ids when it finishes it (client abort) while its load
+    runs: the adapter cancels the native load at once, reports the request once in
+    finished_recving, and reports none of its blocks as load errors (nothing to recompute)."""
+    import socket
+    silent = socket.socket()  # accepts TCP, never speaks ZMTP: the handshake cannot finish
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        port = free_port()
+        d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", port), "SCHEDULER")
+        d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", port), "WORKER")
+        d_work.register_kv_caches({"l0": fa_nhd()})
+        params = dict(GOOD, remote_port=silent.getsockname()[1], remote_block_ids=[1, 2])
+        dreq = request("d-7", params, 2 * BS)
+        assert d_sched.get_num_new_matched_tokens(dreq, 0) == (2 * BS, True)
+        d_sched.update_state_after_alloc(dreq, Blocks([3, 4]), 2 * BS)
+        d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+        d_work.start_load_kv(None)
+        native, aborted, codes = d_work._worker, [], []
+
+        class Recorder:
+            def __getattr__(self, name):
+                return getattr(native, name)
+
+            def abort_load(self, rid, why):
+                aborted.append(rid)
+                return native.abort_load(rid, why)
+
+            def take_load_errors(self):
+                errors = native.take_load_errors()
+                codes.extend((e["request_id"], e["code"]) for e in errors)
+                return errors
+
+        d_work._worker = Recorder()
+        got = d_work.get_finished({"d-7"})[1] or poll(lambda: d_work.get_finished(set())[1],
+                                                       "the aborted load")
+        assert aborted == ["d-7"]
+        assert got == {"d-7"}
+        # Cancelled, not the handshake's timeout: the abort reached the load.
+        assert codes == [("d-7", "Cancelled")]
+        assert d_work.get_block_ids_with_load_errors() == set()
+        assert d_work.get_finished(set()) == (None, None)  # reported once
+    finally:
+        silent.close()
