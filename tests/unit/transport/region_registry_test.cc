@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <limits>
 #include <memory>
@@ -113,6 +114,53 @@ TEST_F(RegionRegistryTest, PinRangeChecksTheRangeInclusivelyAndWithoutOverflow) 
   EXPECT_THAT(pin_range(1, 900, 200).status().message(), HasSubstr("outside region 1"));
   // Unknown region.
   EXPECT_EQ(pin_range(9, 0, 1).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Runs `f` on a thread of its own and reports whether it finished within `bound`. A thread that
+// does not (a deadlock) is left behind, keeping alive what `f` captured.
+bool FinishesWithin(std::function<void()> f, std::chrono::seconds bound) {
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> finished = done->get_future();
+  std::thread([f = std::move(f), done] {
+    f();
+    done->set_value();
+  }).detach();
+  return finished.wait_for(bound) == std::future_status::ready;
+}
+
+// PinRange into a pin that already holds one replaces it: the old pin is dropped (it once
+// deadlocked here, dropping it under the registry's own lock) and the new one is held.
+TEST(RegionPinTest, PinRangeIntoAHeldPinReplacesIt) {
+  struct State {
+    std::vector<std::byte> buf = std::vector<std::byte>(200);
+    RegionRegistry registry;
+    RegionPin pin;  // after the registry: dropped before it goes
+    Result<std::byte*> where = Status::Internal("not run");
+    std::atomic<bool> dropped{false};
+  };
+  auto s = std::make_shared<State>();
+  ASSERT_TRUE(s->registry.Add(1, s->buf.data(), 100).ok());
+  ASSERT_TRUE(s->registry.Add(2, s->buf.data() + 100, 100).ok());
+  ASSERT_TRUE(s->registry.PinRange(1, 0, 10, &s->pin).ok());
+  ASSERT_TRUE(
+      FinishesWithin([s] { s->where = s->registry.PinRange(2, 5, 10, &s->pin); }, kEventDeadline))
+      << "PinRange into a held pin deadlocked";
+  ASSERT_TRUE(s->where.ok()) << s->where.status().ToString();
+  EXPECT_EQ(*s->where, s->buf.data() + 105);
+  EXPECT_EQ(s->pin.region(), 2u);
+  // Region 1's pin is gone, region 2's is held.
+  EXPECT_TRUE(FinishesWithin([s] { EXPECT_TRUE(s->registry.Remove(1).ok()); }, kEventDeadline));
+  auto removal = std::make_shared<std::promise<bool>>();
+  std::future<bool> removed = removal->get_future();
+  std::thread([s, removal] {
+    (void)s->registry.Remove(2);
+    removal->set_value(s->dropped.load());
+  }).detach();
+  EXPECT_EQ(removed.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  s->dropped = true;
+  s->pin = RegionPin();
+  ASSERT_EQ(removed.wait_for(kEventDeadline), std::future_status::ready);
+  EXPECT_TRUE(removed.get()) << "Remove(2) returned while region 2 was pinned";
 }
 
 TEST_F(RegionRegistryTest, PinLocalChecksTheRangeInclusivelyAndWithoutOverflow) {
