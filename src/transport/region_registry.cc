@@ -99,21 +99,26 @@ Result<RegionPin> RegionRegistry::PinLocal(const std::byte* p, std::uint64_t len
 
 Result<std::byte*> RegionRegistry::PinRange(RegionId id, std::uint64_t offset, std::uint64_t length,
                                             RegionPin* pin) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = regions_.find(id);
-  if (it == regions_.end() || it->second.removing) {
-    return Status::InvalidArgument("region " + std::to_string(id) + " is not registered here");
+  std::byte* where = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end() || it->second.removing) {
+      return Status::InvalidArgument("region " + std::to_string(id) + " is not registered here");
+    }
+    Entry& e = it->second;
+    if (offset > e.info.length || length > e.info.length - offset) {
+      return Status::InvalidArgument("read of " + std::to_string(length) + " bytes at offset " +
+                                     std::to_string(offset) + " is outside region " +
+                                     std::to_string(id) + " of " + std::to_string(e.info.length) +
+                                     " bytes");
+    }
+    ++e.pins;
+    where = e.info.addr + offset;
   }
-  Entry& e = it->second;
-  if (offset > e.info.length || length > e.info.length - offset) {
-    return Status::InvalidArgument("read of " + std::to_string(length) + " bytes at offset " +
-                                   std::to_string(offset) + " is outside region " +
-                                   std::to_string(id) + " of " + std::to_string(e.info.length) +
-                                   " bytes");
-  }
-  ++e.pins;
+  // Outside the lock: a pin `*pin` held before is dropped here, and dropping takes the lock.
   *pin = RegionPin(this, id);
-  return e.info.addr + offset;
+  return where;
 }
 
 void RegionRegistry::Unpin(RegionId id) {

@@ -59,6 +59,7 @@ class RegionRegistry {
   /// Pins the region that contains [p, p + length) entirely; InvalidArgument if none does.
   Result<RegionPin> PinLocal(const std::byte* p, std::uint64_t length);
   /// Pins region `id` for a read of [offset, offset + length); returns where those bytes are.
+  /// `*pin` receives the pin (one it held before is dropped); it is left as it was on error.
   Result<std::byte*> PinRange(RegionId id, std::uint64_t offset, std::uint64_t length,
                               RegionPin* pin);
 
