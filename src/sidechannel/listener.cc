@@ -152,7 +152,10 @@ void Listener::HandleIncoming() {
   }
   if (!replay_.Accept(*auth)) {
     Refuse(identity, auth->nonce,
-           Status::Unauthenticated("replayed message: this nonce was already accepted"),
+           Status::Unauthenticated(
+               "replayed message: this header was already accepted, or the replay guard is full "
+               "and the message is older than the newest header it had to forget; send a fresh "
+               "message"),
            &unauthenticated_);
     return;
   }
