@@ -332,7 +332,7 @@ class RankProcess:
     def send(self, cmd: str, arg: Any = None) -> None:
         self.conn.send((cmd, arg))
 
-    def recv(self, timeout: float = 60.0) -> Any:
+    def recv(self, timeout: float = 120.0) -> Any:  # the first answer waits for torch to load
         if not self.conn.poll(timeout):
             raise AssertionError(f"worker process {self.proc.pid} did not answer in {timeout} s")
         status, value = self.conn.recv()
