@@ -333,6 +333,35 @@ class DeviceTensor:
         return 2
 
 
+class Float8Tensor:
+    """A CPU torch float8 tensor as the adapter sees one (Debian's torch 1.13 has no float8):
+    1-byte elements over a numpy buffer, torch's dtype name."""
+
+    def __init__(self, array, dtype):
+        self.array, self.dtype, self.device = array, dtype, "cpu"
+        self.shape = array.shape
+
+    def data_ptr(self):
+        return self.array.ctypes.data
+
+    def stride(self):
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def element_size(self):
+        return 1
+
+
+def test_float8_dtypes_are_one_byte_and_told_apart_by_the_hash():
+    specs = {}
+    for dtype, tag in (("torch.float8_e4m3fn", "fp8_e4m3fn"), ("torch.float8_e5m2", "fp8_e5m2")):
+        w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+        w.register_kv_caches({"l0": Float8Tensor(fa_main_nhd(np.uint8), dtype)})
+        assert w._spec.block_bytes(0) == BS * HEADS * DIM
+        assert w._registration.parts[0][0] == "k:" + tag
+        specs[dtype] = w._spec.canonical_text
+    assert specs["torch.float8_e4m3fn"] != specs["torch.float8_e5m2"]
+
+
 def test_device_tensors_are_refused_at_registration():
     w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
     with pytest.raises(kvferry.NotSupportedError, match="cuda:0 memory"):
