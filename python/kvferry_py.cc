@@ -149,7 +149,8 @@ PYBIND11_MODULE(_kvferry, m) {
              const std::vector<std::tuple<std::string, std::int64_t, std::int64_t>>& parts,
              std::int64_t num_blocks, std::int64_t tokens_per_block, const std::string& dtype,
              const std::string& layout, int tp_size, int tp_rank,
-             const std::vector<std::int64_t>& fields) {
+             const std::vector<std::int64_t>& fields,
+             const std::vector<std::int64_t>& block_strides) {
             CacheSpecOptions o;
             LayerSpec layer;
             layer.kind = Unwrap(ParseCacheKind(kind));
@@ -162,15 +163,20 @@ PYBIND11_MODULE(_kvferry, m) {
             o.layout = Unwrap(ParseBlockLayout(layout));
             o.tp_size = tp_size;
             o.tp_rank = tp_rank;
+            o.block_strides = block_strides;
             return MakeSpec(std::move(o));
           },
           "Any uniform cache: parts are (name, model-wide heads, head_dim); names enter the hash. "
           "fields: for kind 'mla_fused', the widths packed in each row (kv_lora_rank, "
-          "qk_rope_head_dim); they enter the hash.",
+          "qk_rope_head_dim); they enter the hash. block_strides: bytes from one block of a part "
+          "to the next, one per part (empty: packed); parts interleaved block by block, as in "
+          "vLLM's (num_blocks, 2, ...) tensors, have stride = the sum of all parts' block bytes. "
+          "Not in the hash.",
           py::arg("kind"), py::arg("layers"), py::arg("parts"), py::arg("num_blocks"),
           py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("layout") = "token_major",
           py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
-          py::arg("fields") = std::vector<std::int64_t>{})
+          py::arg("fields") = std::vector<std::int64_t>{},
+          py::arg("block_strides") = std::vector<std::int64_t>{})
       .def_property_readonly("fields", &CacheSpec::fields)
       .def_property_readonly("kind", [](const CacheSpec& s) { return CacheKindName(s.kind()); })
       .def_property_readonly("num_layers", &CacheSpec::num_layers)
@@ -183,6 +189,13 @@ PYBIND11_MODULE(_kvferry, m) {
       .def_property_readonly("total_bytes", &CacheSpec::TotalBytes)
       .def("block_bytes", &CacheSpec::BlockBytes, py::arg("part"))
       .def("part_bytes", &CacheSpec::PartBytes, py::arg("part"))
+      .def(
+          "block_stride",
+          [](const CacheSpec& s, int part) {
+            if (part < 0 || part >= s.num_parts()) throw py::index_error("no such part");
+            return s.BlockStride(part);
+          },
+          py::arg("part"))
       .def("local_heads", &CacheSpec::LocalHeads, py::arg("part"))
       .def_property_readonly("hash",
                              [](const CacheSpec& s) {

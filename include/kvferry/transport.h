@@ -18,7 +18,8 @@ using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
 /// Names a registered memory region. The caller chooses it (the connector uses
-/// layer * parts + part), so both sides agree on names without exchanging tables.
+/// layer * parts + part, or layer * parts for a layer whose parts interleave; docs/transport.md,
+/// "Region ids"), so both sides agree on names without exchanging tables.
 using RegionId = std::uint32_t;
 /// A connected peer, valid until Disconnect.
 using PeerId = std::uint64_t;

@@ -9,6 +9,9 @@ size vLLM's scheduler counts in and the model-wide KV head count, both from vLLM
 Accepted (see README, "Using kvferry from Python and vLLM"):
   * ``(2, num_blocks, block_size, heads, head_dim)`` (FlashAttention before the K/V-inner change)
     with NHD strides (token-major blocks) or HND strides (head-major blocks);
+  * ``(num_blocks, 2, block_size, heads, head_dim)`` (FlashAttention/Triton at vLLM main,
+    FlashInfer) with NHD or HND strides: K and V alternate block by block, registered with
+    block strides of two blocks (kernel block size must equal vLLM's block size);
   * ``(2, num_blocks, heads, block_size, head_dim)``, vLLM's CPU backend (head-major blocks);
   * ``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)`` contiguous, vLLM's MLA
     backends: one ``mla_fused`` part whose split (from the model config) enters the hash;
@@ -16,8 +19,8 @@ Accepted (see README, "Using kvferry from Python and vLLM"):
     head_dim)``, ``(latent, rope)`` or ``(latent, rope, indexer)`` each
     ``(num_blocks, block_size, dim)`` (vllm-ascend);
   * dtypes fp16, bf16, fp32 and the 1-byte fp8 caches (uint8, int8, float8_e4m3fn, float8_e5m2).
-Refused, naming what was found: tensors not in host memory, K and V interleaved inside a block
-(``(num_blocks, 2, ...)``), a fused MLA tensor without the model's kv_lora_rank and
+Refused, naming what was found: tensors not in host memory, ``(num_blocks, 2, ...)`` tensors
+whose kernel blocks are smaller than vLLM's blocks, a fused MLA tensor without the model's kv_lora_rank and
 qk_rope_head_dim or whose width disagrees with them, any other shape or stride pattern.
 """
 
@@ -84,6 +87,7 @@ class Registration:
     bases: list[list[int]]  # [unique layer][part]
     layer_names: list[str]  # one name per unique tensor (layers sharing a tensor: the first)
     fields: tuple[int, ...] = ()  # mla_fused: (kv_lora_rank, qk_rope_head_dim)
+    block_strides: tuple[int, ...] = ()  # bytes between blocks of a part; () when packed
 
 
 def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
@@ -165,6 +169,33 @@ def _kv_first(name: str, info: TensorInfo, block_size: int, local_heads: Optiona
             [base, base + st[0] * info.itemsize])
 
 
+def _kv_inner(name: str, info: TensorInfo, block_size: int, local_heads: Optional[int]
+              ) -> tuple[str, int, int, int, list[int], int]:
+    """A (num_blocks, 2, block_size, heads, head_dim) tensor (FlashAttention/Triton at vLLM main,
+    FlashInfer): K and V alternate block by block. Returns (layout, blocks, local heads,
+    head_dim, [K base, V base], block stride in bytes)."""
+    s, st = info.shape, info.strides
+    block = s[2] * s[3] * s[4]
+    if st[1] != block or st[0] != 2 * block:
+        raise _refuse(name, info, (
+            "K and V of one block are not two dense blocks side by side (expected strides "
+            f"({2 * block}, {block}, ...))"))
+    order = _dense_inner(info, (2, 3, 4))
+    if order is None:
+        raise _refuse(name, info, "the inside of a block is not densely packed with head_dim "
+                      "innermost")
+    if local_heads is not None and s[3] != local_heads:
+        raise _refuse(name, info, f"dim 3 is not this rank's {local_heads} KV heads")
+    if s[2] != block_size:
+        raise _refuse(name, info, (
+            f"the tensor's block size {s[2]} is not vLLM's block size {block_size}; with K and V "
+            "alternating per kernel block, a logical block is not one run of K and one of V"))
+    layout = "token_major" if order[0] == 2 else "head_major"
+    base = info.address
+    return (layout, s[0], s[3], s[4], [base, base + block * info.itemsize],
+            2 * block * info.itemsize)
+
+
 def _contiguous(info: TensorInfo) -> bool:
     expected = 1
     for size, stride in zip(reversed(info.shape), reversed(info.strides)):
@@ -206,10 +237,10 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
         bases.append(layer_bases)
         names.append(name)
     assert geometry is not None
-    kind, layout, dtype, parts, num_blocks, local_heads = geometry
+    kind, layout, dtype, parts, num_blocks, local_heads, strides = geometry
     fields = tuple(mla_split) if kind == "mla_fused" and mla_split else ()
     return Registration(kind, layout, dtype, list(parts), num_blocks, block_size, local_heads,
-                        bases, names, fields)
+                        bases, names, fields, tuple(strides))
 
 
 def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
@@ -233,11 +264,16 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                                       layout == "head_major")
             model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
             parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
-            return ("mha", layout, dtype, parts, nblocks, heads), layer_bases
+            return ("mha", layout, dtype, parts, nblocks, heads, ()), layer_bases
         if len(s) == 5 and s[1] == 2:
-            raise _refuse(name, first, (
-                "K and V are interleaved inside each block (num_blocks, 2, ...); kvferry moves "
-                "each part as one region of whole blocks and cannot move this layout yet"))
+            local = None
+            if total_kv_heads is not None:
+                local = max(total_kv_heads // tp_size, 1)
+            layout, nblocks, heads, head_dim, layer_bases, stride = _kv_inner(
+                name, first, block_size, local)
+            model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
+            parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
+            return ("mha", layout, dtype, parts, nblocks, heads, (stride, stride)), layer_bases
         if len(s) == 3:
             return _fused_mla(name, first, block_size, mla_split, suffix, dtype)
         raise _refuse(name, first, "not a KV cache layout kvferry knows (see the README)")
@@ -259,7 +295,7 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                           f"this rank's {local} heads beside it")
         model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
         parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
-        return ("mha", layout, dtype, parts, nb, heads), [i.address for i in infos]
+        return ("mha", layout, dtype, parts, nb, heads, ()), [i.address for i in infos]
     if len(infos) in (2, 3) and all(len(i.shape) in (3, 4) for i in infos):
         dims = []
         for info in infos:
@@ -271,7 +307,7 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
         labels = ("latent", "rope", "indexer")
         parts = tuple((labels[i] + suffix, 1, d) for i, d in enumerate(dims))
         kind = "mla" if len(infos) == 2 else "sparse_mla"
-        return (kind, "token_major", dtype, parts, first.shape[0], 1), [i.address for i in infos]
+        return (kind, "token_major", dtype, parts, first.shape[0], 1, ()), [i.address for i in infos]
     raise _refuse(name, first, f"{len(infos)} parts per layer in a layout kvferry does not know")
 
 
@@ -295,4 +331,4 @@ def _fused_mla(name: str, info: TensorInfo, block_size: int,
         raise _refuse(name, info, "a fused MLA cache must be contiguous")
     nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size, False)
     parts = (("latent_rope" + suffix, 1, lora + rope),)
-    return ("mla_fused", "token_major", dtype, parts, nblocks, 1), [info.address]
+    return ("mla_fused", "token_major", dtype, parts, nblocks, 1, ()), [info.address]

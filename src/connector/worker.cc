@@ -271,18 +271,22 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
         std::to_string(spec.tp_size()) + " but this worker is rank " +
         std::to_string(cfg_.tp_rank) + " of " + std::to_string(cfg_.tp_size));
   }
+  KVFERRY_RETURN_IF_ERROR(CheckRegionBases(spec, bases));
   KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses,
                            CacheAddresses::Create(spec, std::move(bases)));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (spec_) return Status::InvalidArgument("KV caches are already registered");
   }
+  // docs/transport.md, "Region ids": one region per part, or per layer when parts interleave.
   for (int l = 0; l < spec.num_layers(); ++l) {
     for (int p = 0; p < spec.num_parts(); ++p) {
-      const auto id = static_cast<RegionId>(l * spec.num_parts() + p);
+      const PartRegion region = RegionOfPart(spec, l, p);
+      if (region.offset != 0) continue;  // inside the layer's region of part 0
       KVFERRY_RETURN_IF_ERROR(transport_->RegisterMemory(
-          id, reinterpret_cast<void*>(addresses.Base(l, p)),  // NOLINT(performance-no-int-to-ptr)
-          static_cast<std::size_t>(spec.PartBytes(p))));
+          static_cast<RegionId>(region.id),
+          reinterpret_cast<void*>(addresses.Base(l, p)),  // NOLINT(performance-no-int-to-ptr)
+          static_cast<std::size_t>(RegionBytes(spec, p))));
     }
   }
   KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> descriptor, transport_->Descriptor());
@@ -557,18 +561,20 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
         failure = runs.status();
         break;
       }
-      std::vector<PartBlockBytes> block_bytes;
-      block_bytes.reserve(static_cast<std::size_t>(spec->num_parts()));
-      for (int p = 0; p < spec->num_parts(); ++p) {
-        block_bytes.push_back({remote.BlockBytes(p), spec->BlockBytes(p)});
+      if (Status layout = CheckRegionLayout(remote); !layout.ok()) {
+        failure = layout;
+        break;
       }
       std::vector<ReadOp> ops;
-      for (const ByteRange& r : RunByteRanges(*runs, spec->num_layers(), block_bytes, source)) {
+      for (const ByteRange& r :
+           RunByteRanges(*runs, spec->num_layers(), PartBlockGeometryOf(remote, *spec), source)) {
+        const PartRegion region = RegionOfPart(remote, r.layer, r.part);
         ops.push_back(
             {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
                  addresses->Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
-             static_cast<RegionId>(r.layer * spec->num_parts() + r.part),
-             static_cast<std::uint64_t>(r.remote_offset), static_cast<std::uint64_t>(r.length)});
+             static_cast<RegionId>(region.id),
+             static_cast<std::uint64_t>(region.offset + r.remote_offset),
+             static_cast<std::uint64_t>(r.length)});
         bytes += static_cast<std::uint64_t>(r.length);
       }
       reads += ops.size();

@@ -70,6 +70,73 @@ std::vector<PartBlockGeometry> PartBlockGeometryOf(const CacheSpec& remote,
   return out;
 }
 
+bool PartsInterleaved(const CacheSpec& spec) {
+  for (int p = 0; p < spec.num_parts(); ++p) {
+    if (spec.BlockStride(p) != spec.BlockBytes(p)) return true;
+  }
+  return false;
+}
+
+namespace {
+
+// Offset of part `part`'s first block from part 0's in an interleaved layer.
+std::int64_t InterleavedOffset(const CacheSpec& spec, int part) {
+  std::int64_t offset = 0;
+  for (int q = 0; q < part; ++q) offset += spec.BlockBytes(q);
+  return offset;
+}
+
+}  // namespace
+
+PartRegion RegionOfPart(const CacheSpec& spec, int layer, int part) {
+  const std::int64_t first = static_cast<std::int64_t>(layer) * spec.num_parts();
+  if (!PartsInterleaved(spec)) return {first + part, 0};
+  return {first, InterleavedOffset(spec, part)};
+}
+
+std::int64_t RegionBytes(const CacheSpec& spec, int part) {
+  if (!PartsInterleaved(spec)) return spec.PartBytes(part);
+  return spec.num_blocks() * spec.BlockStride(0);
+}
+
+Status CheckRegionLayout(const CacheSpec& spec) {
+  if (!PartsInterleaved(spec)) return Status::Ok();
+  const std::int64_t sum = InterleavedOffset(spec, spec.num_parts());
+  for (int p = 0; p < spec.num_parts(); ++p) {
+    if (spec.BlockStride(p) != sum) {
+      return Status::NotSupported(
+          "part " + std::to_string(p) + " has block stride " + std::to_string(spec.BlockStride(p)) +
+          " bytes; interleaved parts must each have the stride of one block of every part (" +
+          std::to_string(sum) +
+          " bytes, as in a (num_blocks, parts, ...) tensor), or no part may be strided");
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckRegionBases(const CacheSpec& spec,
+                        const std::vector<std::vector<std::uint64_t>>& bases) {
+  KVFERRY_RETURN_IF_ERROR(CheckRegionLayout(spec));
+  if (!PartsInterleaved(spec)) return Status::Ok();
+  for (std::size_t l = 0; l < bases.size(); ++l) {
+    for (int p = 1; p < spec.num_parts() && p < static_cast<int>(bases[l].size()); ++p) {
+      const std::uint64_t want =
+          bases[l][0] + static_cast<std::uint64_t>(InterleavedOffset(spec, p));
+      if (bases[l][static_cast<std::size_t>(p)] != want) {
+        return Status::NotSupported(
+            "layer " + std::to_string(l) + " part " + std::to_string(p) + " starts " +
+            std::to_string(
+                static_cast<std::int64_t>(bases[l][static_cast<std::size_t>(p)] - bases[l][0])) +
+            " bytes after part 0, but interleaved parts must follow each other inside every "
+            "block (" +
+            std::to_string(InterleavedOffset(spec, p)) +
+            " bytes after part 0, as in a (num_blocks, parts, ...) tensor)");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
                                      std::span<const PartBlockBytes> block_bytes,
                                      const TpSource& source) {

@@ -75,6 +75,31 @@ std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_lay
                                      std::span<const PartBlockGeometry> blocks,
                                      const TpSource& source);
 
+/// How one worker's cache is named in its transport (docs/transport.md, "Region ids"). Packed
+/// parts (every stride equal to its block size): one region per layer and part, id
+/// `layer * parts + part`, offset 0. Interleaved parts (some stride differs from its block size):
+/// every part's stride must be the sum S of all parts' block sizes and part p must start
+/// sum_{q<p} BlockBytes(q) after part 0 (vLLM's `(num_blocks, parts, ...)` tensors); the layer is
+/// one region, id `layer * parts`, num_blocks * S bytes from part 0's base, and part p lies at
+/// that offset inside it. Both sides compute this from a CacheSpec alone.
+struct PartRegion {
+  std::int64_t id = 0;
+  std::int64_t offset = 0;  // of the part's base inside the region
+};
+/// Whether `spec`'s parts interleave (some block stride differs from its block size).
+bool PartsInterleaved(const CacheSpec& spec);
+/// The region holding part `part` of layer `layer`; requires CheckRegionLayout(spec) ok.
+PartRegion RegionOfPart(const CacheSpec& spec, int layer, int part);
+/// Bytes of the region of layer `layer` part `part`: PartBytes(part) when packed, the whole
+/// interleaved layer (num_blocks * S) otherwise.
+std::int64_t RegionBytes(const CacheSpec& spec, int part);
+/// Ok when the spec's strides fit one of the two schemes above; else NotSupported naming them.
+Status CheckRegionLayout(const CacheSpec& spec);
+/// Ok when every interleaved layer's parts start where RegionOfPart places them; else
+/// NotSupported naming the layer, the part and both offsets.
+Status CheckRegionBases(const CacheSpec& spec,
+                        const std::vector<std::vector<std::uint64_t>>& bases);
+
 /// The same for packed parts on both sides (every stride equal to its block size).
 std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
                                      std::span<const PartBlockBytes> block_bytes,

@@ -34,6 +34,30 @@ def test_cache_spec_and_hash():
     assert kvferry.CacheSpec.mla(2, 512, 64, 16, 16).kind == "mla"
 
 
+def test_interleaved_parts_register_only_in_the_documented_scheme():
+    # docs/transport.md, "Region ids": interleaved parts need stride = K block + V block and V
+    # one block after K; anything else is refused at registration, before any peer sees it.
+    parts = [("k", 2, 8), ("v", 2, 8)]
+    block = TOKENS * 2 * 8 * 2  # fp16
+    buf = np.zeros(BLOCKS * 3 * block, dtype=np.uint8)
+    base = buf.ctypes.data
+    good = kvferry.CacheSpec.create("mha", 1, parts, BLOCKS, TOKENS, "fp16",
+                                    block_strides=[2 * block, 2 * block])
+    assert good.block_stride(1) == 2 * block
+    assert good.canonical_text == kvferry.CacheSpec.create(
+        "mha", 1, parts, BLOCKS, TOKENS, "fp16").canonical_text  # strides not in the hash
+    kvferry.Worker("kv_consumer", "w-ok", base_port=free_port()).register_kv_caches(
+        good, [[base, base + block]])
+    gap = kvferry.CacheSpec.create("mha", 1, parts, BLOCKS, TOKENS, "fp16",
+                                   block_strides=[3 * block, 3 * block])
+    with pytest.raises(kvferry.NotSupportedError, match="stride"):
+        kvferry.Worker("kv_consumer", "w-gap", base_port=free_port()).register_kv_caches(
+            gap, [[base, base + block]])
+    with pytest.raises(kvferry.NotSupportedError, match="layer 0 part 1 starts"):
+        kvferry.Worker("kv_consumer", "w-far", base_port=free_port()).register_kv_caches(
+            good, [[base + block, base]])
+
+
 def test_scheduler_rules_and_incomplete_params():
     s = kvferry.Scheduler("decode", "d-0")
     params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p",

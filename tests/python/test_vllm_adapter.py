@@ -113,6 +113,14 @@ def fa_hnd(dtype=np.float32):  # same logical shape, stride order (0, 1, 3, 2, 4
     return np.zeros((2, NB, HEADS, BS, DIM), dtype=dtype).transpose(0, 1, 3, 2, 4)
 
 
+def fa_main_nhd(dtype=np.float32):  # vLLM main (FlashAttention/Triton): (num_blocks, 2, ...)
+    return np.zeros((NB, 2, BS, HEADS, DIM), dtype=dtype)
+
+
+def fa_main_hnd(dtype=np.float32):  # (num_blocks, 2, ...) with stride order (0, 1, 3, 2, 4)
+    return np.zeros((NB, 2, HEADS, BS, DIM), dtype=dtype).transpose(0, 1, 3, 2, 4)
+
+
 def cpu_backend(dtype=np.float32):  # vLLM's CPU backend: (2, num_blocks, heads, block_size, dim)
     return np.zeros((2, NB, HEADS, BS, DIM), dtype=dtype)
 
@@ -140,6 +148,8 @@ def block_view(cache, block):
     if isinstance(cache, tuple):
         return np.stack([p[block] for p in cache]).view(np.uint8)
     if cache.ndim == 3:  # fused MLA: blocks outermost
+        return np.ascontiguousarray(cache[block]).view(np.uint8)
+    if cache.shape[1] == 2 and cache.shape[0] == NB:  # (num_blocks, 2, ...): K and V inside
         return np.ascontiguousarray(cache[block]).view(np.uint8)
     return np.ascontiguousarray(cache[:, block]).view(np.uint8)
 
@@ -179,8 +189,10 @@ def transfer(make, dtype=np.float32, p_make=None, expect_release=True, wrap=lamb
     return p_caches, d_caches, remote, local, errors
 
 
-@pytest.mark.parametrize("make", [fa_nhd, fa_hnd, cpu_backend, ascend_tuple],
-                         ids=["flash_nhd", "flash_hnd", "cpu_backend", "ascend_tuple"])
+@pytest.mark.parametrize("make", [fa_nhd, fa_hnd, fa_main_nhd, fa_main_hnd, cpu_backend,
+                                  ascend_tuple],
+                         ids=["flash_nhd", "flash_hnd", "flash_main_nhd", "flash_main_hnd",
+                              "cpu_backend", "ascend_tuple"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint8], ids=["fp32", "fp16", "fp8"])
 def test_layouts_move_every_byte(make, dtype):
     p, d, remote, local, errors = transfer(make, dtype)
@@ -190,7 +202,8 @@ def test_layouts_move_every_byte(make, dtype):
             np.testing.assert_array_equal(block_view(d[name], l), block_view(p[name], r))
 
 
-@pytest.mark.parametrize("make", [fa_nhd, fa_hnd, cpu_backend], ids=["flash_nhd", "flash_hnd", "cpu"])
+@pytest.mark.parametrize("make", [fa_nhd, fa_hnd, fa_main_nhd, fa_main_hnd, cpu_backend],
+                         ids=["flash_nhd", "flash_hnd", "flash_main_nhd", "flash_main_hnd", "cpu"])
 def test_torch_tensors_move_every_byte(make):
     torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
 
@@ -237,6 +250,28 @@ def test_fused_mla_needs_the_split_from_the_model_config():
         geometry_of(mla_fused, mla=(LORA, ROPE + 1))
 
 
+@pytest.mark.parametrize("p_make, d_make", [(fa_main_nhd, fa_nhd), (fa_nhd, fa_main_nhd),
+                                             (fa_main_hnd, fa_hnd)],
+                         ids=["strided_to_packed", "packed_to_strided", "hnd_strided_to_packed"])
+def test_strided_and_packed_sides_of_one_model_exchange_blocks(p_make, d_make):
+    # Block strides are this side's memory layout, not in the compatibility hash.
+    p, d, remote, local, errors = transfer(d_make, p_make=p_make)
+    assert errors == set()
+    for name in p:
+        for r, l in zip(remote, local):
+            np.testing.assert_array_equal(block_view(d[name], l), block_view(p[name], r))
+
+
+def test_interleaved_caches_register_one_region_per_layer():
+    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+    w.register_kv_caches({"l0": fa_main_hnd(), "l1": fa_main_hnd()})
+    block = BS * HEADS * DIM * 4
+    assert w._registration.block_strides == (2 * block, 2 * block)
+    assert w._registration.layout == "head_major"
+    assert [b[1] - b[0] for b in w._registration.bases] == [block, block]
+    assert w._spec.block_stride(1) == 2 * block
+
+
 def test_nhd_against_hnd_is_refused_not_corrupted():
     p, d, remote, local, errors = transfer(fa_hnd, p_make=fa_nhd, expect_release=False)
     assert errors == set(local)
@@ -258,10 +293,17 @@ def test_geometry_read_from_shape_and_strides():
     # Logical blocks of 8 tokens over kernel blocks of 4: 16 kernel blocks are 8 logical ones.
     big = geometry_of(fa_nhd, block_size=2 * BS)
     assert (big.num_blocks, big.tokens_per_block) == (NB // 2, 2 * BS)
+    main = geometry_of(fa_main_nhd)
+    assert (main.layout, main.num_blocks, main.block_strides[0]) == (
+        "token_major", NB, 2 * BS * HEADS * DIM * 4)
+    assert geometry_of(fa_main_hnd).layout == "head_major"
+    # K and V alternating per kernel block: a logical block of two kernel blocks is no one run.
+    with pytest.raises(CacheLayoutError, match="block size 4 is not vLLM's block size 8"):
+        geometry_of(fa_main_nhd, block_size=2 * BS)
 
 
 @pytest.mark.parametrize("tensor, words", [
-    (np.zeros((NB, 2, BS, HEADS, DIM), np.float32), "interleaved"),
+    (np.zeros((NB, 3, BS, HEADS, DIM), np.float32)[:, :2], "side by side"),
     (np.zeros((NB, BS, 576), np.float32), "MLA"),
     (np.zeros((2, NB, BS, HEADS, DIM), np.float32)[:, :, :, :, ::2], "dense"),
     (np.zeros((2, NB, 3, 5, DIM), np.float32), "heads"),
@@ -289,6 +331,35 @@ class DeviceTensor:
 
     def element_size(self):
         return 2
+
+
+class Float8Tensor:
+    """A CPU torch float8 tensor as the adapter sees one (Debian's torch 1.13 has no float8):
+    1-byte elements over a numpy buffer, torch's dtype name."""
+
+    def __init__(self, array, dtype):
+        self.array, self.dtype, self.device = array, dtype, "cpu"
+        self.shape = array.shape
+
+    def data_ptr(self):
+        return self.array.ctypes.data
+
+    def stride(self):
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def element_size(self):
+        return 1
+
+
+def test_float8_dtypes_are_one_byte_and_told_apart_by_the_hash():
+    specs = {}
+    for dtype, tag in (("torch.float8_e4m3fn", "fp8_e4m3fn"), ("torch.float8_e5m2", "fp8_e5m2")):
+        w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+        w.register_kv_caches({"l0": Float8Tensor(fa_main_nhd(np.uint8), dtype)})
+        assert w._spec.block_bytes(0) == BS * HEADS * DIM
+        assert w._registration.parts[0][0] == "k:" + tag
+        specs[dtype] = w._spec.canonical_text
+    assert specs["torch.float8_e4m3fn"] != specs["torch.float8_e5m2"]
 
 
 def test_device_tensors_are_refused_at_registration():

@@ -261,5 +261,50 @@ TEST(RunByteRangesTest, GeometryOfTwoSpecsCarriesBothStrides) {
   EXPECT_EQ(g[1].local_stride, 256);
 }
 
+// docs/transport.md, "Region ids": packed specs keep one region per layer and part; interleaved
+// ones get one region per layer with each part at its offset inside every block.
+TEST(RegionOfPartTest, PackedPartsKeepOneRegionPerLayerAndPart) {
+  CacheSpec spec = *CacheSpec::Mha(3, 2, 8, 4, 4, DType::kFloat16);
+  EXPECT_FALSE(PartsInterleaved(spec));
+  EXPECT_TRUE(CheckRegionLayout(spec).ok());
+  EXPECT_EQ(RegionOfPart(spec, 2, 1).id, 5);
+  EXPECT_EQ(RegionOfPart(spec, 2, 1).offset, 0);
+  EXPECT_EQ(RegionBytes(spec, 1), spec.PartBytes(1));
+}
+
+TEST(RegionOfPartTest, InterleavedPartsShareTheLayersRegion) {
+  CacheSpecOptions o = CacheSpec::Mha(3, 2, 8, 4, 4, DType::kFloat16)->options();
+  o.block_strides = {256, 256};  // (num_blocks, 2, 4 tokens, 2 heads, 8) fp16: 128-byte blocks
+  CacheSpec spec = *CacheSpec::Create(o);
+  EXPECT_TRUE(PartsInterleaved(spec));
+  ASSERT_TRUE(CheckRegionLayout(spec).ok());
+  EXPECT_EQ(RegionOfPart(spec, 2, 0).id, 4);
+  EXPECT_EQ(RegionOfPart(spec, 2, 1).id, 4);
+  EXPECT_EQ(RegionOfPart(spec, 2, 0).offset, 0);
+  EXPECT_EQ(RegionOfPart(spec, 2, 1).offset, 128);
+  EXPECT_EQ(RegionBytes(spec, 0), 4 * 256);
+  // The last V block ends exactly at the region's end.
+  EXPECT_EQ(RegionOfPart(spec, 0, 1).offset + spec.PartBytes(1), RegionBytes(spec, 1));
+  const std::uint64_t base = 0x10000;
+  EXPECT_TRUE(CheckRegionBases(spec, {{base, base + 128},
+                                      {base + 4096, base + 4096 + 128},
+                                      {base + 8192, base + 8192 + 128}})
+                  .ok());
+  Status wrong = CheckRegionBases(
+      spec,
+      {{base + 128, base}, {base + 4096, base + 4096 + 128}, {base + 8192, base + 8192 + 128}});
+  EXPECT_EQ(wrong.code(), StatusCode::kNotSupported);
+  EXPECT_THAT(std::string(wrong.message()), HasSubstr("layer 0 part 1"));
+}
+
+TEST(RegionOfPartTest, StridesThatAreNotOneBlockOfEveryPartAreRefused) {
+  CacheSpecOptions o = CacheSpec::Mha(1, 2, 8, 4, 4, DType::kFloat16)->options();
+  o.block_strides = {384, 384};  // a gap after every K/V pair: no scheme names it
+  CacheSpec spec = *CacheSpec::Create(o);
+  Status s = CheckRegionLayout(spec);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("256"));
+}
+
 }  // namespace
 }  // namespace kvferry

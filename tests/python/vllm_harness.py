@@ -1,0 +1,593 @@
+"""A vLLM-shaped harness for kvferry.vllm.KvferryConnector (issue 12).
+
+It drives the connector the way vLLM v1 does, without vLLM:
+  * one worker process per TP rank (spawned, as vLLM's multiproc executor runs workers), each
+    with vLLM's parallel state answering get_tensor_model_parallel_rank/world_size, cache tensors
+    allocated in the attention backend's real shape and strides (torch CPU tensors), and the
+    model runner's connector call order: bind_connector_metadata, start_load_kv, (forward),
+    wait_for_save, get_finished(finished_req_ids), get_block_ids_with_load_errors,
+    clear_connector_metadata;
+  * a scheduler per instance (prefill, decode) in this process with vLLM Request fields and
+    statuses, a KVCacheBlocks-like allocation, the connector's scheduler hooks in vLLM's order,
+    and the asserts of vLLM's scheduler: WAITING_FOR_REMOTE_KVS -> RUNNING only after
+    finished_recving, finished_recving/finished_sending only for requests it holds
+    (`assert req_id in self.requests`), and KVOutputAggregator's rule that a request is finished
+    only when every TP rank reported it;
+  * a proxy hop that forwards kv_transfer_params through JSON as vLLM's toy proxy
+    (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) does: the prefill request gets
+    {"do_remote_decode": True, "do_remote_prefill": False, "remote_*": None} and max_tokens 1,
+    and the prefill response's kv_transfer_params become the decode request's.
+
+Cache contents are a deterministic function of (seed, layer, model-wide head), so the test can
+check every byte a decode rank holds against what the prefill instance computed, whatever the
+two TP sizes and layouts are.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import multiprocessing
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- vLLM's types
+
+
+class RequestStatus(enum.IntEnum):
+    """vllm.v1.request.RequestStatus (the members a connector sees)."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7
+    FINISHED_ERROR = 8
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+class KVConnectorRole(enum.IntEnum):
+    SCHEDULER = 0
+    WORKER = 1
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+
+
+@dataclass
+class Request:
+    """The fields of vllm.v1.request.Request that connectors and the scheduler use."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    kv_transfer_params: Optional[dict] = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    client_index: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+
+@dataclass
+class KVCacheBlock:
+    block_id: int
+
+
+class KVCacheBlocks:
+    """vllm.v1.core.kv_cache_manager.KVCacheBlocks: one group of blocks (no hybrid allocator)."""
+
+    def __init__(self, blocks: list[KVCacheBlock]):
+        self.blocks = (blocks,)
+
+    def get_block_ids(self) -> tuple[list[int]]:
+        return ([b.block_id for b in self.blocks[0]],)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks[0]]
+
+
+@dataclass
+class KVConnectorOutput:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+class KVOutputAggregator:
+    """vllm.distributed.kv_transfer.kv_connector.utils.KVOutputAggregator: a request is finished
+    sending/receiving only when every one of `world_size` ranks has reported it."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.send_left: dict[str, int] = {}
+        self.recv_left: dict[str, int] = {}
+
+    def _update(self, ids, left: dict[str, int], out: set[str]) -> None:
+        for rid in ids or ():
+            n = left.get(rid, self.world_size) - 1
+            assert n >= 0, f"{rid} reported by more ranks than the world size"
+            if n == 0:
+                left.pop(rid, None)
+                out.add(rid)
+            else:
+                left[rid] = n
+
+    def aggregate(self, per_rank: list[tuple]) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        assert len(per_rank) == self.world_size
+        for sending, recving, invalid, _errors in per_rank:
+            self._update(sending, self.send_left, out.finished_sending)
+            self._update(recving, self.recv_left, out.finished_recving)
+            out.invalid_block_ids |= set(invalid or ())
+        return out
+
+
+# ----------------------------------------------------------------------------- cache tensors
+
+# Backends: name -> (logical shape kind, physical order of the logical dims).
+#   kv_first: logical (2, num_blocks, block_size, heads, head_dim)
+#   kv_inner: logical (num_blocks, 2, block_size, heads, head_dim)
+#   cpu:      logical (2, num_blocks, heads, block_size, head_dim)
+#   mla:      logical (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)
+BACKENDS = {
+    "flash_attn_old_nhd": ("kv_first", (0, 1, 2, 3, 4)),
+    "flash_attn_old_hnd": ("kv_first", (0, 1, 3, 2, 4)),
+    "flash_attn_nhd": ("kv_inner", (0, 1, 2, 3, 4)),  # FlashAttention/Triton at vLLM main
+    "flash_attn_hnd": ("kv_inner", (0, 1, 3, 2, 4)),  # stride_order for HND
+    "flashinfer_hnd": ("kv_inner", (0, 1, 3, 2, 4)),
+    "cpu": ("cpu", (0, 1, 2, 3, 4)),
+    "mla": ("mla", (0, 1, 2)),
+}
+
+
+def local_heads(model_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first model-wide head, count) of a TP rank, vLLM's split (heads replicated when fewer
+    than ranks)."""
+    if model_heads >= tp:
+        n = model_heads // tp
+        return rank * n, n
+    return rank // (tp // model_heads), 1
+
+
+def model_content(g: dict, layer: int) -> np.ndarray:
+    """The prefill instance's bytes of one layer, model-wide: MHA (2, blocks, block_size, heads,
+    head_dim * itemsize); MLA (blocks, block_size, width * itemsize). Independent of TP."""
+    rng = np.random.default_rng(g["seed"] * 1000 + layer)
+    isz = g["itemsize"]
+    if g["backend"] == "mla":
+        shape = (g["num_blocks"], g["block_size"], g["width"] * isz)
+    else:
+        shape = (2, g["num_blocks"], g["block_size"], g["heads"], g["head_dim"] * isz)
+    return rng.integers(0, 256, shape, dtype=np.uint8)
+
+
+def _byte_view(torch, base, order):
+    """The logical view of `base`'s bytes: base is the physical tensor; the last dim grows by
+    the element size."""
+    inverse = [order.index(i) for i in range(len(order))]
+    return base.view(torch.uint8).permute(*inverse)
+
+
+def build_cache(torch, g: dict, tp: int, rank: int):
+    """One layer's tensor in the backend's shape and strides, and its logical byte view in the
+    canonical layout of model_content (heads cut to this rank's)."""
+    kind, order = BACKENDS[g["backend"]]
+    dtype = getattr(torch, g["dtype"])
+    nb, bs, d = g["num_blocks"], g["block_size"], g["head_dim"]
+    if kind == "mla":
+        base = torch.zeros((nb, bs, g["width"]), dtype=dtype)
+        return base, base.view(torch.uint8)
+    _, h = local_heads(g["heads"], tp, rank)
+    logical = {"kv_first": (2, nb, bs, h, d), "kv_inner": (nb, 2, bs, h, d),
+               "cpu": (2, nb, h, bs, d)}[kind]
+    physical = tuple(logical[i] for i in order)
+    base = torch.zeros(physical, dtype=dtype)
+    inverse = [order.index(i) for i in range(len(order))]
+    tensor = base.permute(*inverse)  # logical shape, the backend's strides
+    assert tuple(tensor.shape) == logical
+    view = _byte_view(torch, base, list(order))
+    canon = {"kv_first": view, "kv_inner": view.transpose(0, 1),
+             "cpu": view.transpose(2, 3)}[kind]  # (2, nb, bs, h, d * itemsize)
+    return tensor, canon
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+
+def _fake_vllm(size: int, rank: int, cpu: bool) -> None:
+    """vLLM's parallel state and platform as the connector reads them in a worker process."""
+    ps = types.ModuleType("vllm.distributed.parallel_state")
+    ps.get_tensor_model_parallel_world_size = lambda: size
+    ps.get_tensor_model_parallel_rank = lambda: rank
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: cpu)
+    for name in ("vllm", "vllm.distributed"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["vllm.distributed.parallel_state"] = ps
+    sys.modules["vllm.platforms"] = platforms
+
+
+def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = None):
+    """The parts of VllmConfig the connector reads; the same object for every rank."""
+    heads = g.get("heads", 1)
+    model = types.SimpleNamespace(use_mla=g["backend"] == "mla",
+                                  get_total_num_kv_heads=lambda: heads)
+    if g["backend"] == "mla":
+        model.hf_text_config = types.SimpleNamespace(kv_lora_rank=g["lora"],
+                                                     qk_rope_head_dim=g["width"] - g["lora"])
+    kv_extra = {"base_port": port, "host": "127.0.0.1", "transport": g.get("transport", "auto"),
+                "transfer_timeout_ms": 10000}
+    kv_extra.update(extra or {})
+    return types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(
+            kv_role=role, engine_id=f"{role}-{port}", kv_connector_extra_config=kv_extra,
+            kv_load_failure_policy=g.get("policy", "recompute")),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0),
+        cache_config=types.SimpleNamespace(block_size=g["block_size"]),
+        model_config=model)
+
+
+def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
+    import torch
+
+    import kvferry.vllm
+
+    state: dict[str, Any] = {}
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "close":
+                conn.send(("ok", None))
+                return
+            if cmd == "init":
+                old = state.pop("connector", None)
+                if old is not None:
+                    old.shutdown()
+                    del old
+                g, role, port, tp, rank = arg
+                _fake_vllm(tp, rank, g["backend"] == "cpu")
+                c = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, tp),
+                                                  KVConnectorRole.WORKER)
+                caches, views = {}, []
+                for layer in range(g["layers"]):
+                    tensor, canon = build_cache(torch, g, tp, rank)
+                    if role == "kv_producer":
+                        full = model_content(g, layer)
+                        if g["backend"] != "mla":
+                            first, n = local_heads(g["heads"], tp, rank)
+                            full = full[:, :, :, first:first + n]
+                        canon.copy_(torch.from_numpy(np.ascontiguousarray(full)))
+                    caches[f"model.layers.{layer}.self_attn.attn"] = tensor
+                    views.append(canon)
+                c.register_kv_caches(caches)
+                errors: list = []
+                native = c._worker
+
+                class Recorder:  # keeps the native load errors' messages for the test
+                    def __getattr__(self, name):
+                        return getattr(native, name)
+
+                    def take_load_errors(self):
+                        got = native.take_load_errors()
+                        errors.extend((e["request_id"], e["code"], e["message"]) for e in got)
+                        return got
+
+                c._worker = Recorder()
+                state.update(connector=c, views=views, errors=errors, caches=caches)
+                conn.send(("ok", None))
+            elif cmd == "step":  # the model runner's order (kv_connector_model_runner_mixin)
+                c = state["connector"]
+                metadata, finished_req_ids = arg
+                c.bind_connector_metadata(metadata)
+                c.start_load_kv(None)
+                c.wait_for_save()
+                sending, recving = c.get_finished(set(finished_req_ids))
+                invalid = c.get_block_ids_with_load_errors()
+                c.clear_connector_metadata()
+                reported = list(state["errors"])
+                state["errors"].clear()
+                conn.send(("ok", (set(sending or ()), set(recving or ()), set(invalid), reported)))
+            elif cmd == "read":
+                conn.send(("ok", [v.numpy().copy() for v in state["views"]]))
+            else:
+                conn.send(("error", f"unknown command {cmd}"))
+        except Exception as e:  # reported to the test, which fails with it
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class RankProcess:
+    """One TP rank's worker process."""
+
+    def __init__(self, ctx):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_rank_main, args=(child,), daemon=True)
+        self.proc.start()
+
+    def send(self, cmd: str, arg: Any = None) -> None:
+        self.conn.send((cmd, arg))
+
+    def recv(self, timeout: float = 120.0) -> Any:  # the first answer waits for torch to load
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"worker process {self.proc.pid} did not answer in {timeout} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RankError(value)
+        return value
+
+    def call(self, cmd: str, arg: Any = None) -> Any:
+        self.send(cmd, arg)
+        return self.recv()
+
+    def close(self) -> None:
+        try:
+            self.call("close")
+        finally:
+            self.proc.join(10)
+
+
+class RankError(AssertionError):
+    """An exception inside a worker process, with its type and message."""
+
+
+def start_ranks(count: int) -> list[RankProcess]:
+    ctx = multiprocessing.get_context("spawn")
+    return [RankProcess(ctx) for _ in range(count)]
+
+
+# ----------------------------------------------------------------------------- one instance
+
+
+@dataclass
+class SchedulerOutput:
+    kv_connector_metadata: Any
+    finished_req_ids: set[str]
+    scheduled: list[str]
+
+
+class Instance:
+    """One vLLM instance: its scheduler (here) and its TP ranks (worker processes)."""
+
+    def __init__(self, g: dict, role: str, port: int, ranks: list[RankProcess]):
+        import kvferry.vllm
+
+        self.g, self.role, self.ranks, self.tp = g, role, ranks, len(ranks)
+        for r, proc in enumerate(ranks):
+            proc.send("init", (g, role, port, self.tp, r))
+        for proc in ranks:
+            proc.recv()
+        self.connector = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, self.tp),
+                                                       KVConnectorRole.SCHEDULER)
+        self.bs = g["block_size"]
+        # Block 0 is vLLM's null block; the rest in a per-instance order, so that remote and
+        # local block ids differ and a misrouted block cannot go unnoticed.
+        order = np.random.default_rng(port).permutation(np.arange(1, g["num_blocks"]))
+        self.free = [int(b) for b in order]
+        self.blocks: dict[str, list[int]] = {}
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        self.finished_req_ids: set[str] = set()
+        self.responses: dict[str, Optional[dict]] = {}  # finished: the kv_transfer_params
+        self.aggregator = KVOutputAggregator(self.tp)
+        self.load_errors: list[tuple] = []  # (request, code, message) from every rank
+        # num_computed_tokens of each request promoted out of WAITING_FOR_REMOTE_KVS
+        self.promoted: dict[str, int] = {}
+
+    # vLLM's Scheduler.add_request / finish_requests / _free_request
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, rid: str, status: RequestStatus) -> None:
+        req = self.requests[rid]
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.status = status
+        self._free_request(req, keep=loading)
+
+    def _free_request(self, req: Request, keep: bool = False) -> None:
+        delay, params = self.connector.request_finished(req, self.blocks.get(req.request_id, []))
+        self.responses[req.request_id] = params
+        self.finished_req_ids.add(req.request_id)
+        if not delay and not keep:  # a load in flight keeps its blocks until finished_recving
+            self._free_blocks(req)
+
+    def _free_blocks(self, req: Request) -> None:
+        self.free.extend(self.blocks.pop(req.request_id, []))
+        del self.requests[req.request_id]
+
+    def _allocate(self, req: Request, tokens: int) -> list[int]:
+        need = math.ceil(tokens / self.bs) - len(self.blocks.get(req.request_id, []))
+        assert need <= len(self.free), "the harness ran out of blocks"
+        new, self.free = self.free[:need], self.free[need:]
+        self.blocks.setdefault(req.request_id, []).extend(new)
+        return new
+
+    def _update_waiting_for_remote_kv(self, req: Request) -> None:
+        if req.request_id in self.failed_recving_kv_req_ids:
+            self.failed_recving_kv_req_ids.discard(req.request_id)  # recompute from there
+        else:
+            n = min(len(self.blocks[req.request_id]) * self.bs, req.num_tokens)
+            req.num_computed_tokens = n - 1 if n == req.num_tokens else n
+        self.finished_recving_kv_req_ids.discard(req.request_id)
+        self.promoted[req.request_id] = req.num_computed_tokens
+
+    def schedule(self) -> SchedulerOutput:
+        for req in list(self.waiting):
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if req.request_id not in self.finished_recving_kv_req_ids:
+                    continue
+                self._update_waiting_for_remote_kv(req)
+                req.status = RequestStatus.WAITING
+            if req.num_computed_tokens == 0 and req.request_id not in self.blocks:
+                ext, load_async = self.connector.get_num_new_matched_tokens(req, 0)
+                new = self._allocate(req, req.num_prompt_tokens)
+                self.connector.update_state_after_alloc(
+                    req, KVCacheBlocks([KVCacheBlock(b) for b in new]) if ext else
+                    KVCacheBlocks([]), ext)
+                if load_async:
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    continue
+                req.num_computed_tokens = ext
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        scheduled = [r.request_id for r in self.running]  # running requests run every step
+        out = SchedulerOutput(self.connector.build_connector_meta(None),
+                              set(self.finished_req_ids), scheduled)
+        self.finished_req_ids.clear()
+        return out
+
+    def step(self) -> KVConnectorOutput:
+        """schedule(), every rank's worker step, then update_from_output."""
+        out = self.schedule()
+        for proc in self.ranks:  # metadata is pickled to every rank, as vLLM broadcasts it
+            proc.send("step", (out.kv_connector_metadata, out.finished_req_ids))
+        per_rank = [proc.recv() for proc in self.ranks]
+        for r in per_rank:
+            self.load_errors.extend(r[3])
+        kv_out = self.aggregator.aggregate(per_rank)
+        self.update_from_output(out, kv_out)
+        return kv_out
+
+    def update_from_output(self, out: SchedulerOutput, kv_out: KVConnectorOutput) -> None:
+        failed = self._handle_invalid_blocks(kv_out.invalid_block_ids)
+        for rid in out.scheduled:  # one token each: the prefill side stops at max_tokens 1
+            req = self.requests.get(rid)
+            if req is None or req.is_finished() or rid in failed:
+                continue
+            req.output_token_ids.append(7)
+            req.num_computed_tokens = req.num_tokens - 1
+            if len(req.output_token_ids) >= req.sampling_params.max_tokens:
+                self.running.remove(req)
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                self._free_request(req)
+        if failed and self.g.get("policy", "recompute") == "fail":
+            for rid in failed:
+                self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+        # _update_from_kv_xfer_finished, with vLLM's asserts
+        for rid in kv_out.finished_recving:
+            assert rid in self.requests, f"finished_recving names {rid}, which vLLM does not hold"
+            req = self.requests[rid]
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(rid)
+            else:
+                assert req.is_finished(), f"{rid} received while {req.status.name}"
+                self._free_blocks(req)
+        for rid in kv_out.finished_sending:
+            assert rid in self.requests, f"finished_sending names {rid}, which vLLM does not hold"
+            self._free_blocks(self.requests[rid])
+
+    def _handle_invalid_blocks(self, invalid: set[int]) -> set[str]:
+        """vLLM's _handle_invalid_blocks for async loads: the requests owning them recompute
+        from the first invalid block ("recompute") or are failed ("fail")."""
+        failed = set()
+        for rid, ids in self.blocks.items():
+            bad = [i for i, b in enumerate(ids) if b in invalid]
+            req = self.requests.get(rid)
+            if not bad or req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            failed.add(rid)
+            self.failed_recving_kv_req_ids.add(rid)
+            req.num_computed_tokens = bad[0] * self.bs
+        return failed
+
+    def read(self) -> list[list[np.ndarray]]:
+        """Every rank's caches as [rank][layer] canonical byte arrays."""
+        for proc in self.ranks:
+            proc.send("read")
+        return [proc.recv() for proc in self.ranks]
+
+
+# ----------------------------------------------------------------------------- the proxy
+
+
+def prefill_request(rid: str, prompt_tokens: int) -> Request:
+    """What the toy proxy sends the prefill instance: max_tokens 1, remote decode asked."""
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    return Request(rid, list(range(prompt_tokens)), SamplingParams(max_tokens=1), params)
+
+
+def run_until(instances: list[Instance], done, what: str, timeout: float = 20.0) -> None:
+    """Steps every instance until done() holds (an event the engines report), with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        for inst in instances:
+            inst.step()
+
+
+def proxy_hop(prefill: Instance, rid: str, prompt_tokens: int) -> dict:
+    """Prefill through the toy proxy's first leg; returns the decode request's params as the
+    proxy forwards them (a JSON round trip of the prefill response)."""
+    prefill.add_request(prefill_request(rid, prompt_tokens))
+    run_until([prefill], lambda: rid in prefill.responses, f"prefill of {rid}")
+    response = json.loads(json.dumps({"kv_transfer_params": prefill.responses[rid]}))
+    return response["kv_transfer_params"]
+
+
+def decode_request(rid: str, prompt_tokens: int, params: Optional[dict]) -> Request:
+    return Request(rid, list(range(prompt_tokens)), SamplingParams(max_tokens=4), params)
+
+
+# ----------------------------------------------------------------------------- verification
+
+
+def expected_decode_bytes(g: dict, decode: Instance, rank: int, layer: int,
+                          pairs: list[tuple[int, int]], like: np.ndarray) -> np.ndarray:
+    """What decode rank `rank` must hold in `layer`: the prefill instance's model-wide bytes of
+    each remote block in its local block (this rank's heads), zeros everywhere else."""
+    want = np.zeros_like(like)
+    full = model_content(g, layer)
+    for remote, local in pairs:
+        if g["backend"] == "mla":
+            want[local] = full[remote]
+        else:
+            first, n = local_heads(g["heads"], decode.tp, rank)
+            want[:, local] = full[:, remote, :, first:first + n]
+    return want
+
+
+def check_every_byte(g: dict, decode: Instance, pairs: list[tuple[int, int]]) -> None:
+    for rank, layers in enumerate(decode.read()):
+        assert len(layers) == g["layers"]
+        for layer, got in enumerate(layers):
+            want = expected_decode_bytes(g, decode, rank, layer, pairs, got)
+            if not np.array_equal(got, want):
+                bad = np.argwhere(got != want)
+                raise AssertionError(
+                    f"decode rank {rank} layer {layer}: {len(bad)} bytes differ, first at "
+                    f"{tuple(int(x) for x in bad[0])} (pairs remote->local {pairs})")
