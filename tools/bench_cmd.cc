@@ -366,6 +366,7 @@ int RunBench(const BenchArgs& a) {
 void AddBenchCommands(CLI::App& app, int& exit_code) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
+  AddBenchControlCommand(*bench, exit_code);
 
   auto targs = std::make_shared<BenchArgs>();
   CLI::App* transport = bench->add_subcommand(

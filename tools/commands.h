@@ -33,6 +33,8 @@ std::vector<std::string> ModelArgv(const ModelArgs& model);
 void AddRanktableCommands(CLI::App& app, int& exit_code);
 void AddPlanCommand(CLI::App& app, int& exit_code);
 void AddBenchCommands(CLI::App& app, int& exit_code);
+/// `kvferry bench control`, registered by AddBenchCommands on its `bench` command.
+void AddBenchControlCommand(CLI::App& bench, int& exit_code);
 void AddServeCommand(CLI::App& app, int& exit_code);
 void AddDemoCommands(CLI::App& app, int& exit_code);
 
