@@ -13,7 +13,9 @@ struct CUevent_st;
 
 namespace kvferry::device::cu {
 
-// Distinct enum types (cuda.h's are unscoped enums of the same size and values).
+// Distinct enum types (cuda.h's are unscoped enums of the same size and values). The names are
+// cuda.h's, so the header check and readers can match them one to one.
+// NOLINTBEGIN(readability-identifier-naming)
 enum CUresult : int {
   CUDA_SUCCESS = 0,
   CUDA_ERROR_INVALID_VALUE = 1,
@@ -39,6 +41,7 @@ enum CUmemorytype : int {
   CU_MEMORYTYPE_ARRAY = 3,
   CU_MEMORYTYPE_UNIFIED = 4,
 };
+// NOLINTEND(readability-identifier-naming)
 
 using CUdeviceptr = unsigned long long;
 using CUdevice = int;
@@ -89,7 +92,8 @@ inline constexpr unsigned int kMemHostAllocPortable = 0x1;  // CU_MEMHOSTALLOC_P
   X(cuEventRecord, CUresult, (CUevent, CUstream))                                      \
   X(cuEventQuery, CUresult, (CUevent))
 
-// PFN_<symbol>: a pointer to that function.
+// PFN_<symbol>: a pointer to that function. `params` is a parenthesised list already.
+// NOLINTNEXTLINE(bugprone-macro-parentheses)
 #define KVFERRY_CUDA_PFN(name, ret, params) using PFN_##name = ret(*) params;
 KVFERRY_CUDA_FUNCTIONS(KVFERRY_CUDA_PFN)
 #undef KVFERRY_CUDA_PFN

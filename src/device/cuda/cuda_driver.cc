@@ -22,7 +22,7 @@ Result<std::shared_ptr<const CudaDriver>> CudaDriver::Load(std::string_view libr
   std::shared_ptr<CudaDriver> d(new CudaDriver());
   d->library_ = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (d->library_ == nullptr) {
-    const char* err = dlerror();
+    const char* err = dlerror();  // NOLINT(concurrency-mt-unsafe): glibc keeps it per thread
     return Status::Unavailable("no CUDA driver: dlopen(" + path +
                                ") failed: " + (err ? err : "unknown error") +
                                "; install the NVIDIA driver, or use the sim device");
