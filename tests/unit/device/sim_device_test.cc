@@ -183,7 +183,7 @@ TEST(SimDeviceDeathTest, HostLoadFromDeviceAddressFaults) {
 }
 
 TEST(SimDeviceTest, EventsCompleteInOrderAndWaitsHonourDeadlines) {
-  auto dev = MakeSim(SimOptions{.copy_latency = std::chrono::milliseconds(800)});
+  auto dev = MakeSim(SimOptions{.copy_latency = std::chrono::milliseconds(2000)});
   auto a = dev->Allocate(4096);
   ASSERT_TRUE(a.ok());
   auto stream = dev->CreateStream();
@@ -198,14 +198,14 @@ TEST(SimDeviceTest, EventsCompleteInOrderAndWaitsHonourDeadlines) {
   ASSERT_TRUE((*stream)->CopyHostToDevice((*a)->address(), bytes.data(), bytes.size()).ok());
   auto after_copy = (*stream)->RecordEvent();
   ASSERT_TRUE(after_copy.ok());
-  // The copy takes at least 800 ms: the event cannot have completed yet, and a short wait times
+  // The copy takes at least 2 s: the event cannot have completed yet, and a short wait times
   // out.
   EXPECT_EQ((*after_copy)->Poll().state, EventState::kPending);
   const Status timed_out = (*after_copy)->Wait(DeadlineAfter(std::chrono::milliseconds(20)));
   EXPECT_EQ(timed_out.code(), StatusCode::kTimeout) << timed_out.ToString();
   // Waiting again with room succeeds, no earlier than the simulated latency.
   ASSERT_TRUE((*after_copy)->Wait(DeadlineAfter(std::chrono::seconds(30))).ok());
-  EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(800));
+  EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(2000));
   EXPECT_EQ((*after_copy)->Poll().state, EventState::kComplete);
 }
 
