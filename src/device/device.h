@@ -107,7 +107,9 @@ class Event {
 /// allocation, an import, or for host sides any host memory; cuda needs pinned host memory for the
 /// copy to be asynchronous) and return at once; the copy's completion is known only through a
 /// later RecordEvent. The caller keeps both ranges alive and unchanged until then.
-/// Not thread-safe: one thread enqueues at a time. The destructor waits for enqueued copies.
+/// Not thread-safe: one thread enqueues at a time. The destructor does not cancel enqueued copies
+/// (sim: it runs them first; cuda: it returns at once and the driver finishes them): wait for an
+/// event before freeing memory they touch.
 class Stream {
  public:
   virtual ~Stream() = default;
