@@ -13,7 +13,7 @@ PREFIX      ?= /usr/local
 CTEST_ARGS  ?=
 SOURCES      = $(shell git ls-files '*.cc' '*.h' 2>/dev/null || find include src tools tests fuzz -name '*.cc' -o -name '*.h')
 
-.PHONY: all deps configure build test netns soak asan tsan fuzz format format-check tidy install demo clean
+.PHONY: all deps configure build test test-gpu netns soak asan tsan fuzz format format-check tidy install demo clean
 
 all: build
 
@@ -30,6 +30,21 @@ build: configure
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+# The device tests with the cuda device on a real GPU (docs/device.md): the probe opens cuda:0;
+# without a driver or GPU it prints "no CUDA driver/device: ..." and the recipe exits 77 (make
+# itself then exits 2; scripts/gpu_check.sh exits 77), or 1 when KVFERRY_REQUIRE_GPU=1. With a GPU,
+# the device tests run with KVFERRY_REQUIRE_GPU=1, so a GPU test cannot skip.
+DEVICE_TARGETS = device_ipc_peer device_test cuda_header_check_test cuda_gpu_test
+test-gpu: configure
+	cmake --build $(BUILD) -j $(JOBS) --target $(DEVICE_TARGETS)
+	@$(BUILD)/tests/device_ipc_peer probe; rc=$$?; \
+	if [ $$rc -eq 77 ]; then \
+	  if [ "$$KVFERRY_REQUIRE_GPU" = 1 ]; then echo "test-gpu: KVFERRY_REQUIRE_GPU=1 but no GPU was found"; exit 1; fi; \
+	  exit 77; \
+	fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	KVFERRY_REQUIRE_GPU=1 ctest --test-dir $(BUILD) --output-on-failure -L device $(CTEST_ARGS)
 
 # Only the two-host tests in network namespaces with faults (also part of make test; they need
 # root and are skipped where namespaces cannot be made).

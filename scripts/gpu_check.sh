@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU check (docs/device.md, "Running the GPU check"): build the device targets, then
+# `make test-gpu` (the device tests with the cuda device, including the two-process same-GPU IPC
+# test). Meant for a machine with one NVIDIA GPU and the driver; takes well under 5 minutes there.
+#
+# Exit status: 0 all passed; 77 "no CUDA driver/device" (nothing was tested); 1 a failure, or no
+# GPU while KVFERRY_REQUIRE_GPU=1.
+#
+# Environment: BUILD (build directory, default build), JOBS (parallel jobs, default nproc),
+# KVFERRY_REQUIRE_GPU=1 (a missing GPU is a failure, not a skip).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+JOBS=${JOBS:-$(nproc)}
+start=$(date +%s)
+
+echo "== gpu_check: configure and build the device targets ($BUILD, -j$JOBS)"
+if [ ! -f "$BUILD/CMakeCache.txt" ]; then
+  cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo || exit 1
+fi
+cmake --build "$BUILD" -j "$JOBS" --target device_ipc_peer device_test cuda_header_check_test \
+  cuda_gpu_test || exit 1
+
+echo "== gpu_check: probe"
+"$BUILD/tests/device_ipc_peer" probe
+rc=$?
+if [ $rc -eq 77 ]; then
+  if [ "${KVFERRY_REQUIRE_GPU:-0}" = 1 ]; then
+    echo "gpu_check: FAILED: KVFERRY_REQUIRE_GPU=1 but no CUDA driver/device was found"
+    exit 1
+  fi
+  echo "gpu_check: no CUDA driver/device: the cuda path was NOT tested (exit 77)"
+  exit 77
+fi
+[ $rc -eq 0 ] || { echo "gpu_check: the probe failed with status $rc"; exit 1; }
+
+echo "== gpu_check: make test-gpu"
+make --no-print-directory test-gpu BUILD="$BUILD" JOBS="$JOBS" || {
+  echo "gpu_check: FAILED (make test-gpu)"
+  exit 1
+}
+echo "gpu_check: passed in $(( $(date +%s) - start )) s"
