@@ -35,5 +35,6 @@ void AddPlanCommand(CLI::App& app, int& exit_code);
 void AddBenchCommands(CLI::App& app, int& exit_code);
 void AddServeCommand(CLI::App& app, int& exit_code);
 void AddDemoCommands(CLI::App& app, int& exit_code);
+void AddTopCommand(CLI::App& app, int& exit_code);
 
 }  // namespace kvferry::cli
