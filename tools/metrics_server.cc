@@ -1,6 +1,7 @@
 #include "tools/metrics_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <thread>
@@ -30,14 +31,20 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& h
   s.set_keep_alive_timeout(2);
   s.set_keep_alive_max_count(16);
   s.set_payload_max_length(4096);
+  // httplib's default also sets SO_REUSEPORT, which would let a second instance bind the same
+  // port and take half the scrapes: SO_REUSEADDR only, so a busy port is an error.
+  s.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    (void)setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   s.Get("/metrics", [render](const httplib::Request&, httplib::Response& res) {
     res.set_content(render(), kPrometheusContentType);
   });
   s.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
     if (res.status == 404 && req.method != "GET" && req.method != "HEAD") res.status = 405;
-    res.set_content(res.status == 404 ? "only /metrics is served here\n"
-                                      : "only GET /metrics is served here\n",
-                    "text/plain");
+    res.set_content(
+        res.status == 404 ? "only /metrics is served here\n" : "only GET /metrics is served here\n",
+        "text/plain");
   });
   if (port == 0) {
     state->port = s.bind_to_any_port(host);
@@ -66,8 +73,8 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& h
   if (!raw->server.is_running()) {
     raw->server.stop();
     raw->thread.join();
-    return Status::Internal("the metrics endpoint on " + host + ":" +
-                            std::to_string(state->port) + " stopped as it started");
+    return Status::Internal("the metrics endpoint on " + host + ":" + std::to_string(state->port) +
+                            " stopped as it started");
   }
   return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(state)));
 }

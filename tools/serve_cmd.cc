@@ -135,10 +135,9 @@ int RunServe(const ServeArgs& a) {
   std::unique_ptr<MetricsServer> metrics;
   if (a.metrics_port >= 0) {
     const engine::Instance* source = instance->get();
-    Result<std::unique_ptr<MetricsServer>> m =
-        MetricsServer::Start(a.metrics_host, a.metrics_port, [source] {
-          return PrometheusText(source->ConnectorMetrics(), source->EngineMetrics());
-        });
+    Result<std::unique_ptr<MetricsServer>> m = MetricsServer::Start(
+        a.metrics_host, a.metrics_port,
+        [source] { return PrometheusText(source->ConnectorMetrics(), source->EngineMetrics()); });
     if (!m.ok()) {
       std::cerr << "kvferry serve: " << m.status().ToString() << "\n";
       return 1;

@@ -185,12 +185,14 @@ View Scrape(const Target& t, int timeout_ms) {
 
 void PrintTable(const std::vector<Target>& targets, const std::vector<View>& before,
                 const std::vector<View>& now) {
-  std::printf("%-28s %-8s %9s %7s %7s %9s %10s %8s %10s\n", "ENDPOINT", "ROLE", "IN-FLIGHT",
+  int width = 8;
+  for (const Target& t : targets) width = std::max(width, static_cast<int>(t.display.size()));
+  std::printf("%-*s %-8s %9s %7s %7s %9s %10s %8s %10s\n", width, "ENDPOINT", "ROLE", "IN-FLIGHT",
               "LOADS", "HOLDS", "GB/s", "DONE", "FAILED", "p99 ms");
   for (std::size_t i = 0; i < targets.size(); ++i) {
     const View& v = now[i];
     if (!v.ok) {
-      std::printf("%-28s unreachable: %s\n", targets[i].display.c_str(), v.error.c_str());
+      std::printf("%-*s unreachable: %s\n", width, targets[i].display.c_str(), v.error.c_str());
       continue;
     }
     double gbps = 0;
@@ -198,7 +200,7 @@ void PrintTable(const std::vector<Target>& targets, const std::vector<View>& bef
       const double dt = std::chrono::duration<double>(v.at - before[i].at).count();
       if (dt > 0) gbps = std::max(0.0, v.bytes - before[i].bytes) / dt / 1e9;
     }
-    std::printf("%-28s %-8s %9.0f %7.0f %7.0f %9.3f %10.0f %8.0f %10.3f\n",
+    std::printf("%-*s %-8s %9.0f %7.0f %7.0f %9.3f %10.0f %8.0f %10.3f\n", width,
                 targets[i].display.c_str(), v.role.empty() ? "-" : v.role.c_str(), v.in_flight,
                 v.loads, v.holds, gbps, v.done, v.failed, v.p99_s * 1e3);
   }

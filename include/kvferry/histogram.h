@@ -34,7 +34,7 @@ class LatencyHistogram {
   /// The fixed upper bounds (inclusive, µs) whose cumulative counts CountAtOrBelowBound keeps
   /// exactly: 50 µs to 60 s. An exporter adds the +Inf bucket (count()).
   static constexpr std::array<std::uint64_t, 19> kExportBoundsUs = {
-      50,     100,     250,     500,     1000,     2500,     5000,     10000,    25000,   50000,
+      50,     100,    250,    500,     1000,    2500,    5000,     10000,    25000,   50000,
       100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 30000000, 60000000};
 
   /// Records one duration; negative durations count as 0.

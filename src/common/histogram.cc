@@ -1,8 +1,8 @@
+#include "kvferry/histogram.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
-
-#include "kvferry/histogram.h"
 
 namespace kvferry {
 
@@ -13,10 +13,8 @@ std::size_t LatencyHistogram::BucketIndex(std::uint64_t us) {
   // us is in [2^exponent, 2^(exponent+1)): its top kSubBucketBits + 1 bits pick the bucket.
   const int shift = exponent - kSubBucketBits;
   const std::uint64_t sub = (us >> shift) - kSubBuckets;  // 0..63
-  return static_cast<std::size_t>(kLinearLimit +
-                                  static_cast<std::uint64_t>(exponent - kSubBucketBits - 1) *
-                                      kSubBuckets +
-                                  sub);
+  return static_cast<std::size_t>(
+      kLinearLimit + static_cast<std::uint64_t>(exponent - kSubBucketBits - 1) * kSubBuckets + sub);
 }
 
 std::uint64_t LatencyHistogram::BucketLower(std::size_t index) {
@@ -41,8 +39,7 @@ void LatencyHistogram::Add(std::chrono::microseconds d) {
   ++count_;
   sum_us_ += us;
   // Bounds are sorted: every bound from the first one >= us on counts this value.
-  const auto first =
-      std::lower_bound(kExportBoundsUs.begin(), kExportBoundsUs.end(), us);
+  const auto first = std::lower_bound(kExportBoundsUs.begin(), kExportBoundsUs.end(), us);
   for (auto i = static_cast<std::size_t>(first - kExportBoundsUs.begin());
        i < kExportBoundsUs.size(); ++i) {
     ++at_or_below_[i];

@@ -75,10 +75,10 @@ class Writer {
   }
 
   // One family with one sample per worker and label value: rows(stats) lists (value, sample).
-  void Labelled(const std::string& name, const char* type, const std::string& help,
-                const std::string& label,
-                const std::function<std::vector<std::pair<std::string, std::uint64_t>>(
-                    const WorkerStats&)>& rows) {
+  void Labelled(
+      const std::string& name, const char* type, const std::string& help, const std::string& label,
+      const std::function<std::vector<std::pair<std::string, std::uint64_t>>(const WorkerStats&)>&
+          rows) {
     Header(name, type, help);
     for (const WorkerMetrics& w : workers_) {
       for (const auto& [value, sample] : rows(w.stats)) {
@@ -109,10 +109,8 @@ class Writer {
     for (const WorkerMetrics& w : workers_) {
       const LatencyHistogram& h = get(w.stats);
       const Labels labels = WorkerLabels(w);
-      for (const auto& [text, q] : {std::pair<const char*, double>{"0.5", 0.5},
-                                    {"0.9", 0.9},
-                                    {"0.99", 0.99},
-                                    {"1", 1.0}}) {
+      for (const auto& [text, q] :
+           {std::pair<const char*, double>{"0.5", 0.5}, {"0.9", 0.9}, {"0.99", 0.99}, {"1", 1.0}}) {
         Line(summary, With(labels, "quantile", text), Seconds(h.Quantile(q)));
       }
       Line(summary + "_sum", labels, Seconds(h.sum_us()));
@@ -159,8 +157,7 @@ std::string PrometheusText(std::span<const WorkerMetrics> workers,
   Writer w(workers);
   using S = const WorkerStats&;
   w.Labelled("kvferry_loads_total", "counter",
-             "Loads (decode side) that ended, by outcome (done or failed)", "outcome",
-             [](S s) {
+             "Loads (decode side) that ended, by outcome (done or failed)", "outcome", [](S s) {
                return std::vector<std::pair<std::string, std::uint64_t>>{
                    {"done", s.loads_done}, {"failed", s.loads_failed}};
              });
@@ -197,8 +194,8 @@ std::string PrometheusText(std::span<const WorkerMetrics> workers,
              });
   w.Labelled("kvferry_notices_received_total", "counter",
              "Side-channel messages this worker's listener answered, by type", "type", [](S s) {
-               return std::vector<std::pair<std::string, std::uint64_t>>(
-                   s.notices_received.begin(), s.notices_received.end());
+               return std::vector<std::pair<std::string, std::uint64_t>>(s.notices_received.begin(),
+                                                                         s.notices_received.end());
              });
   w.Simple("kvferry_early_notices", "gauge",
            "Finished or abort notices kept for requests not held yet",
@@ -216,9 +213,8 @@ std::string PrometheusText(std::span<const WorkerMetrics> workers,
               "Handshakes with prefill ranks, from metadata request to connected",
               [](S s) -> const LatencyHistogram& { return s.handshake_latency; });
   w.Simple("kvferry_transport_batches_submitted_total", "counter",
-           "Read batches submitted to the data plane", [](S s) {
-             return s.transport.batches_submitted;
-           });
+           "Read batches submitted to the data plane",
+           [](S s) { return s.transport.batches_submitted; });
   w.Labelled("kvferry_transport_batches_ended_total", "counter",
              "Read batches that ended, by state (done, failed, cancelled)", "state", [](S s) {
                return std::vector<std::pair<std::string, std::uint64_t>>{
@@ -226,8 +222,8 @@ std::string PrometheusText(std::span<const WorkerMetrics> workers,
                    {"failed", s.transport.batches_failed},
                    {"cancelled", s.transport.batches_cancelled}};
              });
-  w.Simple("kvferry_transport_bytes_read_total", "counter",
-           "Bytes the data plane read from peers", [](S s) { return s.transport.bytes_read; });
+  w.Simple("kvferry_transport_bytes_read_total", "counter", "Bytes the data plane read from peers",
+           [](S s) { return s.transport.bytes_read; });
   w.Simple("kvferry_transport_bytes_served_total", "counter",
            "Bytes the data plane served to peers (prefill side, tcp)",
            [](S s) { return s.transport.bytes_served; });

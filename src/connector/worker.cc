@@ -418,8 +418,7 @@ Status WorkerImpl::AbortedLocked(const std::string& request_id) const {
 
 WorkerStats WorkerImpl::Stats() const {
   // The transport's counters are its own (thread-safe); read outside mu_.
-  const TransportStats transport =
-      transport_ != nullptr ? transport_->Stats() : TransportStats{};
+  const TransportStats transport = transport_ != nullptr ? transport_->Stats() : TransportStats{};
   std::lock_guard<std::mutex> lock(mu_);
   WorkerStats s = stats_;
   s.transport = transport;

@@ -379,18 +379,17 @@ std::vector<ExtraMetric> Instance::EngineMetrics() const {
     return labels;
   };
   const char* requests_help = "Requests this engine instance ended, by outcome";
-  return {
-      {"kvferry_requests_in_flight", "Requests submitted to this engine instance and not ended",
-       MetricType::kGauge, id, static_cast<double>(in_flight_.load(std::memory_order_relaxed))},
-      {"kvferry_requests_total", requests_help, MetricType::kCounter, with("done"),
-       static_cast<double>(done_.load(std::memory_order_relaxed))},
-      {"kvferry_requests_total", requests_help, MetricType::kCounter, with("failed"),
-       static_cast<double>(failed_.load(std::memory_order_relaxed))},
-      {"kvferry_requests_total", requests_help, MetricType::kCounter, with("aborted"),
-       static_cast<double>(aborted_.load(std::memory_order_relaxed))},
-      {"kvferry_blocks_allocated", "KV blocks allocated (running, held or in the prefix cache)",
-       MetricType::kGauge, id,
-       static_cast<double>(blocks_allocated_.load(std::memory_order_relaxed))}};
+  return {{"kvferry_requests_in_flight", "Requests submitted to this engine instance and not ended",
+           MetricType::kGauge, id, static_cast<double>(in_flight_.load(std::memory_order_relaxed))},
+          {"kvferry_requests_total", requests_help, MetricType::kCounter, with("done"),
+           static_cast<double>(done_.load(std::memory_order_relaxed))},
+          {"kvferry_requests_total", requests_help, MetricType::kCounter, with("failed"),
+           static_cast<double>(failed_.load(std::memory_order_relaxed))},
+          {"kvferry_requests_total", requests_help, MetricType::kCounter, with("aborted"),
+           static_cast<double>(aborted_.load(std::memory_order_relaxed))},
+          {"kvferry_blocks_allocated", "KV blocks allocated (running, held or in the prefix cache)",
+           MetricType::kGauge, id,
+           static_cast<double>(blocks_allocated_.load(std::memory_order_relaxed))}};
 }
 
 void Instance::StepPrefill(std::vector<EngineResult>& out) {

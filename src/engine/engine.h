@@ -4,6 +4,7 @@
 // dim), so the decode side can verify every byte it receives.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -15,8 +16,6 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
-
-#include <atomic>
 
 #include "kvferry/connector.h"
 #include "kvferry/metrics.h"

@@ -35,10 +35,20 @@ struct Serve {
 Result<Serve> StartServe(const std::string& role, std::vector<std::string> extra = {}) {
   const int base = FreeLoopbackPorts(1);
   if (base == 0) return Status::Unavailable("no free port for the side channel");
-  std::vector<std::string> argv = {KVFERRY_CLI_PATH, "serve",  "--role",         role,
-                                   "--base-port",    std::to_string(base),
-                                   "--control-port", "0",      "--metrics-port", "0",
-                                   "--num-blocks",   "64",     "--layers",       "2",
+  std::vector<std::string> argv = {KVFERRY_CLI_PATH,
+                                   "serve",
+                                   "--role",
+                                   role,
+                                   "--base-port",
+                                   std::to_string(base),
+                                   "--control-port",
+                                   "0",
+                                   "--metrics-port",
+                                   "0",
+                                   "--num-blocks",
+                                   "64",
+                                   "--layers",
+                                   "2",
                                    "--exit-on-stdin-eof"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv, {"KVFERRY_SECRET="}));
@@ -63,7 +73,8 @@ Result<std::string> Fetch(const std::string& url) {
   client.set_read_timeout(5, 0);
   httplib::Result r = client.Get(url.substr(path));
   if (!r) return Status::Unavailable("GET " + url + ": " + httplib::to_string(r.error()));
-  if (r->status != 200) return Status::Internal("GET " + url + ": HTTP " + std::to_string(r->status));
+  if (r->status != 200)
+    return Status::Internal("GET " + url + ": HTTP " + std::to_string(r->status));
   if (r->get_header_value("Content-Type").rfind("text/plain; version=0.0.4", 0) != 0) {
     return Status::Internal("GET " + url + ": content type " + r->get_header_value("Content-Type"));
   }
@@ -110,16 +121,15 @@ Scrape ParseAndCheck(const std::string& text) {
       current = family;
       continue;
     }
-    ASSERT_NE(line.rfind('#', 0), 0u) << "unexpected comment: " << line;
+    EXPECT_NE(line.rfind('#', 0), 0u) << "unexpected comment: " << line;
     const std::size_t space = line.rfind(' ');
     const std::string key = line.substr(0, space);
     const std::string name = key.substr(0, key.find('{'));
     const std::string& type = s.type[current];
     const bool belongs =
-        name == current ||
-        ((type == "histogram" || type == "summary") &&
-         (name == current + "_sum" || name == current + "_count" ||
-          (type == "histogram" && name == current + "_bucket")));
+        name == current || ((type == "histogram" || type == "summary") &&
+                            (name == current + "_sum" || name == current + "_count" ||
+                             (type == "histogram" && name == current + "_bucket")));
     EXPECT_TRUE(belongs) << name << " is not a sample of the family " << current;
     if (type == "counter") {
       EXPECT_EQ(name.substr(name.size() - 6), "_total") << name;
@@ -137,12 +147,13 @@ Scrape ParseAndCheck(const std::string& text) {
     const std::size_t le = key.find(",le=\"");
     EXPECT_NE(le, std::string::npos) << key;
     if (le == std::string::npos) continue;
-    const std::string series = name.substr(0, name.size() - 7) + key.substr(name.size(), le - name.size());
+    const std::string series =
+        name.substr(0, name.size() - 7) + key.substr(name.size(), le - name.size());
     buckets[series].emplace_back(key.substr(le + 5, key.find('"', le + 5) - le - 5), s.series[key]);
   }
   EXPECT_FALSE(buckets.empty());
   for (const auto& [series, list] : buckets) {
-    ASSERT_FALSE(list.empty());
+    if (list.empty()) continue;
     EXPECT_EQ(list.back().first, "+Inf") << series;
     for (std::size_t i = 1; i < list.size(); ++i) {
       EXPECT_LE(list[i - 1].second, list[i].second) << series << " le=" << list[i].first;
@@ -152,8 +163,8 @@ Scrape ParseAndCheck(const std::string& text) {
     }
     const std::string count_key =
         series.substr(0, series.find('{')) + "_count" + series.substr(series.find('{')) + "}";
-    ASSERT_EQ(s.series.count(count_key), 1u) << count_key;
-    EXPECT_EQ(s.series.at(count_key), list.back().second) << series;
+    EXPECT_EQ(s.series.count(count_key), 1u) << count_key;
+    EXPECT_EQ(s.series[count_key], list.back().second) << series;
   }
   return s;
 }
@@ -292,7 +303,9 @@ TEST(MetricsEndpointTest, TopExitsOneWhenAnEndpointDoesNotAnswer) {
   EXPECT_EQ(*code, 1);
 }
 
-TEST(MetricsEndpointTest, ABusyMetricsPortIsAnErrorNamingIt) {
+// Regression: httplib's default socket options include SO_REUSEPORT, with which a second
+// instance bound the same port and silently took half the scrapes.
+TEST(MetricsEndpointTest, ABusyMetricsPortEndsServeWithStatusOne) {
   Result<Serve> first = StartServe("prefill");
   ASSERT_TRUE(first.ok()) << first.status().ToString();
   const std::string port = first->metrics.substr(17, first->metrics.find('/', 17) - 17);

@@ -10,8 +10,8 @@
 namespace kvferry {
 namespace {
 
-using ::testing::HasSubstr;
 using std::chrono::microseconds;
+using ::testing::HasSubstr;
 
 struct Sample {
   std::string name;
@@ -104,9 +104,9 @@ TEST(PrometheusTextTest, HistogramBucketsAreCumulativeEndInInfAndMatchCount) {
   double count = -1, sum = -1;
   for (const Sample& s : p.samples) {
     if (s.name == "kvferry_transfer_latency_seconds_bucket") {
-      const std::size_t le = s.labels.find("le=\"");
+      const std::size_t le = s.labels.find(",le=\"");
       ASSERT_NE(le, std::string::npos) << s.labels;
-      buckets.emplace_back(s.labels.substr(le + 4, s.labels.find('"', le + 4) - le - 4),
+      buckets.emplace_back(s.labels.substr(le + 5, s.labels.find('"', le + 5) - le - 5),
                            std::stod(s.value));
     } else if (s.name == "kvferry_transfer_latency_seconds_count") {
       count = std::stod(s.value);
