@@ -13,6 +13,7 @@
 
 #include "kvferry/cache_spec.h"
 #include "kvferry/connector.h"
+#include "kvferry/metrics.h"
 #include "kvferry/rank_table.h"
 #include "kvferry/status.h"
 
@@ -81,6 +82,63 @@ FinishReason ParseReason(const std::string& r) {
 }
 
 CacheSpec MakeSpec(CacheSpecOptions o) { return Unwrap(CacheSpec::Create(std::move(o))); }
+
+py::dict HistogramDict(const LatencyHistogram& h) {
+  py::dict d;
+  d["count"] = h.count();
+  d["sum_us"] = h.sum_us();
+  d["min_us"] = h.min_us();
+  d["p50_us"] = h.Quantile(0.5);
+  d["p90_us"] = h.Quantile(0.9);
+  d["p99_us"] = h.Quantile(0.99);
+  d["max_us"] = h.max_us();
+  py::list buckets;  // cumulative (upper bound in µs or None for +Inf, count), as Prometheus's
+  for (std::size_t i = 0; i < LatencyHistogram::kExportBoundsUs.size(); ++i) {
+    buckets.append(py::make_tuple(LatencyHistogram::kExportBoundsUs[i], h.CountAtOrBelowBound(i)));
+  }
+  buckets.append(py::make_tuple(py::none(), h.count()));
+  d["buckets"] = buckets;
+  return d;
+}
+
+// Worker.metrics(): the same figures as PrometheusText, as plain Python values.
+py::dict MetricsDict(const WorkerMetrics& m) {
+  const WorkerStats& s = m.stats;
+  py::dict d;
+  d["engine_id"] = m.engine_id;
+  d["role"] = RoleName(m.role);
+  d["dp_rank"] = m.dp_rank;
+  d["tp_rank"] = m.tp_rank;
+  d["loads_done"] = s.loads_done;
+  d["loads_failed"] = s.loads_failed;
+  d["failures"] = s.failures;
+  d["loads_outstanding"] = s.loads_outstanding;
+  d["bytes_read"] = s.bytes_read;
+  d["reads"] = s.reads;
+  d["merged_runs"] = s.merged_runs;
+  d["handshakes"] = s.handshakes;
+  d["agents_evicted"] = s.agents_evicted;
+  d["holds_outstanding"] = s.holds_outstanding;
+  d["holds_released_by_readers"] = s.holds_released_by_readers;
+  d["holds_released_by_abort"] = s.holds_released_by_abort;
+  d["holds_expired"] = s.holds_expired;
+  d["notices_received"] = s.notices_received;
+  d["early_notices"] = s.early_notices;
+  d["early_notices_refused"] = s.early_notices_refused;
+  d["notices_dropped"] = s.notices_dropped;
+  d["transfer_latency"] = HistogramDict(s.transfer_latency);
+  d["handshake_latency"] = HistogramDict(s.handshake_latency);
+  py::dict t;
+  t["batches_submitted"] = s.transport.batches_submitted;
+  t["batches_done"] = s.transport.batches_done;
+  t["batches_failed"] = s.transport.batches_failed;
+  t["batches_cancelled"] = s.transport.batches_cancelled;
+  t["bytes_read"] = s.transport.bytes_read;
+  t["bytes_served"] = s.transport.bytes_served;
+  t["requests_refused"] = s.transport.requests_refused;
+  d["transport"] = t;
+  return d;
+}
 
 }  // namespace
 
@@ -388,7 +446,11 @@ PYBIND11_MODULE(_kvferry, m) {
           py::arg("request_id"), py::arg("reason") = "aborted by the engine")
       .def("stats",
            [](Worker& w) {
-             const WorkerStats s = w.Stats();
+             WorkerStats s;
+             {
+               py::gil_scoped_release release;
+               s = w.Stats();
+             }
              py::dict d;
              d["bytes_read"] = s.bytes_read;
              d["reads"] = s.reads;
@@ -400,8 +462,33 @@ PYBIND11_MODULE(_kvferry, m) {
              d["holds_outstanding"] = s.holds_outstanding;
              d["loads_outstanding"] = s.loads_outstanding;
              d["transfer_p50_us"] = s.transfer_latency.Quantile(0.5);
+             d["transfer_p90_us"] = s.transfer_latency.Quantile(0.9);
              d["transfer_p99_us"] = s.transfer_latency.Quantile(0.99);
+             d["transfer_max_us"] = s.transfer_latency.max_us();
              return d;
            })
+      .def(
+          "metrics",
+          [](Worker& w) {
+            WorkerMetrics m;
+            {
+              py::gil_scoped_release release;
+              m = w.Metrics();
+            }
+            return MetricsDict(m);
+          },
+          "A snapshot of every counter, gauge and latency histogram (docs/observability.md)")
+      .def(
+          "metrics_text",
+          [](Worker& w) {
+            std::string text;
+            {
+              py::gil_scoped_release release;
+              const WorkerMetrics m = w.Metrics();
+              text = PrometheusText(std::span<const WorkerMetrics>(&m, 1));
+            }
+            return text;
+          },
+          "The metrics snapshot in the Prometheus text format (0.0.4)")
       .def_property_readonly("listener_endpoint", &Worker::listener_endpoint);
 }

@@ -13,11 +13,13 @@ PACKAGES=(
   libmsgpack-cxx-dev                   # wire format
   libzmq3-dev cppzmq-dev               # side channel
   libcli11-dev                         # CLI
+  libcpp-httplib-dev                   # GET /metrics, kvferry top
   libgtest-dev libgmock-dev            # tests
   libbenchmark-dev                     # micro-benchmarks
   gnuplot-nox                          # bench e2e --chart
   pybind11-dev python3-dev             # the Python module
   python3-pytest python3-numpy         # its tests
+  python3-prometheus-client            # /metrics checked by Prometheus's own text parser
   python3-torch                        # vLLM adapter tests with real (CPU) torch tensors
   iproute2 nftables                    # two-host tests: namespaces, tbf, packet loss
 )

@@ -385,7 +385,7 @@ Result<Json> MeasureHandshakes(const ControlArgs& a, TransportKind kind) {
     KVFERRY_RETURN_IF_ERROR(WaitReceived(*decode, "l" + std::to_string(i)));
     const WorkerStats st = decode->Stats();
     if (st.handshakes != 1) return Status::Internal("expected one handshake per fresh worker");
-    first_us.push_back(static_cast<double>(st.handshake_latency.total_us));
+    first_us.push_back(static_cast<double>(st.handshake_latency.sum_us()));
     (void)prefill->GetFinished();
   }
   sidechannel::Client client(sidechannel::ClientOptions{});

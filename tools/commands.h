@@ -37,5 +37,6 @@ void AddBenchCommands(CLI::App& app, int& exit_code);
 void AddBenchControlCommand(CLI::App& bench, int& exit_code);
 void AddServeCommand(CLI::App& app, int& exit_code);
 void AddDemoCommands(CLI::App& app, int& exit_code);
+void AddTopCommand(CLI::App& app, int& exit_code);
 
 }  // namespace kvferry::cli

@@ -455,8 +455,10 @@ int RunDemo(const DemoArgs& a) {
       {"throughput_gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
       {"load_p50_ms", Percentile(load, 0.5)},
       {"load_p99_ms", Percentile(load, 0.99)},
-      {"transfer_p50_us_bucket", r->decode_end.value("transfer_p50_us", 0)},
-      {"transfer_p99_us_bucket", r->decode_end.value("transfer_p99_us", 0)},
+      {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
+      {"transfer_p90_us", r->decode_end.value("transfer_p90_us", 0)},
+      {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
+      {"transfer_max_us", r->decode_end.value("transfer_max_us", 0)},
       {"ttft_p50_ms", Percentile(ttft, 0.5)},
       {"ttft_p99_ms", Percentile(ttft, 0.99)},
       {"prefill_p50_ms", Percentile(prefill, 0.5)},
@@ -474,7 +476,8 @@ int RunDemo(const DemoArgs& a) {
         line, sizeof(line),
         "requests      %d done, %d aborted, %d failed (of %d)\n"
         "moved         %.3f GB in %.2f s: %.2f GB/s across the run\n"
-        "transfer      p50 <= %.2f ms, p99 <= %.2f ms per request in the connector\n"
+        "transfer      p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, max %.2f ms per request in the "
+        "connector\n"
         "load          p50 %.2f ms, p99 %.2f ms as the decode engine saw it (queued "
         "behind verification)\n"
         "TTFT          p50 %.2f ms, p99 %.2f ms = prefill p50 %.2f ms + transfer and "
@@ -484,7 +487,9 @@ int RunDemo(const DemoArgs& a) {
         "held at end   prefill %d blocks, %d holds; decode %d blocks\n",
         r->done, r->aborted(), r->failed, a.requests, gb, r->wall_s,
         r->wall_s > 0 ? gb / r->wall_s : 0, r->decode_end.value("transfer_p50_us", 0) / 1000.0,
-        r->decode_end.value("transfer_p99_us", 0) / 1000.0, Percentile(load, 0.5),
+        r->decode_end.value("transfer_p90_us", 0) / 1000.0,
+        r->decode_end.value("transfer_p99_us", 0) / 1000.0,
+        r->decode_end.value("transfer_max_us", 0) / 1000.0, Percentile(load, 0.5),
         Percentile(load, 0.99), Percentile(ttft, 0.5), Percentile(ttft, 0.99),
         Percentile(prefill, 0.5), Percentile(decode, 0.5),
         static_cast<double>(r->bytes_verified) / 1e9, static_cast<long long>(r->prefix_hit_blocks),
@@ -589,16 +594,20 @@ int RunE2e(const E2eArgs& a) {
                       {"wall_s", r->wall_s},
                       {"gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
                       {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
+                      {"transfer_p90_us", r->decode_end.value("transfer_p90_us", 0)},
                       {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
+                      {"transfer_max_us", r->decode_end.value("transfer_max_us", 0)},
                       {"ttft_p50_ms", Percentile(ttft, 0.5)},
                       {"ttft_p99_ms", Percentile(ttft, 0.99)}});
     if (!a.json) {
       std::fprintf(stdout,
                    "prompt %6d tokens: %3d requests, %d failed, %.3f GB in %.2f s = %.2f GB/s; "
-                   "transfer p50 <= %.2f ms p99 <= %.2f ms; TTFT p50 %.1f ms\n",
+                   "transfer p50 %.2f p90 %.2f p99 %.2f max %.2f ms; TTFT p50 %.1f ms\n",
                    len, a.requests, r->failed, gb, r->wall_s, r->wall_s > 0 ? gb / r->wall_s : 0,
                    r->decode_end.value("transfer_p50_us", 0) / 1000.0,
-                   r->decode_end.value("transfer_p99_us", 0) / 1000.0, Percentile(ttft, 0.5));
+                   r->decode_end.value("transfer_p90_us", 0) / 1000.0,
+                   r->decode_end.value("transfer_p99_us", 0) / 1000.0,
+                   r->decode_end.value("transfer_max_us", 0) / 1000.0, Percentile(ttft, 0.5));
       std::fflush(stdout);
     }
   }

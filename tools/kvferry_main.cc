@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   kvferry::cli::AddBenchCommands(app, exit_code);
   kvferry::cli::AddServeCommand(app, exit_code);
   kvferry::cli::AddDemoCommands(app, exit_code);
+  kvferry::cli::AddTopCommand(app, exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

@@ -18,6 +18,7 @@
 #include "sidechannel/zmq_util.h"
 #include "tools/commands.h"
 #include "tools/engine_protocol.h"
+#include "tools/metrics_server.h"
 
 namespace kvferry::cli {
 namespace {
@@ -41,6 +42,8 @@ struct ServeArgs {
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
   bool exit_on_stdin_eof = false;
+  std::string metrics_host = "127.0.0.1";
+  int metrics_port = -1;  // -1: no metrics endpoint
 };
 
 const char* OpName(ControlOp op) {
@@ -128,6 +131,19 @@ int RunServe(const ServeArgs& a) {
     std::cerr << "kvferry serve: " << instance.status().ToString() << "\n";
     return 1;
   }
+  // GET /metrics (docs/observability.md), stopped before the instance it reads is destroyed.
+  std::unique_ptr<MetricsServer> metrics;
+  if (a.metrics_port >= 0) {
+    const engine::Instance* source = instance->get();
+    Result<std::unique_ptr<MetricsServer>> m = MetricsServer::Start(
+        a.metrics_host, a.metrics_port,
+        [source] { return PrometheusText(source->ConnectorMetrics(), source->EngineMetrics()); });
+    if (!m.ok()) {
+      std::cerr << "kvferry serve: " << m.status().ToString() << "\n";
+      return 1;
+    }
+    metrics = std::move(m).value();
+  }
   sidechannel::ZmqSocket control(ZMQ_ROUTER);
   (void)control.SetInt64(ZMQ_MAXMSGSIZE, static_cast<std::int64_t>(kMaxControlFrameBytes));
   (void)control.SetInt(ZMQ_SNDTIMEO, 0);  // a proxy that does not read loses its replies
@@ -144,6 +160,7 @@ int RunServe(const ServeArgs& a) {
   std::size_t bound_len = sizeof(bound);
   zmq_getsockopt(control.get(), ZMQ_LAST_ENDPOINT, bound, &bound_len);
   std::cout << "READY " << bound << std::endl;
+  if (metrics) std::cout << "METRICS " << metrics->url() << std::endl;
 
   bool running = true;
   const std::size_t max_prompt_tokens =
@@ -244,7 +261,9 @@ int RunServe(const ServeArgs& a) {
                {"requests_aborted", s.requests_aborted},
                {"control_refused", refusals.count()},
                {"transfer_p50_us", s.transfer_p50_us},
-               {"transfer_p99_us", s.transfer_p99_us}});
+               {"transfer_p90_us", s.transfer_p90_us},
+               {"transfer_p99_us", s.transfer_p99_us},
+               {"transfer_max_us", s.transfer_max_us}});
         return;
       }
       case ControlOp::kShutdown:
@@ -355,6 +374,15 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
                     "Simulated prefill compute time per token");
   serve->add_flag("--exit-on-stdin-eof", a->exit_on_stdin_eof,
                   "Exit when stdin closes (for instances started by another process)");
+  serve
+      ->add_option("--metrics-port", a->metrics_port,
+                   "Serve GET /metrics (Prometheus text) on this port (0: any free port, named in "
+                   "the METRICS line after READY); off when not given")
+      ->check(CLI::Range(0, 65535));
+  serve
+      ->add_option("--metrics-host", a->metrics_host,
+                   "Address of the metrics endpoint (read-only, no authentication)")
+      ->capture_default_str();
   AddModelOptions(*serve, a->model);
   serve->callback([a, &exit_code] { exit_code = RunServe(*a); });
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvferry/cache_spec.h"
+#include "kvferry/histogram.h"
 #include "kvferry/rank_table.h"
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
@@ -190,16 +191,6 @@ struct LoadError {
   bool recompute = true;
 };
 
-/// Latency distribution: counts per bucket of upper bound 2^k microseconds.
-struct LatencyHistogram {
-  std::uint64_t count = 0;
-  std::uint64_t total_us = 0;
-  std::vector<std::uint64_t> buckets = std::vector<std::uint64_t>(32, 0);
-  void Add(std::chrono::microseconds d);
-  /// The upper bound of the bucket holding quantile q (0..1), in microseconds.
-  std::uint64_t Quantile(double q) const;
-};
-
 struct WorkerStats {
   std::uint64_t bytes_read = 0;
   std::uint64_t reads = 0;        ///< byte ranges read
@@ -216,9 +207,26 @@ struct WorkerStats {
   std::uint64_t early_notices_refused = 0;  ///< past max_early_notices
   std::uint64_t agents_evicted = 0;         ///< past max_agents
   std::uint64_t notices_dropped = 0;        ///< past max_queued_notices
+  /// Side-channel messages the listener answered, by type (finished, abort, lease,
+  /// metadata_request, ...).
+  std::map<std::string, std::uint64_t> notices_received;
   std::uint64_t loads_outstanding = 0;
+  /// Loads that ended done, from start to the last read (decode side).
   LatencyHistogram transfer_latency;
+  /// Handshakes with a prefill rank: metadata request, descriptor, data-plane connect.
   LatencyHistogram handshake_latency;
+  /// The data plane's own counters (Transport::Stats), read when the stats are taken.
+  TransportStats transport;
+};
+
+/// One worker's stats and the labels that tell its series apart from other workers'
+/// (kvferry/metrics.h turns a set of them into Prometheus text).
+struct WorkerMetrics {
+  std::string engine_id;
+  Role role = Role::kPrefill;
+  int dp_rank = 0;
+  int tp_rank = 0;  ///< from the rank table when one is configured
+  WorkerStats stats;
 };
 
 class WorkerImpl;
@@ -248,7 +256,11 @@ class Worker {
   /// NotFound when this worker has no such load (it already ended, or never started).
   Status AbortLoad(const std::string& request_id, const std::string& reason);
 
+  /// A snapshot of the counters, gauges and latency histograms; thread-safe, cheap enough to
+  /// call every second (copies two histograms of about 18 KiB each).
   WorkerStats Stats() const;
+  /// Stats() with this worker's identity, for exporters (kvferry/metrics.h).
+  WorkerMetrics Metrics() const;
   /// "tcp://host:port" of this worker's side-channel listener.
   const std::string& listener_endpoint() const;
 

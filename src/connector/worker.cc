@@ -18,26 +18,6 @@
 
 namespace kvferry {
 
-void LatencyHistogram::Add(std::chrono::microseconds d) {
-  const auto us = static_cast<std::uint64_t>(std::max<std::int64_t>(d.count(), 0));
-  ++count;
-  total_us += us;
-  std::size_t b = 0;
-  while (b + 1 < buckets.size() && (std::uint64_t{1} << b) < us) ++b;
-  ++buckets[b];
-}
-
-std::uint64_t LatencyHistogram::Quantile(double q) const {
-  if (count == 0) return 0;
-  const auto want = static_cast<std::uint64_t>(q * static_cast<double>(count));
-  std::uint64_t seen = 0;
-  for (std::size_t b = 0; b < buckets.size(); ++b) {
-    seen += buckets[b];
-    if (seen > want) return std::uint64_t{1} << b;
-  }
-  return std::uint64_t{1} << (buckets.size() - 1);
-}
-
 namespace {
 
 constexpr const char* kTransportKind = "kvferry";
@@ -88,6 +68,10 @@ class WorkerImpl {
   std::vector<LoadError> TakeLoadErrors();
   Status AbortLoad(const std::string& request_id, const std::string& reason);
   WorkerStats Stats() const;
+  WorkerMetrics Metrics() const {
+    return {self_.engine_id, cfg_.role, static_cast<int>(self_.dp_rank),
+            static_cast<int>(self_.tp_rank), Stats()};
+  }
   const std::string& endpoint() const { return listener_->endpoint(); }
 
  private:
@@ -170,6 +154,7 @@ Status Worker::AbortLoad(const std::string& request_id, const std::string& reaso
   return impl_->AbortLoad(request_id, reason);
 }
 WorkerStats Worker::Stats() const { return impl_->Stats(); }
+WorkerMetrics Worker::Metrics() const { return impl_->Metrics(); }
 const std::string& Worker::listener_endpoint() const { return impl_->endpoint(); }
 
 Status WorkerImpl::Init() {
@@ -311,6 +296,7 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
 
 wire::Message WorkerImpl::Handle(const wire::Message& request) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.notices_received[wire::MessageTypeName(request)];
   if (std::holds_alternative<wire::MetadataRequest>(request)) {
     if (!metadata_) {
       return wire::ErrorReply{StatusCode::kUnavailable,
@@ -435,8 +421,11 @@ Status WorkerImpl::AbortedLocked(const std::string& request_id) const {
 }
 
 WorkerStats WorkerImpl::Stats() const {
+  // The transport's counters are its own (thread-safe); read outside mu_.
+  const TransportStats transport = transport_ != nullptr ? transport_->Stats() : TransportStats{};
   std::lock_guard<std::mutex> lock(mu_);
   WorkerStats s = stats_;
+  s.transport = transport;
   s.holds_outstanding = holds_.holds();
   s.holds_released_by_readers = holds_.released_by_readers();
   s.holds_released_by_abort = holds_.released_by_abort();

@@ -178,6 +178,7 @@ void Instance::Submit(EngineRequest request) {
   r->result.request_id = request.request_id;
   r->request = std::move(request);
   waiting_.push_back(std::move(r));
+  PublishGauges();
 }
 
 void Instance::Abort(const std::string& request_id) {
@@ -192,6 +193,7 @@ void Instance::Abort(const std::string& request_id) {
     aborted_now_.push_back((*waiting)->result);
     waiting_.erase(waiting);
     ++aborted_;
+    PublishGauges();
     return;
   }
   auto running = running_.find(request_id);
@@ -349,7 +351,45 @@ std::vector<EngineResult> Instance::Step() {
   } else {
     StepDecode(out);
   }
+  PublishGauges();
   return out;
+}
+
+void Instance::PublishGauges() {
+  in_flight_.store(waiting_.size() + running_.size(), std::memory_order_relaxed);
+  blocks_allocated_.store(allocator_->used_blocks(), std::memory_order_relaxed);
+}
+
+std::vector<WorkerMetrics> Instance::ConnectorMetrics() const {
+  // workers_ is fixed once Create returns, and Worker is thread-safe.
+  std::vector<WorkerMetrics> out;
+  out.reserve(workers_.size());
+  for (const auto& w : workers_) out.push_back(w->Metrics());
+  return out;
+}
+
+std::vector<ExtraMetric> Instance::EngineMetrics() const {
+  const std::vector<std::pair<std::string, std::string>> id = {
+      {"engine_id", config_.engine_id},
+      {"role", RoleName(config_.role)},
+      {"dp_rank", std::to_string(config_.dp_rank)}};
+  auto with = [&](const char* outcome) {
+    auto labels = id;
+    labels.emplace_back("outcome", outcome);
+    return labels;
+  };
+  const char* requests_help = "Requests this engine instance ended, by outcome";
+  return {{"kvferry_requests_in_flight", "Requests submitted to this engine instance and not ended",
+           MetricType::kGauge, id, static_cast<double>(in_flight_.load(std::memory_order_relaxed))},
+          {"kvferry_requests_total", requests_help, MetricType::kCounter, with("done"),
+           static_cast<double>(done_.load(std::memory_order_relaxed))},
+          {"kvferry_requests_total", requests_help, MetricType::kCounter, with("failed"),
+           static_cast<double>(failed_.load(std::memory_order_relaxed))},
+          {"kvferry_requests_total", requests_help, MetricType::kCounter, with("aborted"),
+           static_cast<double>(aborted_.load(std::memory_order_relaxed))},
+          {"kvferry_blocks_allocated", "KV blocks allocated (running, held or in the prefix cache)",
+           MetricType::kGauge, id,
+           static_cast<double>(blocks_allocated_.load(std::memory_order_relaxed))}};
 }
 
 void Instance::StepPrefill(std::vector<EngineResult>& out) {
@@ -509,16 +549,15 @@ InstanceStats Instance::Stats() const {
   LatencyHistogram transfers;
   for (const auto& w : workers_) {
     const WorkerStats ws = w->Stats();
-    transfers.count += ws.transfer_latency.count;
-    for (std::size_t b = 0; b < transfers.buckets.size(); ++b) {
-      transfers.buckets[b] += ws.transfer_latency.buckets[b];
-    }
+    transfers.Merge(ws.transfer_latency);
     s.holds += ws.holds_outstanding;
     s.loads_outstanding += ws.loads_outstanding;
     s.bytes_read += ws.bytes_read;
   }
   s.transfer_p50_us = transfers.Quantile(0.5);
+  s.transfer_p90_us = transfers.Quantile(0.9);
   s.transfer_p99_us = transfers.Quantile(0.99);
+  s.transfer_max_us = transfers.max_us();
   s.requests_done = done_;
   s.requests_failed = failed_;
   s.requests_aborted = aborted_;

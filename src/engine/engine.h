@@ -4,6 +4,7 @@
 // dim), so the decode side can verify every byte it receives.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "kvferry/connector.h"
+#include "kvferry/metrics.h"
 
 namespace kvferry::engine {
 
@@ -88,9 +90,12 @@ struct InstanceStats {
   std::uint64_t requests_done = 0;
   std::uint64_t requests_failed = 0;
   std::uint64_t requests_aborted = 0;
-  /// The connector's own transfer latency over all TP ranks (bucket upper bounds, µs).
+  /// The connector's own transfer latency over all TP ranks, µs (LatencyHistogram: quantiles
+  /// within 1.6 % above the true value, max exact).
   std::uint64_t transfer_p50_us = 0;
+  std::uint64_t transfer_p90_us = 0;
   std::uint64_t transfer_p99_us = 0;
+  std::uint64_t transfer_max_us = 0;
 };
 
 /// One engine instance: TP workers (each with its own cache), one scheduler. Single-threaded:
@@ -111,6 +116,12 @@ class Instance {
   /// One engine step; returns the requests that finished in it.
   std::vector<EngineResult> Step();
   InstanceStats Stats() const;
+  /// The connector's metrics of every TP worker, and the engine's own as extra samples
+  /// (kvferry_requests_in_flight, kvferry_requests_total{outcome}, kvferry_blocks_allocated), as
+  /// of the last Submit, Abort or Step. Unlike the rest of Instance, safe to call from any thread
+  /// while another one runs the engine: the metrics server of `kvferry serve` does.
+  std::vector<WorkerMetrics> ConnectorMetrics() const;
+  std::vector<ExtraMetric> EngineMetrics() const;
   const CacheSpec& spec(int rank) const;
   bool Idle() const;
 
@@ -141,6 +152,7 @@ class Instance {
   void FreeBlocks(const std::vector<std::int64_t>& blocks);
   Result<std::vector<std::int64_t>> AllocateEvicting(std::size_t n);
   void AddToPrefixCache(const Running& r);
+  void PublishGauges();
 
   InstanceConfig config_;
   std::vector<CacheSpec> specs_;
@@ -158,9 +170,13 @@ class Instance {
   std::list<std::uint64_t> lru_;
   std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> lru_pos_;
   std::vector<EngineResult> aborted_now_;  // ended by Abort, returned by the next Step
-  std::uint64_t done_ = 0;
-  std::uint64_t failed_ = 0;
-  std::uint64_t aborted_ = 0;
+  // Written by the engine thread, read by EngineMetrics from any thread: relaxed atomics, each
+  // value independent of the others (no paired operation).
+  std::atomic<std::uint64_t> done_{0};
+  std::atomic<std::uint64_t> failed_{0};
+  std::atomic<std::uint64_t> aborted_{0};
+  std::atomic<std::uint64_t> in_flight_{0};
+  std::atomic<std::int64_t> blocks_allocated_{0};
 };
 
 /// Chain hashes of a prompt's positions: hash[t] covers tokens[0..t].

@@ -115,6 +115,19 @@ def test_transfer_between_two_processes_and_failure_reporting():
                     np.testing.assert_array_equal(caches[l][p][local[i]], expected_block(l, p, remote))
         assert peer.stdout.readline().strip() == "freed req-1"
         assert worker.stats()["bytes_read"] == LAYERS * 2 * 4 * TOKENS * HEADS * DIM * 4
+        # The metrics snapshot (issue 16): the same load, with its latency distribution.
+        m = worker.metrics()
+        assert (m["engine_id"], m["role"], m["tp_rank"]) == ("py-decode", "decode", 0)
+        assert m["loads_done"] == 1 and m["handshakes"] == 1
+        assert m["bytes_read"] == worker.stats()["bytes_read"]
+        t = m["transfer_latency"]
+        assert t["count"] == 1 and t["buckets"][-1] == (None, 1)
+        assert t["min_us"] <= t["p50_us"] <= t["p99_us"] <= t["max_us"]
+        assert m["transport"]["bytes_read"] >= m["bytes_read"]
+        text = worker.metrics_text()
+        assert "# TYPE kvferry_transfer_latency_seconds histogram" in text
+        assert 'kvferry_loads_total{engine_id="py-decode",role="decode",dp_rank="0",tp_rank="0",' \
+            'outcome="done"} 1' in text
 
         # The prefill process dies: the next load fails, reported with its block ids.
         peer.kill()
