@@ -168,6 +168,9 @@ class Connection {
     if (!fd_.valid()) {
       Status s = Reconnect();
       if (!s.ok()) {
+        // Nothing was left to reconnect for: requests queued since then wait for the next Step,
+        // which reconnects for them; failing them with this status would fail healthy batches.
+        if (s.code() == StatusCode::kCancelled) return;
         FailAll(s);
         return;
       }
