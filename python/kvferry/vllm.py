@@ -251,7 +251,6 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._stats_reported: dict = {}
         self._load_blocks_next: dict[str, list[int]] = {}  # scheduler: host mode, this step
         self._saves_pending: dict[str, tuple[Any, list[int]]] = {}  # scheduler: host mode
-        self._unsaved: set[str] = set()  # scheduler: finished before their save was shipped
         self._device_caches: Optional[dict] = None  # worker, host mode: vLLM's device caches
         self._host_caches: Optional[dict] = None  # worker, host mode: their host mirrors
         self._copy_blocks: Any = None  # worker, host mode: vLLM's copy_kv_blocks
@@ -366,7 +365,6 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         rid = str(_get(request, "request_id"))
         self._warned.discard(rid)
-        self._load_blocks_next.pop(rid, None)
         if self._saves_pending.pop(rid, None) is not None:
             # Host-buffer mode: finished before the step completing its prompt, so its blocks
             # never reached the host mirrors; offering them would serve stale bytes.
