@@ -11,6 +11,10 @@ ranks (TP/DP ranks come from vLLM's parallel state, cache geometry from the tens
                            "kv_connector_extra_config": {"base_port": 5557, "host": "10.0.0.1",
                                                          "secret": "...", "transport": "auto"}}'
 
+With caches in device memory add "kv_buffer_device": "cpu" (host-buffer mode, as NixlConnector:
+kvferry moves host mirrors of the caches; vLLM's copy ops from set_host_xfer_buffer_ops move
+blocks device->host when a prefill completes and host->device before a load is reported).
+
 The class subclasses KVConnectorBase_V1 when vLLM is importable; without vLLM it works
 standalone (the tests drive it as vLLM's scheduler and one-process-per-rank workers do). Extra
 settings come from kv_connector_extra_config, then from the reference connector's environment

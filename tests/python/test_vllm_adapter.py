@@ -298,6 +298,7 @@ def test_geometry_read_from_shape_and_strides():
     # Logical blocks of 8 tokens over kernel blocks of 4: 16 kernel blocks are 8 logical ones.
     big = geometry_of(fa_nhd, block_size=2 * BS)
     assert (big.num_blocks, big.tokens_per_block) == (NB // 2, 2 * BS)
+    assert big.kernel_blocks_per_block == 2 and geometry_of(fa_nhd).kernel_blocks_per_block == 1
     main = geometry_of(fa_main_nhd)
     assert (main.layout, main.num_blocks, main.block_strides[0]) == (
         "token_major", NB, 2 * BS * HEADS * DIM * 4)
@@ -762,3 +763,24 @@ def test_host_buffer_mode_failing_device_to_host_copy_raises_rather_than_serving
     p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         p_work.wait_for_save()
+
+
+def test_host_buffer_mode_copies_kernel_blocks_when_they_are_smaller():
+    # vLLM's copy ops take the tensors' (kernel) block ids, as NixlConnector hands them
+    # (_logical_to_kernel_block_ids): logical block b of 2 kernel blocks is kernel 2b, 2b+1.
+    torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
+    cfg = config("kv_producer", free_port(), block_size=2 * BS, buffer_device="cpu")
+    sched = kvferry.vllm.KvferryConnector(cfg, "SCHEDULER")
+    work = kvferry.vllm.KvferryConnector(cfg, "WORKER")
+    arrays, dev = device_caches(torch, fa_nhd, 0, layers=1)
+    ops = CopyOps(1)
+    work.register_kv_caches(dev)
+    work.set_host_xfer_buffer_ops(ops)
+    req = request("k", {"do_remote_decode": True}, 4 * BS, "RUNNING")
+    sched.update_state_after_alloc(req, Blocks([3, 1]), 0)
+    work.bind_connector_metadata(sched.build_connector_meta(None))
+    work.wait_for_save()
+    assert ops.calls == [("d2h", [6, 7, 2, 3])]
+    for b in (6, 7, 2, 3):
+        np.testing.assert_array_equal(block_view(work._host_caches["l0"].numpy(), b),
+                                      dev_block(arrays, "l0", b))
