@@ -11,6 +11,10 @@ ranks (TP/DP ranks come from vLLM's parallel state, cache geometry from the tens
                            "kv_connector_extra_config": {"base_port": 5557, "host": "10.0.0.1",
                                                          "secret": "...", "transport": "auto"}}'
 
+With caches in device memory add "kv_buffer_device": "cpu" (host-buffer mode, as NixlConnector:
+kvferry moves host mirrors of the caches; vLLM's copy ops from set_host_xfer_buffer_ops move
+blocks device->host when a prefill completes and host->device before a load is reported).
+
 The class subclasses KVConnectorBase_V1 when vLLM is importable; without vLLM it works
 standalone (the tests drive it as vLLM's scheduler and one-process-per-rank workers do). Extra
 settings come from kv_connector_extra_config, then from the reference connector's environment
@@ -29,7 +33,7 @@ import os
 from typing import Any, Optional
 
 from . import _kvferry
-from .vllm_layout import read_caches
+from .vllm_layout import host_mirrors, is_host_tensor, read_caches
 
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
@@ -57,11 +61,16 @@ _STAT_COUNTERS = ("bytes_read", "reads", "merged_runs", "loads_done", "loads_fai
 
 class KvferryConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
     """The scheduler's per-step metadata (picklable, shipped to worker processes): the native
-    metadata as bytes, and the requests whose loads vLLM waits for in finished_recving."""
+    metadata as bytes, the requests whose loads vLLM waits for in finished_recving and, for
+    host-buffer mode, each such load's local block ids (`load_blocks`) and the prefill requests
+    whose prompt completes this step with the blocks to copy device->host (`saves`)."""
 
-    def __init__(self, data: bytes = b"", awaited: tuple[str, ...] = ()):
+    def __init__(self, data: bytes = b"", awaited: tuple[str, ...] = (),
+                 load_blocks: Optional[dict] = None, saves: Optional[dict] = None):
         self.data = data
         self.awaited = tuple(awaited)
+        self.load_blocks = dict(load_blocks or {})
+        self.saves = dict(saves or {})
 
 
 class KvferryConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
@@ -165,6 +174,9 @@ class _Settings:
         self.base_port = int(extra.get("base_port", os.environ.get("VLLM_ASCEND_LLMDD_RPC_PORT", 5557)))
         self.secret = extra.get("secret", os.environ.get("KVFERRY_SECRET", ""))
         self.transport = extra.get("transport", "auto")
+        # vLLM's host-buffer mode (NixlConnector's route for memory it cannot reach): device
+        # caches are mirrored in host memory, which kvferry moves; vLLM's copy ops move blocks.
+        self.use_host_buffer = str(_get(ktc, "kv_buffer_device", "") or "") == "cpu"
         # Prefill side: prctl(PR_SET_PTRACER_ANY), so shm works under Yama ptrace_scope=1; it lets
         # every same-user process ptrace this one (docs/transport.md).
         self.shm_permit_any_tracer = str(extra.get("shm_permit_any_tracer", False)).lower() in (
@@ -241,6 +253,12 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._finished_seen: set[str] = set()  # worker: held requests vLLM has finished
         self._load_error_blocks: set[int] = set()
         self._stats_reported: dict = {}
+        self._load_blocks_next: dict[str, list[int]] = {}  # scheduler: host mode, this step
+        self._saves_pending: dict[str, tuple[Any, list[int]]] = {}  # scheduler: host mode
+        self._device_caches: Optional[dict] = None  # worker, host mode: vLLM's device caches
+        self._host_caches: Optional[dict] = None  # worker, host mode: their host mirrors
+        self._copy_blocks: Any = None  # worker, host mode: vLLM's copy_kv_blocks
+        self._load_blocks: dict[str, list[int]] = {}  # worker, host mode: awaited loads' blocks
         if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
                 s.native_role, s.engine_id, s.host, s.base_port, s.dp_rank, s.tp_size,
@@ -286,6 +304,14 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         raw = _get(request, "kv_transfer_params")
+        if (self._settings.use_host_buffer and isinstance(raw, dict)
+                and raw.get("do_remote_decode") is True and not raw.get("do_remote_prefill")):
+            # Host-buffer mode, prefill side (as NixlConnector): its blocks are copied to the
+            # host mirrors in the step that completes its prompt, before request_finished.
+            ids = blocks.get_block_ids()[0] if hasattr(blocks, "get_block_ids") else blocks
+            self._saves_pending[str(_get(request, "request_id"))] = (
+                request, [int(b) for b in ids or ()])
+            return
         if not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
             return
         params = self._params(request)
@@ -301,14 +327,54 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._scheduler.update_state_after_alloc(rid, params, block_ids)
         if num_external_tokens > 0:
             self._awaited_next.append(rid)  # else: a full prefix hit only notifies the prefill side
+            self._load_blocks_next[rid] = block_ids
+
+    def _saves_this_step(self, scheduler_output: Any) -> dict[str, list[int]]:
+        """Host-buffer mode: the prefill requests whose prompt is complete after this step, with
+        all their blocks. A request's later chunks add the blocks vLLM lists in
+        scheduled_cached_reqs.new_block_ids; without a SchedulerOutput every pending request
+        counts as complete (one-step prefill)."""
+        saves: dict[str, list[int]] = {}
+        if not self._saves_pending:
+            return saves
+        scheduled = _get(scheduler_output, "num_scheduled_tokens")
+        cached = _get(scheduler_output, "scheduled_cached_reqs")
+        new_ids: dict[str, list[int]] = {}
+        if cached is not None:
+            for rid, ids in zip(_get(cached, "req_ids") or (), _get(cached, "new_block_ids") or ()):
+                if ids and isinstance(ids[0], (list, tuple)):
+                    ids = ids[0]  # one list per KV cache group: the attention group
+                new_ids[str(rid)] = [int(b) for b in ids or ()]
+        for rid, (req, ids) in list(self._saves_pending.items()):
+            ids.extend(new_ids.get(rid, ()))
+            if isinstance(scheduled, dict):
+                if rid not in scheduled:
+                    continue
+                prompt = _get(req, "prompt_token_ids")
+                count = (len(prompt) if prompt is not None
+                         else int(_get(req, "num_prompt_tokens", 0)))
+                if int(_get(req, "num_computed_tokens", 0) or 0) + int(scheduled[rid]) < count:
+                    continue  # a chunk short of the prompt's end
+            saves[rid] = list(ids)
+            del self._saves_pending[rid]
+        return saves
 
     def build_connector_meta(self, scheduler_output: Any = None) -> KvferryConnectorMetadata:
         awaited, self._awaited_next = self._awaited_next, []
-        return KvferryConnectorMetadata(self._scheduler.build_connector_meta(), tuple(awaited))
+        load_blocks, self._load_blocks_next = self._load_blocks_next, {}
+        saves = self._saves_this_step(scheduler_output)
+        return KvferryConnectorMetadata(self._scheduler.build_connector_meta(), tuple(awaited),
+                                        load_blocks, saves)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         rid = str(_get(request, "request_id"))
         self._warned.discard(rid)
+        if self._saves_pending.pop(rid, None) is not None:
+            # Host-buffer mode: finished before the step completing its prompt, so its blocks
+            # never reached the host mirrors; offering them would serve stale bytes.
+            logger.warning("request %s finished before its prompt was complete; its KV is not "
+                           "offered to a decode instance", rid)
+            return False, None
         raw = _get(request, "kv_transfer_params")
         if not isinstance(raw, dict):
             return False, None
@@ -346,7 +412,11 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             prefer_heads_first = bool(current_platform.is_cpu())
         except Exception:
             pass
-        reg = read_caches(kv_caches, s.block_size, s.total_kv_heads, tp_size, prefer_heads_first,
+        host = kv_caches
+        if s.use_host_buffer and not all(is_host_tensor(c) for c in kv_caches.values()):
+            # vLLM's host-buffer mode: kvferry registers host mirrors of the device caches.
+            host = host_mirrors(kv_caches)
+        reg = read_caches(host, s.block_size, s.total_kv_heads, tp_size, prefer_heads_first,
                           s.mla_split)
         spec = _kvferry.CacheSpec.create(reg.kind, len(reg.bases), reg.parts, reg.num_blocks,
                                          reg.tokens_per_block, reg.dtype, reg.layout, tp_size,
@@ -365,12 +435,38 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._worker = worker
         self._spec = spec
         self._registration = reg
+        if host is not kv_caches:
+            self._device_caches, self._host_caches = dict(kv_caches), host
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        """vLLM's block copy ops (copy_kv_blocks(src_caches, dst_caches, src_block_ids,
+        dst_block_ids, direction), direction "d2h" or "h2d"). Used only in host-buffer mode
+        (kv_buffer_device "cpu" with caches on a device); ignored otherwise, as NixlConnector
+        does."""
+        self._copy_blocks = copy_operation
+
+    def _kernel_block_ids(self, ids: list[int]) -> list[int]:
+        """vLLM's block ids in the tensors' (kernel) blocks, which may be smaller."""
+        ratio = self._registration.kernel_blocks_per_block
+        if ratio == 1:
+            return list(ids)
+        return [b * ratio + i for b in ids for i in range(ratio)]
+
+    def _copy(self, src: dict, dst: dict, ids: list[int], direction: str) -> None:
+        if self._copy_blocks is None:
+            raise _kvferry.InvalidArgumentError(
+                "host-buffer mode (kv_buffer_device \"cpu\") needs vLLM's block copy ops, but "
+                "set_host_xfer_buffer_ops was never called; use a vLLM that calls it")
+        kernel = self._kernel_block_ids(ids)
+        self._copy_blocks(src, dst, kernel, kernel, direction)
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         md = self._connector_metadata
         if self._worker is None or md is None:
             return
         self._awaited.update(getattr(md, "awaited", ()))
+        if self._host_caches is not None:
+            self._load_blocks.update(getattr(md, "load_blocks", {}))
         self._worker.start_load_kv(md.data)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -380,7 +476,17 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         """Pull-based: the decode side reads held blocks; nothing to push per layer."""
 
     def wait_for_save(self) -> None:
-        """Nothing is pushed, so nothing to wait for."""
+        """Nothing is pushed. In host-buffer mode, as NixlConnector's save_kv_to_host: the
+        blocks of each prefill request whose prompt completed in this step are copied device ->
+        host (blocking) before the step ends, so before request_finished offers them. A failing
+        copy raises, as NixlConnector's does: offering the stale host copy would corrupt the
+        decode side."""
+        md = self._connector_metadata
+        if self._host_caches is None or md is None:
+            return
+        for rid, ids in getattr(md, "saves", {}).items():
+            if ids:
+                self._copy(self._device_caches, self._host_caches, ids, "d2h")
 
     def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self._worker is None:
@@ -400,6 +506,8 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             self._finished_seen.clear()
         recv = {r for r in receiving if r in self._awaited}
         self._awaited -= recv
+        if self._host_caches is not None:
+            self._sync_received_to_device(recv, errors)
         for e in errors:
             if e["code"] == "Cancelled":
                 continue  # vLLM finished the request itself: nothing to recompute
@@ -407,6 +515,23 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
                 continue  # a notify-only load: no blocks of vLLM's were involved
             self._load_error_blocks.update(e["block_ids"])
         return (sent or None, recv or None)
+
+    def _sync_received_to_device(self, recv: set[str], errors: list) -> None:
+        """Host-buffer mode: each finished load's blocks go host -> device before the request
+        is reported in finished_recving (NixlConnector's sync_recved_kv_to_device). A load vLLM
+        finished itself (Cancelled) is skipped; a failing copy turns every block of the load
+        into a load error, so vLLM recomputes or fails it by its policy; nothing raises."""
+        cancelled = {e["request_id"] for e in errors if e["code"] == "Cancelled"}
+        for rid in recv:
+            ids = self._load_blocks.pop(rid, None)
+            if not ids or rid in cancelled:
+                continue
+            try:
+                self._copy(self._host_caches, self._device_caches, ids, "h2d")
+            except Exception as e:  # never into vLLM: the blocks are recomputed instead
+                logger.error("request %s: copying its loaded blocks host->device failed (%s: "
+                             "%s); reporting them as load errors", rid, type(e).__name__, e)
+                self._load_error_blocks.update(ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_error_blocks = self._load_error_blocks, set()

@@ -19,9 +19,11 @@ Accepted (see README, "Using kvferry from Python and vLLM"):
     head_dim)``, ``(latent, rope)`` or ``(latent, rope, indexer)`` each
     ``(num_blocks, block_size, dim)`` (vllm-ascend);
   * dtypes fp16, bf16, fp32 and the 1-byte fp8 caches (uint8, int8, float8_e4m3fn, float8_e5m2).
-Refused, naming what was found: tensors not in host memory, ``(num_blocks, 2, ...)`` tensors
-whose kernel blocks are smaller than vLLM's blocks, a fused MLA tensor without the model's kv_lora_rank and
-qk_rope_head_dim or whose width disagrees with them, any other shape or stride pattern.
+Device tensors move through host mirrors when vLLM runs with kv_buffer_device "cpu"
+(``host_mirrors``); without it they are refused naming the device and that way out. Refused too,
+naming what was found: ``(num_blocks, 2, ...)`` tensors whose kernel blocks are smaller than
+vLLM's blocks, a fused MLA tensor without the model's kv_lora_rank and qk_rope_head_dim or whose
+width disagrees with them, any other shape or stride pattern.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Registration:
     layer_names: list[str]  # one name per unique tensor (layers sharing a tensor: the first)
     fields: tuple[int, ...] = ()  # mla_fused: (kv_lora_rank, qk_rope_head_dim)
     block_strides: tuple[int, ...] = ()  # bytes between blocks of a part; () when packed
+    kernel_blocks_per_block: int = 1  # kernel (tensor) blocks in one logical block
 
 
 def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
@@ -97,9 +100,11 @@ def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
 def _check_device(name: str, info: TensorInfo) -> None:
     if not info.device.startswith("cpu"):
         raise _refuse(name, info, (
-            f"the cache is in {info.device} memory, which this kvferry build cannot move "
-            "(transfers would fail later with misleading errors); run vLLM with its CPU backend, "
-            "or use a connector that moves device memory until kvferry does"))
+            f"the cache is in {info.device} memory, which kvferry cannot move directly "
+            "(transfers would fail later with misleading errors); set kv_buffer_device \"cpu\" "
+            "in vLLM's KVTransferConfig (host-buffer mode: kvferry moves host mirrors of the "
+            "cache and vLLM's copy ops move blocks between them and the device), or run vLLM "
+            "with its CPU backend"))
 
 
 def _dtype(name: str, info: TensorInfo) -> tuple[str, str]:
@@ -205,6 +210,38 @@ def _contiguous(info: TensorInfo) -> bool:
     return True
 
 
+def is_host_tensor(t: Any) -> bool:
+    """Whether a tensor (or every part of a per-layer tuple) lives in host memory."""
+    parts = list(t) if isinstance(t, (tuple, list)) else [t]
+    return all(tensor_info(p).device.startswith("cpu") for p in parts)
+
+
+def host_mirrors(kv_caches: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's host-buffer mode (kv_buffer_device "cpu"): a CPU tensor per device tensor with
+    the same shape, strides and dtype, so the mirror's geometry is the device cache's and vLLM's
+    block copy ops (which index blocks, whatever the strides) move whole blocks between them.
+    Layers sharing one device tensor share one mirror. Keys and tuple structure are kept."""
+    import torch  # host-buffer mode runs inside vLLM, which has torch
+
+    made: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+    def mirror(t: Any) -> Any:
+        info = tensor_info(t)
+        key = (info.address, info.shape)
+        if key not in made:
+            made[key] = torch.empty_strided(info.shape, info.strides, dtype=t.dtype,
+                                            device="cpu")
+        return made[key]
+
+    out: dict[str, Any] = {}
+    for name, cache in kv_caches.items():
+        if isinstance(cache, (tuple, list)):
+            out[name] = type(cache)(mirror(t) for t in cache)
+        else:
+            out[name] = mirror(cache)
+    return out
+
+
 def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Optional[int],
                 tp_size: int, prefer_heads_first: bool,
                 mla_split: Optional[tuple[int, int]] = None) -> Registration:
@@ -237,10 +274,10 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
         bases.append(layer_bases)
         names.append(name)
     assert geometry is not None
-    kind, layout, dtype, parts, num_blocks, local_heads, strides = geometry
+    kind, layout, dtype, parts, num_blocks, local_heads, strides, ratio = geometry
     fields = tuple(mla_split) if kind == "mla_fused" and mla_split else ()
     return Registration(kind, layout, dtype, list(parts), num_blocks, block_size, local_heads,
-                        bases, names, fields, tuple(strides))
+                        bases, names, fields, tuple(strides), ratio)
 
 
 def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
@@ -264,7 +301,8 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                                       layout == "head_major")
             model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
             parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
-            return ("mha", layout, dtype, parts, nblocks, heads, ()), layer_bases
+            ratio = kblocks // nblocks
+            return ("mha", layout, dtype, parts, nblocks, heads, (), ratio), layer_bases
         if len(s) == 5 and s[1] == 2:
             local = None
             if total_kv_heads is not None:
@@ -273,7 +311,7 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                 name, first, block_size, local)
             model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
             parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
-            return ("mha", layout, dtype, parts, nblocks, heads, (stride, stride)), layer_bases
+            return ("mha", layout, dtype, parts, nblocks, heads, (stride, stride), 1), layer_bases
         if len(s) == 3:
             return _fused_mla(name, first, block_size, mla_split, suffix, dtype)
         raise _refuse(name, first, "not a KV cache layout kvferry knows (see the README)")
@@ -295,7 +333,7 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                           f"this rank's {local} heads beside it")
         model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
         parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
-        return ("mha", layout, dtype, parts, nb, heads, ()), [i.address for i in infos]
+        return ("mha", layout, dtype, parts, nb, heads, (), 1), [i.address for i in infos]
     if len(infos) in (2, 3) and all(len(i.shape) in (3, 4) for i in infos):
         dims = []
         for info in infos:
@@ -307,7 +345,8 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
         labels = ("latent", "rope", "indexer")
         parts = tuple((labels[i] + suffix, 1, d) for i, d in enumerate(dims))
         kind = "mla" if len(infos) == 2 else "sparse_mla"
-        return (kind, "token_major", dtype, parts, first.shape[0], 1, ()), [i.address for i in infos]
+        geometry = (kind, "token_major", dtype, parts, first.shape[0], 1, (), 1)
+        return geometry, [i.address for i in infos]
     raise _refuse(name, first, f"{len(infos)} parts per layer in a layout kvferry does not know")
 
 
@@ -331,4 +370,5 @@ def _fused_mla(name: str, info: TensorInfo, block_size: int,
         raise _refuse(name, info, "a fused MLA cache must be contiguous")
     nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size, False)
     parts = (("latent_rope" + suffix, 1, lora + rope),)
-    return ("mla_fused", "token_major", dtype, parts, nblocks, 1, ()), [info.address]
+    ratio = info.shape[0] // nblocks
+    return ("mla_fused", "token_major", dtype, parts, nblocks, 1, (), ratio), [info.address]

@@ -18,7 +18,8 @@ from common import free_port
 BS, HEADS, DIM, NB, LAYERS = 4, 2, 8, 16, 2
 
 
-def config(role, port, extra=None, tp=1, heads=HEADS, block_size=BS, policy=None, mla=None):
+def config(role, port, extra=None, tp=1, heads=HEADS, block_size=BS, policy=None, mla=None,
+           buffer_device=None):
     """vLLM's config as connectors read it; `mla` = (kv_lora_rank, qk_rope_head_dim) for an MLA
     model (vLLM reads both from the HF config)."""
     model = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: heads)
@@ -29,6 +30,7 @@ def config(role, port, extra=None, tp=1, heads=HEADS, block_size=BS, policy=None
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
             kv_role=role, engine_id=f"{role}-{port}", kv_load_failure_policy=policy,
+            kv_buffer_device=buffer_device,
             kv_connector_extra_config=dict({"base_port": port}, **(extra or {}))),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0),
         cache_config=SimpleNamespace(block_size=block_size),
@@ -43,6 +45,9 @@ class Blocks:
 
     def get_unhashed_block_ids(self):
         return list(self.ids)
+
+    def get_block_ids(self):
+        return (list(self.ids),)
 
 
 def request(rid, params, prompt_tokens, status="WAITING"):
@@ -293,6 +298,7 @@ def test_geometry_read_from_shape_and_strides():
     # Logical blocks of 8 tokens over kernel blocks of 4: 16 kernel blocks are 8 logical ones.
     big = geometry_of(fa_nhd, block_size=2 * BS)
     assert (big.num_blocks, big.tokens_per_block) == (NB // 2, 2 * BS)
+    assert big.kernel_blocks_per_block == 2 and geometry_of(fa_nhd).kernel_blocks_per_block == 1
     main = geometry_of(fa_main_nhd)
     assert (main.layout, main.num_blocks, main.block_strides[0]) == (
         "token_major", NB, 2 * BS * HEADS * DIM * 4)
@@ -364,8 +370,9 @@ def test_float8_dtypes_are_one_byte_and_told_apart_by_the_hash():
 
 def test_device_tensors_are_refused_at_registration():
     w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
-    with pytest.raises(kvferry.NotSupportedError, match="cuda:0 memory"):
+    with pytest.raises(kvferry.NotSupportedError, match="cuda:0 memory") as e:
         w.register_kv_caches({"l0": DeviceTensor()})
+    assert 'kv_buffer_device "cpu"' in str(e.value)  # the way out
 
 
 def test_replicated_heads_and_head_count_checked_against_the_model():
@@ -532,3 +539,248 @@ def test_finished_req_ids_abort_a_load_in_flight():
         assert d_work.get_finished(set()) == (None, None)  # reported once
     finally:
         silent.close()
+
+
+# ------------------------------------------------ host-buffer mode (kv_buffer_device "cpu")
+
+class CudaDevice:
+    """torch.device("cuda:0") as the adapter reads it."""
+
+    type, index = "cuda", 0
+
+    def __str__(self):
+        return "cuda:0"
+
+
+class FakeCudaTensor:
+    """A device tensor: its bytes live in a torch tensor of their own that kvferry never sees;
+    data_ptr() is an address kvferry cannot read (as device memory is), so registering it
+    instead of the host mirror would fail every transfer."""
+
+    def __init__(self, storage, fake_address):
+        self.storage, self.address = storage, fake_address
+        self.shape, self.dtype, self.device = storage.shape, storage.dtype, CudaDevice()
+
+    def data_ptr(self):
+        return self.address
+
+    def stride(self):
+        return self.storage.stride()
+
+    def element_size(self):
+        return self.storage.element_size()
+
+
+class CopyOps:
+    """vLLM's copy_kv_blocks for these layouts: copies whole blocks between the device tensors
+    and the host mirrors, and records each call; `fail` makes a direction raise."""
+
+    def __init__(self, block_dim, fail=None):
+        self.block_dim, self.fail, self.calls = block_dim, fail, []
+
+    def __call__(self, src_caches, dst_caches, src_ids, dst_ids, direction):
+        import torch
+        self.calls.append((direction, list(src_ids)))
+        if direction == self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        for name, src in src_caches.items():
+            dst = dst_caches[name]
+            src = src.storage if isinstance(src, FakeCudaTensor) else src
+            dst = dst.storage if isinstance(dst, FakeCudaTensor) else dst
+            s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
+            if self.block_dim == 0:
+                dst[d_idx] = src[s_idx]
+            else:
+                dst[:, d_idx] = src[:, s_idx]
+
+
+def device_caches(torch, make, seed_base, layers=LAYERS):
+    arrays = {f"l{i}": make(np.float16) for i in range(layers)}
+    for i, a in enumerate(arrays.values()):
+        fill_random(a, seed_base + i)
+    wrapped = {k: FakeCudaTensor(torch.from_numpy(a), 0x7F0000000000 + (i << 32))
+               for i, (k, a) in enumerate(arrays.items())}
+    return arrays, wrapped
+
+
+def host_mode_pair(make, d_fail=None):
+    torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
+    pport, dport = free_port(), free_port()
+    sides = {}
+    for role, port in (("kv_producer", pport), ("kv_consumer", dport)):
+        cfg = config(role, port, buffer_device="cpu")
+        sides[role] = (kvferry.vllm.KvferryConnector(cfg, "SCHEDULER"),
+                       kvferry.vllm.KvferryConnector(cfg, "WORKER"))
+    block_dim = 0 if make in (fa_main_nhd, fa_main_hnd) else 1
+    p_arrays, p_dev = device_caches(torch, make, 0)
+    d_arrays, d_dev = device_caches(torch, make, 100)
+    p_ops, d_ops = CopyOps(block_dim), CopyOps(block_dim, fail=d_fail)
+    p_work, d_work = sides["kv_producer"][1], sides["kv_consumer"][1]
+    p_work.register_kv_caches(p_dev)  # vLLM's order: register, then hand over the copy ops
+    p_work.set_host_xfer_buffer_ops(p_ops)
+    d_work.register_kv_caches(d_dev)
+    d_work.set_host_xfer_buffer_ops(d_ops)
+    return sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops)
+
+
+def dev_block(arrays, name, block):
+    return block_view(arrays[name], block)
+
+
+@pytest.mark.parametrize("make", [fa_nhd, fa_hnd, fa_main_nhd, fa_main_hnd],
+                         ids=["flash_nhd", "flash_hnd", "flash_main_nhd", "flash_main_hnd"])
+def test_host_buffer_mode_moves_every_byte_between_device_caches(make):
+    sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops) = host_mode_pair(make)
+    (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
+    # Host mirrors: same shape and strides as the device tensors, memory of their own.
+    for name, dev in p_dev.items():
+        mirror = p_work._host_caches[name]
+        assert str(mirror.device) == "cpu"
+        assert (tuple(mirror.shape), mirror.stride()) == (tuple(dev.shape), dev.stride())
+        assert mirror.data_ptr() != dev.storage.data_ptr()
+    assert p_work._registration.bases[0][0] == p_work._host_caches["l0"].data_ptr()
+    remote, local = [12, 13, 3], [5, 6, 7]
+    # Prefill: vLLM allocates and schedules the request; its prompt completes in this step.
+    preq = request("r-1", {"do_remote_decode": True}, 3 * BS, "RUNNING")
+    p_sched.update_state_after_alloc(preq, Blocks(remote), 0)
+    md = p_sched.build_connector_meta(None)
+    assert md.saves == {"r-1": remote}
+    p_work.bind_connector_metadata(md)
+    p_work.start_load_kv(None)
+    assert p_ops.calls == []
+    p_work.wait_for_save()  # end of the forward step: device -> host, blocking
+    assert p_ops.calls == [("d2h", remote)]
+    for name in p_arrays:
+        for b in remote:
+            np.testing.assert_array_equal(block_view(p_work._host_caches[name].numpy(), b),
+                                          dev_block(p_arrays, name, b))
+    p_work.clear_connector_metadata()
+    # Only now (after the step) does vLLM call request_finished, which offers the hold.
+    preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished(preq, remote)
+    assert delay and params["remote_block_ids"] == remote
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    p_work.wait_for_save()
+    assert p_ops.calls == [("d2h", remote)]  # saved once
+    # Decode: the load lands in the host mirrors, then host -> device before finished_recving.
+    dreq = request("d-1", dict(params), 3 * BS)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (3 * BS, True)
+    d_sched.update_state_after_alloc(dreq, Blocks(local), 3 * BS)
+    md = d_sched.build_connector_meta(None)
+    assert md.load_blocks == {"d-1": local} and md.saves == {}
+    d_work.bind_connector_metadata(md)
+    d_work.start_load_kv(None)
+    deadline = time.monotonic() + 10
+    while True:
+        assert time.monotonic() < deadline, "timed out waiting for the load"
+        before = list(d_ops.calls)
+        got = d_work.get_finished(set())[1]
+        if got:
+            break
+        assert before == [] and d_ops.calls == []  # nothing copied before the load is done
+    assert got == {"d-1"}
+    assert d_ops.calls == [("h2d", local)]  # ran inside the call that reported the request
+    assert d_work.get_block_ids_with_load_errors() == set()
+    for name in p_arrays:
+        for r, l in zip(remote, local):
+            np.testing.assert_array_equal(dev_block(d_arrays, name, l),
+                                          dev_block(p_arrays, name, r))
+    sent = poll(lambda: p_work.get_finished({"r-1"})[0], "the prefill side's release")
+    assert sent == {"r-1"}
+
+
+@pytest.mark.parametrize("failure", ["h2d raises", "no copy ops"])
+def test_host_buffer_mode_failed_device_copy_is_a_load_error_not_an_exception(failure):
+    sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops) = host_mode_pair(
+        fa_nhd, d_fail="h2d" if failure == "h2d raises" else None)
+    (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
+    if failure == "no copy ops":
+        d_work.set_host_xfer_buffer_ops(None)
+    remote, local = [2, 3], [9, 10]
+    preq = request("r-2", {"do_remote_decode": True}, 2 * BS, "RUNNING")
+    p_sched.update_state_after_alloc(preq, Blocks(remote), 0)
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    p_work.wait_for_save()
+    preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished(preq, remote)
+    assert delay
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    dreq = request("d-2", dict(params), 2 * BS)
+    d_sched.get_num_new_matched_tokens(dreq, 0)
+    d_sched.update_state_after_alloc(dreq, Blocks(local), 2 * BS)
+    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+    d_work.start_load_kv(None)
+    got = poll(lambda: d_work.get_finished(set())[1], "the load")  # never raises into vLLM
+    assert got == {"d-2"}
+    assert d_work.get_block_ids_with_load_errors() == set(local)
+    for name in d_arrays:  # the device blocks were not touched: vLLM recomputes them
+        for l in local:
+            assert not np.array_equal(dev_block(d_arrays, name, l),
+                                      dev_block(p_arrays, name, remote[local.index(l)]))
+
+
+def test_host_buffer_mode_saves_when_the_last_chunk_runs_and_never_offers_unsaved_blocks():
+    sched = kvferry.vllm.KvferryConnector(config("kv_producer", free_port(),
+                                                 buffer_device="cpu"), "SCHEDULER")
+    # Chunked prefill: 3 blocks of prompt in two steps; the save ships with the last chunk.
+    req = request("c", {"do_remote_decode": True}, 3 * BS, "RUNNING")
+    req.num_computed_tokens = 0
+    sched.update_state_after_alloc(req, Blocks([12]), 0)
+    out = SimpleNamespace(num_scheduled_tokens={"c": BS},
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]))
+    assert sched.build_connector_meta(out).saves == {}
+    req.num_computed_tokens = BS
+    out = SimpleNamespace(num_scheduled_tokens={"c": 2 * BS},
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=["c"],
+                                                                new_block_ids=[([13, 3],)]))
+    assert sched.build_connector_meta(out).saves == {"c": [12, 13, 3]}
+    req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert sched.request_finished(req, [12, 13, 3])[0] is True
+    # Finished before its last chunk ran: its blocks never reached the host, so no hold.
+    early = request("e", {"do_remote_decode": True}, 3 * BS, "RUNNING")
+    early.num_computed_tokens = 0
+    sched.update_state_after_alloc(early, Blocks([4]), 0)
+    out = SimpleNamespace(num_scheduled_tokens={"e": BS},
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]))
+    assert sched.build_connector_meta(out).saves == {}
+    early.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert sched.request_finished(early, [4]) == (False, None)
+    # Without kv_buffer_device "cpu" nothing is saved.
+    plain = kvferry.vllm.KvferryConnector(config("kv_producer", free_port()), "SCHEDULER")
+    plain.update_state_after_alloc(request("x", {"do_remote_decode": True}, BS), Blocks([1]), 0)
+    assert plain.build_connector_meta(None).saves == {}
+
+
+def test_host_buffer_mode_failing_device_to_host_copy_raises_rather_than_serving_stale_bytes():
+    sides, (p_arrays, p_dev, p_ops), _ = host_mode_pair(fa_nhd)
+    p_sched, p_work = sides["kv_producer"]
+    p_ops.fail = "d2h"
+    req = request("s", {"do_remote_decode": True}, BS, "RUNNING")
+    p_sched.update_state_after_alloc(req, Blocks([3]), 0)
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        p_work.wait_for_save()
+
+
+def test_host_buffer_mode_copies_kernel_blocks_when_they_are_smaller():
+    # vLLM's copy ops take the tensors' (kernel) block ids, as NixlConnector hands them
+    # (_logical_to_kernel_block_ids): logical block b of 2 kernel blocks is kernel 2b, 2b+1.
+    torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
+    cfg = config("kv_producer", free_port(), block_size=2 * BS, buffer_device="cpu")
+    sched = kvferry.vllm.KvferryConnector(cfg, "SCHEDULER")
+    work = kvferry.vllm.KvferryConnector(cfg, "WORKER")
+    arrays, dev = device_caches(torch, fa_nhd, 0, layers=1)
+    ops = CopyOps(1)
+    work.register_kv_caches(dev)
+    work.set_host_xfer_buffer_ops(ops)
+    req = request("k", {"do_remote_decode": True}, 4 * BS, "RUNNING")
+    sched.update_state_after_alloc(req, Blocks([3, 1]), 0)
+    work.bind_connector_metadata(sched.build_connector_meta(None))
+    work.wait_for_save()
+    assert ops.calls == [("d2h", [6, 7, 2, 3])]
+    for b in (6, 7, 2, 3):
+        np.testing.assert_array_equal(block_view(work._host_caches["l0"].numpy(), b),
+                                      dev_block(arrays, "l0", b))

@@ -160,3 +160,21 @@ def test_load_failure_reported_as_invalid_blocks_with_the_policy(ranks, policy):
         run_until([decode], lambda: "req-f" not in decode.requests, "its blocks to be freed")
     assert [(e[0], e[1]) for e in decode.load_errors] == [("req-f", "InvalidArgument")]
     check_every_byte(g, decode, [])
+
+
+@pytest.mark.parametrize("backend, p_tp, d_tp", [("flash_attn_hnd", 2, 1), ("mla", 1, 2)],
+                         ids=["mha_hnd_tp2to1", "mla_tp1to2"])
+def test_host_buffer_mode_moves_every_byte_between_device_caches(ranks, backend, p_tp, d_tp):
+    # kv_buffer_device "cpu": kvferry moves host mirrors; vLLM's copy ops move the blocks
+    # device -> host in the prefill step and host -> device before finished_recving.
+    g = geometry(backend, "float16", 4 if backend != "mla" else 1, host_buffer=True)
+    prefill, decode = pair(ranks, g, p_tp, d_tp)
+    pairs = disaggregated(prefill, decode)
+    check_every_byte(g, decode, pairs)  # the decode ranks' device tensors
+    assert decode.load_errors == []
+    remote = [r for r, _ in pairs]
+    local = [l for _, l in pairs]
+    for calls in prefill.copies():
+        assert calls == [("d2h", remote)]
+    for calls in decode.copies():
+        assert calls == [("h2d", local)]

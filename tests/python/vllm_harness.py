@@ -217,6 +217,55 @@ def build_cache(torch, g: dict, tp: int, rank: int):
     return tensor, canon
 
 
+# ----------------------------------------------------------------------------- host-buffer mode
+
+
+class _CudaDevice:
+    """torch.device("cuda:0") as the connector reads it."""
+
+    type, index = "cuda", 0
+
+    def __str__(self) -> str:
+        return "cuda:0"
+
+
+class DeviceTensor:
+    """A cache tensor in "device" memory (g["host_buffer"]): its bytes live in a torch tensor of
+    their own, and data_ptr() is an address kvferry cannot read, as device memory is."""
+
+    def __init__(self, storage, address: int):
+        self.storage, self.address = storage, address
+        self.shape, self.dtype, self.device = storage.shape, storage.dtype, _CudaDevice()
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def stride(self):
+        return self.storage.stride()
+
+    def element_size(self) -> int:
+        return self.storage.element_size()
+
+
+def copy_kv_blocks_for(torch, kind: str, calls: list):
+    """vLLM's copy_kv_blocks(src_caches, dst_caches, src_block_ids, dst_block_ids, direction)
+    for this backend's tensors: whole blocks, indexed on the block dim; records each call."""
+    block_dim = 1 if kind in ("kv_first", "cpu") else 0
+
+    def copy(src_caches, dst_caches, src_ids, dst_ids, direction):
+        calls.append((direction, list(src_ids)))
+        for name, src in src_caches.items():
+            dst = dst_caches[name]
+            src = src.storage if isinstance(src, DeviceTensor) else src
+            dst = dst.storage if isinstance(dst, DeviceTensor) else dst
+            s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
+            if block_dim == 0:
+                dst[d_idx] = src[s_idx]
+            else:
+                dst[:, d_idx] = src[:, s_idx]
+    return copy
+
+
 # ----------------------------------------------------------------------------- worker processes
 
 
@@ -247,7 +296,8 @@ def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = 
     return types.SimpleNamespace(
         kv_transfer_config=types.SimpleNamespace(
             kv_role=role, engine_id=f"{role}-{port}", kv_connector_extra_config=kv_extra,
-            kv_load_failure_policy=g.get("policy", "recompute")),
+            kv_load_failure_policy=g.get("policy", "recompute"),
+            kv_buffer_device="cpu" if g.get("host_buffer") else "cuda"),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0),
         cache_config=types.SimpleNamespace(block_size=g["block_size"]),
         model_config=model)
@@ -283,9 +333,15 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                             first, n = local_heads(g["heads"], tp, rank)
                             full = full[:, :, :, first:first + n]
                         canon.copy_(torch.from_numpy(np.ascontiguousarray(full)))
+                    if g.get("host_buffer"):  # the canonical view stays on the "device"
+                        tensor = DeviceTensor(tensor, 0x7F0000000000 + (layer << 32))
                     caches[f"model.layers.{layer}.self_attn.attn"] = tensor
                     views.append(canon)
                 c.register_kv_caches(caches)
+                copies: list = []
+                if g.get("host_buffer"):  # the model runner's order: then the copy ops
+                    c.set_host_xfer_buffer_ops(
+                        copy_kv_blocks_for(torch, BACKENDS[g["backend"]][0], copies))
                 errors: list = []
                 native = c._worker
 
@@ -299,7 +355,8 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                         return got
 
                 c._worker = Recorder()
-                state.update(connector=c, views=views, errors=errors, caches=caches)
+                state.update(connector=c, views=views, errors=errors, caches=caches,
+                             copies=copies)
                 conn.send(("ok", None))
             elif cmd == "step":  # the model runner's order (kv_connector_model_runner_mixin)
                 c = state["connector"]
@@ -313,6 +370,8 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                 reported = list(state["errors"])
                 state["errors"].clear()
                 conn.send(("ok", (set(sending or ()), set(recving or ()), set(invalid), reported)))
+            elif cmd == "copies":
+                conn.send(("ok", list(state["copies"])))
             elif cmd == "read":
                 conn.send(("ok", [v.numpy().copy() for v in state["views"]]))
             else:
@@ -453,9 +512,9 @@ class Instance:
             if req.num_computed_tokens == 0 and req.request_id not in self.blocks:
                 ext, load_async = self.connector.get_num_new_matched_tokens(req, 0)
                 new = self._allocate(req, req.num_prompt_tokens)
+                # vLLM hands the request's blocks (kv_cache_manager.get_blocks): all new here.
                 self.connector.update_state_after_alloc(
-                    req, KVCacheBlocks([KVCacheBlock(b) for b in new]) if ext else
-                    KVCacheBlocks([]), ext)
+                    req, KVCacheBlocks([KVCacheBlock(b) for b in new]), ext)
                 if load_async:
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     continue
@@ -522,6 +581,12 @@ class Instance:
             self.failed_recving_kv_req_ids.add(rid)
             req.num_computed_tokens = bad[0] * self.bs
         return failed
+
+    def copies(self) -> list[list[tuple]]:
+        """Every rank's host-buffer copy op calls, (direction, block ids)."""
+        for proc in self.ranks:
+            proc.send("copies")
+        return [proc.recv() for proc in self.ranks]
 
     def read(self) -> list[list[np.ndarray]]:
         """Every rank's caches as [rank][layer] canonical byte arrays."""
