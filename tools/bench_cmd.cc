@@ -228,10 +228,14 @@ double PlainTcpStream(double min_seconds) {
 Status MeasureBackend(const BenchArgs& a, const std::string& backend,
                       std::vector<Measurement>* out) {
   const std::uint64_t pool = a.pool_mib << 20;
-  std::vector<std::string> argv = {SelfExe(),   "bench",
-                                   "peer",      "--backend",
-                                   backend,     "--bytes",
-                                   std::to_string(pool), "--connections",
+  std::vector<std::string> argv = {SelfExe(),
+                                   "bench",
+                                   "peer",
+                                   "--backend",
+                                   backend,
+                                   "--bytes",
+                                   std::to_string(pool),
+                                   "--connections",
                                    std::to_string(a.connections)};
   for (const std::string& arg : TransportOptArgv(a.transport_opts)) argv.push_back(arg);
   KVFERRY_ASSIGN_OR_RETURN(Subprocess peer, Subprocess::Spawn(argv));

@@ -96,8 +96,8 @@ struct TransportOptions {
   /// are told is `tcp_advertise_host` (default: the bind address; required when binding to
   /// 0.0.0.0 or ::).
   std::string tcp_bind_host = "127.0.0.1";  ///< tcp.bind_host
-  std::uint16_t tcp_port = 0;                ///< tcp.port
-  std::string tcp_advertise_host;            ///< tcp.advertise_host
+  std::uint16_t tcp_port = 0;               ///< tcp.port
+  std::string tcp_advertise_host;           ///< tcp.advertise_host
   /// Shared secret for tcp connections (challenge-response HMAC-SHA-256 both ways). Empty: the
   /// server accepts loopback clients only.
   std::string secret;
@@ -127,11 +127,11 @@ struct TransportOptions {
   /// `tcp_send_stall_timeout`, is closed; at most `tcp_max_connections` are open at once, and at
   /// most `tcp_max_connections_per_source` from one client address. Past a cap a new connection
   /// is closed at once, and existing ones are not disturbed.
-  std::chrono::milliseconds tcp_handshake_timeout{3000};   ///< tcp.handshake_timeout_ms
+  std::chrono::milliseconds tcp_handshake_timeout{3000};    ///< tcp.handshake_timeout_ms
   std::chrono::milliseconds tcp_idle_timeout{120000};       ///< tcp.idle_timeout_ms
   std::chrono::milliseconds tcp_send_stall_timeout{10000};  ///< tcp.send_stall_timeout_ms
   std::size_t tcp_max_connections = 512;                    ///< tcp.max_connections
-  std::size_t tcp_max_connections_per_source = 128;  ///< tcp.max_connections_per_source
+  std::size_t tcp_max_connections_per_source = 128;         ///< tcp.max_connections_per_source
 };
 
 /// Counters for one transport. Monotonic; safe to read at any time.

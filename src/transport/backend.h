@@ -59,8 +59,7 @@ class Backend {
   /// Connects to `peer` (CanReach said OK), or says why not: Unavailable (unreachable,
   /// refused read), PeerDisconnected (the process is gone or replaced), Unauthenticated (the peer
   /// refused us; final, no other backend is tried).
-  virtual Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer,
-                                                       Deadline deadline) = 0;
+  virtual Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) = 0;
 
   /// Whether this backend can read memory of kind `remote` (a peer's region) into memory of kind
   /// `local` (this process's region).
@@ -91,8 +90,7 @@ struct BackendFactory {
   std::string name;
   /// Checks ctx.options and ctx.own_options without creating anything: InvalidArgument naming
   /// the key ("tcp.connections") for an unknown option or a bad value.
-  Status (*check)(const TransportOptions& options, const TransportOptionMap& own_options) =
-      nullptr;
+  Status (*check)(const TransportOptions& options, const TransportOptionMap& own_options) = nullptr;
   /// Creates the backend, starting its servers and threads.
   Result<std::unique_ptr<Backend>> (*create)(const BackendContext& ctx) = nullptr;
 };

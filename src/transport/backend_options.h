@@ -24,8 +24,7 @@ class BackendOptionReader {
 
   Status ReadString(std::string_view key, std::string* value);
   /// An unsigned decimal integer in [min, max].
-  Status ReadUint(std::string_view key, std::uint64_t min, std::uint64_t max,
-                  std::uint64_t* value);
+  Status ReadUint(std::string_view key, std::uint64_t min, std::uint64_t max, std::uint64_t* value);
   /// "true"/"false"/"1"/"0".
   Status ReadBool(std::string_view key, bool* value);
   /// Milliseconds, an unsigned decimal integer in [min_ms, max_ms].

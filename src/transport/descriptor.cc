@@ -92,8 +92,9 @@ Result<RemoteRegion> DecodeRegion(const msgpack::object& r, const std::string& a
   const msgpack::object* f = r.via.array.ptr;
   for (std::uint32_t k : {0u, 1u, 2u, 4u}) {
     if (f[k].type != msgpack::type::POSITIVE_INTEGER) {
-      return Status::InvalidArgument(at + ": expected non-negative integers for id, address, "
-                                          "length and device");
+      return Status::InvalidArgument(at +
+                                     ": expected non-negative integers for id, address, "
+                                     "length and device");
     }
   }
   if (f[3].type != msgpack::type::STR) {
@@ -160,10 +161,9 @@ Result<PeerDescriptor> DecodeDescriptor(std::span<const std::uint8_t> bytes) {
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* backends, m.Require("backends"));
   KVFERRY_ASSIGN_OR_RETURN(wire::MapView bm, wire::MapView::Of(*backends, m.At("backends")));
   if (backends->via.map.size > kMaxDescriptorSections) {
-    return Status::InvalidArgument(m.At("backends") + ": " +
-                                   std::to_string(backends->via.map.size) +
-                                   " sections exceed the limit of " +
-                                   std::to_string(kMaxDescriptorSections));
+    return Status::InvalidArgument(
+        m.At("backends") + ": " + std::to_string(backends->via.map.size) +
+        " sections exceed the limit of " + std::to_string(kMaxDescriptorSections));
   }
   for (std::uint32_t i = 0; i < backends->via.map.size; ++i) {
     const msgpack::object& key = backends->via.map.ptr[i].key;

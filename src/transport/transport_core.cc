@@ -98,8 +98,7 @@ TransportCore::~TransportCore() {
   backends_.clear();  // stops their servers while registry_ still exists
 }
 
-Status TransportCore::RegisterMemory(RegionId id, void* addr, std::size_t length,
-                                     MemoryKind kind) {
+Status TransportCore::RegisterMemory(RegionId id, void* addr, std::size_t length, MemoryKind kind) {
   if (!IsValidMemoryKindType(kind.type) || (kind.is_host() && kind.device != 0)) {
     return Status::InvalidArgument("region " + std::to_string(id) + ": memory kind '" +
                                    kind.ToString() +
@@ -128,8 +127,8 @@ Status TransportCore::RegisterMemory(RegionId id, void* addr, std::size_t length
 
 Status TransportCore::DeregisterMemory(RegionId id) {
   // New reads of the region fail from the moment it is unlisted; reads already running against it
-  // are ended now instead of at their deadlines: batches landing in it are cancelled, and the tcp
-  // server drops connections with responses from it queued.
+  // are ended now instead of at their deadlines: batches landing in it are cancelled, and each
+  // backend ends its servers' use of it (tcp drops connections with responses from it queued).
   return registry_.Remove(id, [this](RegionId region) {
     std::vector<std::shared_ptr<Batch>> landing;
     {
@@ -155,8 +154,7 @@ Result<std::vector<std::uint8_t>> TransportCore::Descriptor() {
   return EncodeDescriptor(d);
 }
 
-Result<PeerId> TransportCore::Connect(std::span<const std::uint8_t> descriptor,
-                                      Deadline deadline) {
+Result<PeerId> TransportCore::Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) {
   KVFERRY_ASSIGN_OR_RETURN(PeerDescriptor d, DecodeDescriptor(descriptor));
   std::string reasons;
   std::string refused;  // from backends that could reach the peer but failed to connect
@@ -185,9 +183,8 @@ Result<PeerId> TransportCore::Connect(std::span<const std::uint8_t> descriptor,
     }
     std::lock_guard<std::mutex> lock(mu_);
     const PeerId id = next_peer_++;
-    peers_[id] =
-        PeerRecord{backend.get(), std::move(peer).value(),
-                   std::make_shared<const RemoteRegionTable>(IndexRegions(d.regions))};
+    peers_[id] = PeerRecord{backend.get(), std::move(peer).value(),
+                            std::make_shared<const RemoteRegionTable>(IndexRegions(d.regions))};
     return id;
   }
   return Status::Unavailable("cannot reach the peer with the " + options_.backend +
@@ -218,7 +215,8 @@ Result<std::string> TransportCore::PeerBackend(PeerId peer) {
   return std::string(it->second.backend->name());
 }
 
-Result<BatchId> TransportCore::SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) {
+Result<BatchId> TransportCore::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
+                                           Deadline deadline) {
   std::shared_ptr<BackendPeer> backend_peer;
   Backend* backend = nullptr;
   std::shared_ptr<const RemoteRegionTable> regions;
@@ -272,12 +270,11 @@ Result<BatchId> TransportCore::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
     const MemoryKind& local = pin->kind();
     if (!backend->CanRead(remote, local)) {
       refused_.fetch_add(1);
-      return Status::NotSupported("read " + std::to_string(i) + ": the " + backend->name() +
-                                  " backend cannot read " + remote.ToString() +
-                                  " memory (the peer's region " +
-                                  std::to_string(ops[i].remote_region) + ") into " +
-                                  local.ToString() + " memory (local region " +
-                                  std::to_string(pin->region()) + ")");
+      return Status::NotSupported(
+          "read " + std::to_string(i) + ": the " + backend->name() + " backend cannot read " +
+          remote.ToString() + " memory (the peer's region " + std::to_string(ops[i].remote_region) +
+          ") into " + local.ToString() + " memory (local region " + std::to_string(pin->region()) +
+          ")");
     }
     pins.push_back(std::move(pin).value());
   }

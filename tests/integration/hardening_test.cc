@@ -29,9 +29,9 @@
 #include "sidechannel/zmq_util.h"
 #include "tests/test_timing.h"
 #include "transport/descriptor.h"
-#include "transport/tcp/tcp_section.h"
 #include "transport/tcp/frames.h"
 #include "transport/tcp/socket.h"
+#include "transport/tcp/tcp_section.h"
 #include "wire/messages.h"
 
 namespace kvferry {

@@ -74,7 +74,7 @@ struct Decoded {
   std::vector<std::uint8_t> Encode() const {
     PeerDescriptor d = descriptor;
     d.sections["shm"] = EncodeShmSection(shm);
-    return d.Encode();
+    return EncodeDescriptor(d);
   }
 };
 

@@ -330,15 +330,15 @@ TEST_P(TransportTest, ARemoteRegionOfAKindTheBackendCannotReadIsRefused) {
   EXPECT_EQ(*client_->PeerBackend(*p), GetParam());
   const std::uint64_t refused_before = client_->Stats().requests_refused;
 
-  Result<BatchId> host = client_->SubmitReads(*p, {{local_.data(), 0, 0, 4096}},
-                                              DeadlineAfter(milliseconds(5000)));
+  Result<BatchId> host =
+      client_->SubmitReads(*p, {{local_.data(), 0, 0, 4096}}, DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   EXPECT_EQ(client_->Wait(*host, DeadlineAfter(milliseconds(6000))).state, BatchState::kDone);
   client_->Release(*host);
 
-  Result<BatchId> fake = client_->SubmitReads(
-      *p, {{local_.data(), 0, 0, 4096}, {local_.data() + 4096, 1, 0, 4096}},
-      DeadlineAfter(milliseconds(5000)));
+  Result<BatchId> fake =
+      client_->SubmitReads(*p, {{local_.data(), 0, 0, 4096}, {local_.data() + 4096, 1, 0, 4096}},
+                           DeadlineAfter(milliseconds(5000)));
   ASSERT_FALSE(fake.ok());
   EXPECT_EQ(fake.status().code(), StatusCode::kNotSupported);
   EXPECT_THAT(fake.status().message(), HasSubstr("read 1: the " + GetParam() +
@@ -348,8 +348,7 @@ TEST_P(TransportTest, ARemoteRegionOfAKindTheBackendCannotReadIsRefused) {
   client_->Disconnect(*p);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, TransportTest,
-                         ::testing::ValuesIn(TransportBackendNames()),
+INSTANTIATE_TEST_SUITE_P(Backends, TransportTest, ::testing::ValuesIn(TransportBackendNames()),
                          [](const auto& param_info) { return param_info.param; });
 
 TEST(TcpTransportTest, FrozenPeerIsTimeoutAtTheDeadline) {
@@ -627,9 +626,10 @@ TEST(TransportMemoryKindTest, RegisteringAKindNoBackendUsesIsRefused) {
   const Status fake = t->RegisterMemory(1, mem.data(), 4096, MemoryKind{"fake", 0});
   EXPECT_EQ(fake.code(), StatusCode::kInvalidArgument);
   std::string backends;
-  for (const std::string& n : TransportBackendNames()) backends += (backends.empty() ? "" : ", ") + n;
-  EXPECT_THAT(fake.message(), HasSubstr("fake:0 memory, which no backend of this transport (" +
-                                        backends + ")"));
+  for (const std::string& n : TransportBackendNames())
+    backends += (backends.empty() ? "" : ", ") + n;
+  EXPECT_THAT(fake.message(),
+              HasSubstr("fake:0 memory, which no backend of this transport (" + backends + ")"));
   const Status malformed = t->RegisterMemory(2, mem.data(), 4096, MemoryKind{"Fake!", 0});
   EXPECT_EQ(malformed.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(malformed.message(), HasSubstr("malformed"));

@@ -279,8 +279,7 @@ Status ProveInstance(const ShmPeerState& peer, const ShmProof& proof) {
 
 }  // namespace
 
-Result<ShmOptions> ParseShmOptions(const TransportOptions& options,
-                                   const TransportOptionMap& own) {
+Result<ShmOptions> ParseShmOptions(const TransportOptions& options, const TransportOptionMap& own) {
   ShmOptions o;
   o.permit_any_tracer = options.shm_permit_any_tracer;
   BackendOptionReader r("shm", own);

@@ -24,8 +24,7 @@ struct ShmOptions {
   int threads = 2;
   bool permit_any_tracer = false;
 };
-Result<ShmOptions> ParseShmOptions(const TransportOptions& options,
-                                   const TransportOptionMap& own);
+Result<ShmOptions> ParseShmOptions(const TransportOptions& options, const TransportOptionMap& own);
 
 /// Whether a transport created with `options` calls prctl(PR_SET_PTRACER_ANY): only when it
 /// serves, has the shm backend (backend auto or shm), and shm.permit_any_tracer is set (false

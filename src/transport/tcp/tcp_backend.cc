@@ -459,8 +459,7 @@ class TcpPeer final : public BackendPeer {
 
 }  // namespace
 
-Result<TcpOptions> ParseTcpOptions(const TransportOptions& options,
-                                   const TransportOptionMap& own) {
+Result<TcpOptions> ParseTcpOptions(const TransportOptions& options, const TransportOptionMap& own) {
   TcpOptions o;
   o.client = ClientOptions{options.secret, options.tcp_connections_per_peer,
                            options.max_request_bytes, options.tcp_user_timeout};
@@ -478,16 +477,17 @@ Result<TcpOptions> ParseTcpOptions(const TransportOptions& options,
   o.port = static_cast<std::uint16_t>(port);
   KVFERRY_RETURN_IF_ERROR(r.ReadString("advertise_host", &o.advertise_host));
   auto connections = static_cast<std::uint64_t>(std::max(o.client.connections_per_peer, 0));
-  KVFERRY_RETURN_IF_ERROR(r.ReadUint("connections", 1, 64, &connections));
-  KVFERRY_RETURN_IF_ERROR(r.Require(connections >= 1 && connections <= 64, "connections",
-                                    "1 to 64 connections per peer", std::to_string(connections)));
+  KVFERRY_RETURN_IF_ERROR(r.ReadUint("connections", 1, 1024, &connections));
+  KVFERRY_RETURN_IF_ERROR(r.Require(connections >= 1 && connections <= 1024, "connections",
+                                    "1 to 1024 connections per peer", std::to_string(connections)));
   o.client.connections_per_peer = static_cast<int>(connections);
   KVFERRY_RETURN_IF_ERROR(
       r.ReadUint("max_request_bytes", 1, std::uint64_t{1} << 40, &o.client.max_request_bytes));
   KVFERRY_RETURN_IF_ERROR(r.Require(o.client.max_request_bytes > 0, "max_request_bytes",
                                     "a positive request size", "0"));
   KVFERRY_RETURN_IF_ERROR(r.ReadMillis("user_timeout_ms", 1, kDay, &o.client.user_timeout));
-  KVFERRY_RETURN_IF_ERROR(r.ReadMillis("handshake_timeout_ms", 1, kDay, &o.limits.handshake_timeout));
+  KVFERRY_RETURN_IF_ERROR(
+      r.ReadMillis("handshake_timeout_ms", 1, kDay, &o.limits.handshake_timeout));
   KVFERRY_RETURN_IF_ERROR(r.ReadMillis("idle_timeout_ms", 1, kDay, &o.limits.idle_timeout));
   KVFERRY_RETURN_IF_ERROR(
       r.ReadMillis("send_stall_timeout_ms", 1, kDay, &o.limits.send_stall_timeout));
@@ -512,9 +512,9 @@ Result<std::unique_ptr<TcpBackend>> TcpBackend::Create(TcpOptions options, bool 
                                      "; set tcp.advertise_host (tcp_advertise_host) to the "
                                      "address peers should connect to");
     }
-    KVFERRY_ASSIGN_OR_RETURN(b->server_, TcpServer::Start(regions, o.bind_host, o.port,
-                                                          o.client.secret, &b->counters_,
-                                                          o.limits));
+    KVFERRY_ASSIGN_OR_RETURN(
+        b->server_,
+        TcpServer::Start(regions, o.bind_host, o.port, o.client.secret, &b->counters_, o.limits));
   }
   return b;
 }
@@ -538,9 +538,9 @@ TcpBackend::~TcpBackend() { server_.reset(); }
 
 std::vector<std::uint8_t> TcpBackend::DescriptorSection() {
   if (!server_) return {};
-  return EncodeTcpSection(TcpEndpoint{
-      options_.advertise_host.empty() ? options_.bind_host : options_.advertise_host,
-      server_->port(), server_->instance()});
+  return EncodeTcpSection(
+      TcpEndpoint{options_.advertise_host.empty() ? options_.bind_host : options_.advertise_host,
+                  server_->port(), server_->instance()});
 }
 
 Status TcpBackend::CanReach(const PeerView& peer) {
@@ -559,8 +559,7 @@ void TcpBackend::AddStats(TransportStats* stats) const {
   stats->requests_refused += counters_.refused.load();
 }
 
-Result<std::unique_ptr<BackendPeer>> TcpBackend::Connect(const PeerView& peer,
-                                                         Deadline deadline) {
+Result<std::unique_ptr<BackendPeer>> TcpBackend::Connect(const PeerView& peer, Deadline deadline) {
   KVFERRY_RETURN_IF_ERROR(CanReach(peer));
   KVFERRY_ASSIGN_OR_RETURN(const TcpEndpoint endpoint, DecodeTcpSection(peer.section));
   const ClientOptions& client = options_.client;

@@ -33,8 +33,7 @@ struct TcpOptions {
 };
 /// InvalidArgument naming the key for an unknown key, a value that does not parse or is out of
 /// range, or a serving wildcard bind address without tcp.advertise_host.
-Result<TcpOptions> ParseTcpOptions(const TransportOptions& options,
-                                   const TransportOptionMap& own);
+Result<TcpOptions> ParseTcpOptions(const TransportOptions& options, const TransportOptionMap& own);
 
 class TcpBackend final : public Backend {
  public:

@@ -1,13 +1,13 @@
 #include "transport/descriptor.h"
 
-#include "transport/shm/shm_section.h"
-#include "transport/tcp/tcp_section.h"
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <random>
 #include <set>
+
+#include "transport/shm/shm_section.h"
+#include "transport/tcp/tcp_section.h"
 
 namespace kvferry {
 namespace {
