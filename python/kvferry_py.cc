@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <string>
 #include <tuple>
@@ -16,6 +17,7 @@
 #include "kvferry/metrics.h"
 #include "kvferry/rank_table.h"
 #include "kvferry/status.h"
+#include "kvferry/transport.h"
 
 namespace py = pybind11;
 using namespace kvferry;
@@ -143,6 +145,9 @@ py::dict MetricsDict(const WorkerMetrics& m) {
 }  // namespace
 
 PYBIND11_MODULE(_kvferry, m) {
+  m.def("transport_backends", &TransportBackendNames,
+        "The transport backends of this build, in the order 'auto' tries them; each accepts the "
+        "transport_options '<backend>.<option>' listed in docs/transport.md");
   m.doc() = "kvferry: KV-cache transfer for disaggregated prefill/decode serving";
 
   py::object base = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
@@ -346,7 +351,8 @@ PYBIND11_MODULE(_kvferry, m) {
                        const std::string& rank_table_path, const std::string& server_id,
                        const std::string& visible_devices, int transfer_timeout_ms,
                        int hold_lease_ms, const std::string& failure_policy,
-                       bool shm_permit_any_tracer) {
+                       bool shm_permit_any_tracer,
+                       const std::map<std::string, std::string>& transport_options) {
              WorkerConfig c;
              c.role = Unwrap(ParseRole(role));
              c.engine_id = engine_id;
@@ -356,8 +362,10 @@ PYBIND11_MODULE(_kvferry, m) {
              c.host = host;
              c.base_port = base_port;
              c.secret = secret;
-             c.transport.kind = Unwrap(ParseTransportKind(transport));
+             c.transport.backend = transport;
              c.transport.shm_permit_any_tracer = shm_permit_any_tracer;
+             c.transport.backend_options = transport_options;
+             ThrowIfError(CheckTransportOptions(c.transport));
              if (!rank_table_path.empty()) c.rank_table = Unwrap(RankTable::Load(rank_table_path));
              c.server_id = server_id;
              c.visible_devices = ParseVisibleDevices(visible_devices);
@@ -382,7 +390,8 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("secret") = "", py::arg("transport") = "auto", py::arg("rank_table_path") = "",
            py::arg("server_id") = "", py::arg("visible_devices") = "",
            py::arg("transfer_timeout_ms") = 30000, py::arg("hold_lease_ms") = 120000,
-           py::arg("failure_policy") = "recompute", py::arg("shm_permit_any_tracer") = false)
+           py::arg("failure_policy") = "recompute", py::arg("shm_permit_any_tracer") = false,
+           py::arg("transport_options") = std::map<std::string, std::string>{})
       .def(
           "register_kv_caches",
           [](Worker& w, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases) {

@@ -68,16 +68,19 @@ struct PeerArgs {
   int handshake_timeout_ms = 3000;
   std::size_t max_connections = TransportOptions{}.tcp_max_connections;
   std::size_t max_connections_per_source = TransportOptions{}.tcp_max_connections_per_source;
+  std::vector<std::string> transport_opts;
 };
 
 int RunPeer(const PeerArgs& a) {
-  Result<TransportKind> kind = ParseTransportKind(a.backend);
-  if (!kind.ok() || a.regions < 1 || a.bytes % static_cast<std::uint64_t>(a.regions) != 0) {
-    std::cerr << "kvferry bench peer: bad arguments\n";
+  Result<TransportOptionMap> opts = ParseTransportOpts(a.transport_opts, a.backend);
+  if (!opts.ok() || a.regions < 1 || a.bytes % static_cast<std::uint64_t>(a.regions) != 0) {
+    std::cerr << "kvferry bench peer: bad arguments"
+              << (opts.ok() ? "" : ": " + opts.status().ToString()) << "\n";
     return 2;
   }
   TransportOptions options;
-  options.kind = *kind;
+  options.backend = a.backend;
+  options.backend_options = *opts;
   options.tcp_bind_host = a.host;
   options.tcp_port = a.port;
   options.tcp_connections_per_peer = a.connections;
@@ -121,13 +124,14 @@ int RunPeer(const PeerArgs& a) {
 // bench transport
 
 struct BenchArgs {
-  std::vector<std::string> backends = {"shm", "tcp"};
+  std::vector<std::string> backends = TransportBackendNames();
   std::vector<std::uint64_t> sizes = {4096, 65536, 1u << 20, 16u << 20};
   std::uint64_t pool_mib = 256;
   double min_seconds = 0.5;
   int repeat = 3;
   int inflight = 2;
   int connections = 4;
+  std::vector<std::string> transport_opts;
   bool json = false;
 };
 
@@ -224,16 +228,24 @@ double PlainTcpStream(double min_seconds) {
 Status MeasureBackend(const BenchArgs& a, const std::string& backend,
                       std::vector<Measurement>* out) {
   const std::uint64_t pool = a.pool_mib << 20;
-  KVFERRY_ASSIGN_OR_RETURN(
-      Subprocess peer,
-      Subprocess::Spawn({SelfExe(), "bench", "peer", "--backend", backend, "--bytes",
-                         std::to_string(pool), "--connections", std::to_string(a.connections)}));
+  std::vector<std::string> argv = {SelfExe(),
+                                   "bench",
+                                   "peer",
+                                   "--backend",
+                                   backend,
+                                   "--bytes",
+                                   std::to_string(pool),
+                                   "--connections",
+                                   std::to_string(a.connections)};
+  for (const std::string& arg : TransportOptArgv(a.transport_opts)) argv.push_back(arg);
+  KVFERRY_ASSIGN_OR_RETURN(Subprocess peer, Subprocess::Spawn(argv));
   KVFERRY_ASSIGN_OR_RETURN(std::string line, peer.ReadLine(std::chrono::seconds(60)));
   if (line.rfind("READY ", 0) != 0) return Status::Internal("unexpected peer output: " + line);
   KVFERRY_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> descriptor, FromHex(line.substr(6)));
 
   TransportOptions options;
-  KVFERRY_ASSIGN_OR_RETURN(options.kind, ParseTransportKind(backend));
+  options.backend = backend;
+  KVFERRY_ASSIGN_OR_RETURN(options.backend_options, ParseTransportOpts(a.transport_opts, backend));
   options.serve = false;
   options.tcp_connections_per_peer = a.connections;
   KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, CreateTransport(options));
@@ -381,6 +393,7 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   transport->add_option("--inflight", targs->inflight, "Batches kept outstanding")
       ->capture_default_str();
+  AddTransportOptOption(*transport, targs->transport_opts);
   transport->add_option("--connections", targs->connections, "tcp connections per peer")
       ->capture_default_str();
   transport->add_flag("--json", targs->json, "Machine-readable output");
@@ -389,7 +402,8 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   auto pargs = std::make_shared<PeerArgs>();
   CLI::App* peer = bench->add_subcommand(
       "peer", "Serve patterned memory to a benchmark or test until stdin closes (internal)");
-  peer->add_option("--backend", pargs->backend, "auto|shm|tcp");
+  peer->add_option("--backend", pargs->backend, TransportChoices());
+  AddTransportOptOption(*peer, pargs->transport_opts);
   peer->add_option("--bytes", pargs->bytes, "Bytes to register");
   peer->add_option("--regions", pargs->regions, "Split into this many regions (ids 0..n-1)");
   peer->add_option("--seed", pargs->seed, "Pattern seed");

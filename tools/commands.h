@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include "kvferry/cache_spec.h"
+#include "kvferry/transport.h"
 
 namespace kvferry::cli {
 
@@ -29,6 +30,17 @@ Result<CacheSpecOptions> BuildModel(const ModelArgs& model);
 std::string SelfExe();
 /// Arguments that pass `model` on to a child `kvferry serve`.
 std::vector<std::string> ModelArgv(const ModelArgs& model);
+
+/// The --transport choices from the backend registry: "auto|shm|tcp".
+std::string TransportChoices();
+/// Adds --transport-opt KEY=VALUE (repeatable; keys in docs/transport.md, "Options") to `cmd`.
+void AddTransportOptOption(CLI::App& cmd, std::vector<std::string>& key_values);
+/// The map the collected --transport-opt values give, checked against every backend's options
+/// with `backend` and the defaults of TransportOptions.
+Result<TransportOptionMap> ParseTransportOpts(const std::vector<std::string>& key_values,
+                                              const std::string& backend);
+/// Arguments that pass `key_values` on to a child kvferry process.
+std::vector<std::string> TransportOptArgv(const std::vector<std::string>& key_values);
 
 void AddRanktableCommands(CLI::App& app, int& exit_code);
 void AddPlanCommand(CLI::App& app, int& exit_code);

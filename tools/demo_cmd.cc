@@ -41,6 +41,7 @@ struct PipelineArgs {
   int decode_tp = 2;
   ModelArgs model;
   std::string transport = "auto";
+  std::vector<std::string> transport_opts;
   bool shm_permit_any_tracer = false;
   int concurrency = 16;
   int hold_lease_ms = 30000;
@@ -182,6 +183,7 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                      std::to_string(a.compute_us_per_token),
                                      "--exit-on-stdin-eof"};
     if (a.shm_permit_any_tracer) argv.emplace_back("--shm-permit-any-tracer");
+    for (const std::string& s : TransportOptArgv(a.transport_opts)) argv.push_back(s);
     for (const std::string& s : ModelArgv(a.model)) argv.push_back(s);
     KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv, {"KVFERRY_SECRET=" + secret}));
     KVFERRY_ASSIGN_OR_RETURN(std::string line, p.ReadLine(milliseconds(60000)));
@@ -517,7 +519,8 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
       ->capture_default_str();
   cmd.add_option("--decode-tp", p.decode_tp, "TP size of the decode instance")
       ->capture_default_str();
-  cmd.add_option("--transport", p.transport, "auto|shm|tcp")->capture_default_str();
+  cmd.add_option("--transport", p.transport, TransportChoices())->capture_default_str();
+  AddTransportOptOption(cmd, p.transport_opts);
   cmd.add_flag("--shm-permit-any-tracer", p.shm_permit_any_tracer,
                "Pass --shm-permit-any-tracer to the instances started here (shm between them "
                "under Yama ptrace_scope=1)");

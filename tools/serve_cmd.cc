@@ -36,6 +36,7 @@ struct ServeArgs {
   int control_port = 0;
   std::string rank_table;
   std::string transport = "auto";
+  std::vector<std::string> transport_opts;
   bool shm_permit_any_tracer = false;
   std::string visible_devices;
   ModelArgs model;
@@ -83,7 +84,7 @@ std::string LaunchTag() {
 int RunServe(const ServeArgs& a) {
   engine::InstanceConfig c;
   Result<Role> role = ParseRole(a.role);
-  Result<TransportKind> transport = ParseTransportKind(a.transport);
+  Result<TransportOptionMap> transport = ParseTransportOpts(a.transport_opts, a.transport);
   Result<CacheSpecOptions> model = BuildModel(a.model);
   for (const Status& s : {role.status(), transport.status(), model.status()}) {
     if (!s.ok()) {
@@ -113,7 +114,8 @@ int RunServe(const ServeArgs& a) {
                  "--control-host at 127.0.0.1\n";
     return 2;
   }
-  c.transport = *transport;
+  c.transport = a.transport;
+  c.transport_options = *transport;
   c.shm_permit_any_tracer = a.shm_permit_any_tracer;
   c.model = *model;
   c.hold_lease = std::chrono::milliseconds(a.hold_lease_ms);
@@ -363,7 +365,8 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
   serve->add_option("--visible-devices", a->visible_devices,
                     "Device ids of this instance in the rank table (default "
                     "ASCEND_RT_VISIBLE_DEVICES)");
-  serve->add_option("--transport", a->transport, "auto|shm|tcp")->capture_default_str();
+  serve->add_option("--transport", a->transport, TransportChoices())->capture_default_str();
+  AddTransportOptOption(*serve, a->transport_opts);
   serve->add_flag("--shm-permit-any-tracer", a->shm_permit_any_tracer,
                   "Prefill: prctl(PR_SET_PTRACER_ANY), so that under Yama ptrace_scope=1 decode "
                   "instances beside this one can read it over shm; it lets every same-user "

@@ -4,9 +4,11 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvferry/status.h"
@@ -49,34 +51,64 @@ struct BatchResult {
   Status status;
 };
 
-/// Which backend carries reads to a peer.
-enum class TransportKind : std::uint8_t {
-  kAuto = 0,  ///< shm when the peer is on this host, proves its instance and the kernel permits
-              ///< the read, else tcp
-  kShm = 1,   ///< process_vm_readv; same host only
-  kTcp = 2,   ///< the peer's read server over TCP; any host
-};
-const char* TransportKindName(TransportKind kind);  // "auto", "shm", "tcp"
-Result<TransportKind> ParseTransportKind(std::string_view name);
+/// What kind of memory a registered region is. Host memory today; the same value later names a
+/// device's memory ("cuda", device 0 is written "cuda:0"). Backends say which kinds they can read
+/// into which (Transport::SubmitReads refuses the rest), and descriptors carry each region's kind.
+struct MemoryKind {
+  /// Lower-case letters and digits, 1 to 16 of them. "host" is ordinary process memory.
+  std::string type = "host";
+  /// Which device of `type`; 0 for host memory.
+  std::uint32_t device = 0;
 
+  static MemoryKind Host() { return {}; }
+  bool is_host() const { return type == "host"; }
+  /// "host", or "<type>:<device>" for every other type.
+  std::string ToString() const;
+  friend bool operator==(const MemoryKind&, const MemoryKind&) = default;
+};
+/// Parses ToString's form ("host", "cuda:1"); InvalidArgument naming what was found otherwise.
+Result<MemoryKind> ParseMemoryKind(std::string_view text);
+
+/// Options owned by backends, by key "<backend>.<option>" (`tcp.connections` = "4"); the keys
+/// each backend accepts are listed in docs/transport.md.
+using TransportOptionMap = std::map<std::string, std::string>;
+
+/// The backends this build has, in the order `auto` tries them ("shm", "tcp").
+std::vector<std::string> TransportBackendNames();
+/// "auto" or one of TransportBackendNames(); InvalidArgument listing them otherwise.
+Status CheckTransportBackend(std::string_view name);
+/// Adds one "KEY=VALUE" (the CLI's --transport-opt) to `options`; InvalidArgument when it has no
+/// '=' or an empty key. The key itself is checked by CreateTransport (or
+/// CheckTransportOptions).
+Status AddTransportOption(std::string_view key_value, TransportOptionMap* options);
+
+/// What CreateTransport builds. `backend`, `secret` and `serve` belong to the core; every other
+/// field is a typed default of one backend's option (named beside it), and `backend_options`
+/// overrides them by key.
 struct TransportOptions {
-  TransportKind kind = TransportKind::kAuto;
+  /// "auto" (every backend of this build, tried per peer in TransportBackendNames() order: shm
+  /// when the peer is on this host, proves its instance and the kernel permits the read, else
+  /// tcp), or one backend's name.
+  std::string backend = "auto";
+  /// "<backend>.<option>" = value; applied over the typed fields below. An unknown backend or
+  /// option, or a value that does not parse, is InvalidArgument naming the key.
+  TransportOptionMap backend_options;
   /// Where this process's tcp read server listens. Port 0 picks a free port. The address peers
   /// are told is `tcp_advertise_host` (default: the bind address; required when binding to
   /// 0.0.0.0 or ::).
-  std::string tcp_bind_host = "127.0.0.1";
-  std::uint16_t tcp_port = 0;
-  std::string tcp_advertise_host;
+  std::string tcp_bind_host = "127.0.0.1";  ///< tcp.bind_host
+  std::uint16_t tcp_port = 0;               ///< tcp.port
+  std::string tcp_advertise_host;           ///< tcp.advertise_host
   /// Shared secret for tcp connections (challenge-response HMAC-SHA-256 both ways). Empty: the
   /// server accepts loopback clients only.
   std::string secret;
   /// TCP connections per peer; requests are striped across them.
-  int tcp_connections_per_peer = 4;
+  int tcp_connections_per_peer = 4;  ///< tcp.connections
   /// Largest read request sent as one unit; larger reads are split.
-  std::uint64_t max_request_bytes = 8u << 20;
+  std::uint64_t max_request_bytes = 8u << 20;  ///< tcp.max_request_bytes
   /// Threads that carry out shm reads.
-  int shm_threads = 2;
-  /// Serving side (`serve` set, kind not tcp): call prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY),
+  int shm_threads = 2;  ///< shm.threads
+  /// Serving side (`serve` set, backend not tcp): call prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY),
   /// so that under Yama's kernel.yama.ptrace_scope=1 same-user processes that are not this one's
   /// ancestors (a decode instance started beside it) may read its memory over shm. It grants
   /// more than reads: every process that the kernel's other checks allow (same user, or
@@ -84,23 +116,23 @@ struct TransportOptions {
   /// registers). It is never undone for the process. Off: no prctl, and under ptrace_scope=1 such
   /// readers fail shm's check at Connect and, with kind auto, read over tcp (the log says why).
   /// Without Yama, or with ptrace_scope=0, it changes nothing.
-  bool shm_permit_any_tracer = false;
+  bool shm_permit_any_tracer = false;  ///< shm.permit_any_tracer
   /// Whether to run a tcp read server (prefill side) at all. A decode-only process may skip it.
   bool serve = true;
   /// How long a peer may go without progress on a read before the connection counts as dead
   /// (TCP_USER_TIMEOUT and keepalive), in addition to each batch's own deadline.
-  std::chrono::milliseconds tcp_user_timeout{5000};
+  std::chrono::milliseconds tcp_user_timeout{5000};  ///< tcp.user_timeout_ms
   /// The tcp read server's limits on what clients may hold (docs/reliability.md, "Hostile
   /// input"): a connection must finish its handshake within `tcp_handshake_timeout`; an
   /// authenticated one idle for `tcp_idle_timeout`, or whose client stops taking responses for
   /// `tcp_send_stall_timeout`, is closed; at most `tcp_max_connections` are open at once, and at
   /// most `tcp_max_connections_per_source` from one client address. Past a cap a new connection
   /// is closed at once, and existing ones are not disturbed.
-  std::chrono::milliseconds tcp_handshake_timeout{3000};
-  std::chrono::milliseconds tcp_idle_timeout{120000};
-  std::chrono::milliseconds tcp_send_stall_timeout{10000};
-  std::size_t tcp_max_connections = 512;
-  std::size_t tcp_max_connections_per_source = 128;
+  std::chrono::milliseconds tcp_handshake_timeout{3000};    ///< tcp.handshake_timeout_ms
+  std::chrono::milliseconds tcp_idle_timeout{120000};       ///< tcp.idle_timeout_ms
+  std::chrono::milliseconds tcp_send_stall_timeout{10000};  ///< tcp.send_stall_timeout_ms
+  std::size_t tcp_max_connections = 512;                    ///< tcp.max_connections
+  std::size_t tcp_max_connections_per_source = 128;         ///< tcp.max_connections_per_source
 };
 
 /// Counters for one transport. Monotonic; safe to read at any time.
@@ -128,7 +160,13 @@ class Transport {
   /// in it. The memory must stay valid until DeregisterMemory returns, and longer while shm peers
   /// may still read it (see DeregisterMemory). InvalidArgument for a
   /// duplicate id, a null or empty range, or a range overlapping another region.
-  virtual Status RegisterMemory(RegionId id, void* addr, std::size_t length) = 0;
+  /// `kind` says what memory the range is; a kind no backend of this transport can use is
+  /// InvalidArgument naming it (host memory is always accepted).
+  virtual Status RegisterMemory(RegionId id, void* addr, std::size_t length, MemoryKind kind) = 0;
+  /// Registers host memory: RegisterMemory(id, addr, length, MemoryKind::Host()).
+  Status RegisterMemory(RegionId id, void* addr, std::size_t length) {
+    return RegisterMemory(id, addr, length, MemoryKind::Host());
+  }
   /// Removes a region: new local reads landing in it, and new reads of it that the tcp server
   /// would serve, are refused from now on. Returns once every such read already running has
   /// ended. NotFound for an unknown id.
@@ -154,12 +192,14 @@ class Transport {
   virtual Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) = 0;
   /// Forgets a peer. Its running batches are cancelled first. Unknown peers are ignored.
   virtual void Disconnect(PeerId peer) = 0;
-  /// Which backend carries reads to `peer` ("shm", "tcp").
+  /// Which backend carries reads to `peer` (a name of TransportBackendNames()).
   virtual Result<std::string> PeerBackend(PeerId peer) = 0;
 
   /// Starts reading `ops` from `peer`. Every op is checked before any byte moves: its local range
   /// must lie inside one local registered region and its remote range inside the named remote
-  /// region (InvalidArgument otherwise). The batch ends by `deadline` (Timeout).
+  /// region (InvalidArgument otherwise), and the peer's backend must be able to read the remote
+  /// region's memory kind into the local region's kind (NotSupported, naming both, otherwise).
+  /// The batch ends by `deadline` (Timeout).
   virtual Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) = 0;
   /// Non-blocking state of a batch. NotFound for an unknown or released batch.
   virtual BatchResult Poll(BatchId batch) = 0;
@@ -175,8 +215,12 @@ class Transport {
   virtual TransportStats Stats() = 0;
 };
 
-/// Creates the transport `options` describe (kAuto: both backends, chosen per peer). Starts the
-/// tcp read server when options.serve is set; a busy port is Unavailable naming it.
+/// Creates the transport `options` describe ("auto": every backend, chosen per peer). Each
+/// backend starts its own servers: with options.serve, tcp's read server (a busy port is
+/// Unavailable naming it).
 Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options);
+
+/// Checks `options` (backend name, every backend option) without creating anything.
+Status CheckTransportOptions(const TransportOptions& options);
 
 }  // namespace kvferry

@@ -20,11 +20,12 @@ from ._kvferry import (  # noqa: F401
     UnauthenticatedError,
     UnavailableError,
     Worker,
+    transport_backends,
 )
 
 __all__ = [
     "CacheSpec", "RankTable", "Scheduler", "Worker", "Error", "InvalidArgumentError",
     "NotFoundError", "UnavailableError", "PeerDisconnectedError", "TimeoutError",
     "CancelledError", "ResourceExhaustedError", "NotSupportedError", "InternalError",
-    "UnauthenticatedError",
+    "UnauthenticatedError", "transport_backends",
 ]

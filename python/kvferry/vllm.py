@@ -177,6 +177,9 @@ class _Settings:
         # vLLM's host-buffer mode (NixlConnector's route for memory it cannot reach): device
         # caches are mirrored in host memory, which kvferry moves; vLLM's copy ops move blocks.
         self.use_host_buffer = str(_get(ktc, "kv_buffer_device", "") or "") == "cpu"
+        # Backend options by key ("tcp.connections": 4), checked by the transport.
+        self.transport_options = {str(k): str(v).lower() if isinstance(v, bool) else str(v)
+                                  for k, v in (extra.get("transport_options") or {}).items()}
         # Prefill side: prctl(PR_SET_PTRACER_ANY), so shm works under Yama ptrace_scope=1; it lets
         # every same-user process ptrace this one (docs/transport.md).
         self.shm_permit_any_tracer = str(extra.get("shm_permit_any_tracer", False)).lower() in (
@@ -430,7 +433,8 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             s.native_role, s.engine_id, tp_size, tp_rank, s.dp_rank, s.host, s.base_port,
             s.secret, s.transport, s.rank_table, s.server_id, s.visible_devices,
             s.transfer_timeout_ms, s.hold_lease_ms, s.failure_policy,
-            shm_permit_any_tracer=s.shm_permit_any_tracer)
+            shm_permit_any_tracer=s.shm_permit_any_tracer,
+            transport_options=s.transport_options)
         worker.register_kv_caches(spec, reg.bases)
         self._worker = worker
         self._spec = spec

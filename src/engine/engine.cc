@@ -148,7 +148,8 @@ Status Instance::Init() {
     w.rank_table = c.rank_table;
     w.server_id = c.host;
     w.visible_devices = c.visible_devices;
-    w.transport.kind = c.transport;
+    w.transport.backend = c.transport;
+    w.transport.backend_options = c.transport_options;
     w.transport.shm_permit_any_tracer = c.shm_permit_any_tracer;
     w.hold_lease = c.hold_lease;
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));

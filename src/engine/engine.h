@@ -49,7 +49,9 @@ struct InstanceConfig {
   std::string host = "127.0.0.1";
   int base_port = 5557;
   std::string secret;
-  TransportKind transport = TransportKind::kAuto;
+  /// TransportOptions::backend and backend_options for every worker.
+  std::string transport = "auto";
+  TransportOptionMap transport_options;
   /// TransportOptions::shm_permit_any_tracer for every worker.
   bool shm_permit_any_tracer = false;
   std::optional<RankTable> rank_table;

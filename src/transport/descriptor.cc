@@ -1,9 +1,7 @@
 #include "transport/descriptor.h"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <fstream>
+#include <algorithm>
+#include <charconv>
 #include <limits>
 #include <set>
 
@@ -18,49 +16,116 @@ const RemoteRegion* PeerDescriptor::FindRegion(RegionId id) const {
   return nullptr;
 }
 
+std::span<const std::uint8_t> PeerDescriptor::Section(const std::string& name) const {
+  auto it = sections.find(name);
+  if (it == sections.end()) return {};
+  return it->second;
+}
+
+bool IsValidMemoryKindType(std::string_view type) {
+  if (type.empty() || type.size() > 16) return false;
+  for (char c : type) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9'))) return false;
+  }
+  return true;
+}
+
+std::string MemoryKind::ToString() const {
+  if (is_host()) return type;
+  return type + ":" + std::to_string(device);
+}
+
+Result<MemoryKind> ParseMemoryKind(std::string_view text) {
+  MemoryKind kind;
+  const std::size_t colon = text.find(':');
+  kind.type = std::string(text.substr(0, colon));
+  bool ok = IsValidMemoryKindType(kind.type);
+  if (ok && colon != std::string_view::npos) {
+    const std::string_view digits = text.substr(colon + 1);
+    const auto [end, ec] =
+        std::from_chars(digits.data(), digits.data() + digits.size(), kind.device);
+    ok = !digits.empty() && ec == std::errc() && end == digits.data() + digits.size() &&
+         !kind.is_host();
+  }
+  if (!ok) {
+    return Status::InvalidArgument("memory kind '" + std::string(text) +
+                                   "': expected host or <type>:<device> (cuda:0), with a type of "
+                                   "1 to 16 lower-case letters and digits");
+  }
+  return kind;
+}
+
 std::vector<std::uint8_t> EncodeDescriptor(const PeerDescriptor& d) {
   msgpack::sbuffer buffer;
   msgpack::packer<msgpack::sbuffer> pk(buffer);
-  pk.pack_map(5 + (d.shm ? 1 : 0) + (d.tcp ? 1 : 0));
+  pk.pack_map(3);
   pk.pack(std::string("v"));
-  pk.pack_uint32(1);
-  pk.pack(std::string("boot_id"));
-  pk.pack(d.host.boot_id);
-  pk.pack(std::string("pidns"));
-  pk.pack_uint64(d.host.pid_namespace);
-  pk.pack(std::string("pid"));
-  pk.pack_int64(d.host.pid);
-  if (d.shm) {
-    pk.pack(std::string("shm"));
-    pk.pack_map(3);
-    pk.pack(std::string("start"));
-    pk.pack_uint64(d.shm->start_time);
-    pk.pack(std::string("nonce_at"));
-    pk.pack_uint64(d.shm->nonce_addr);
-    pk.pack(std::string("nonce"));
-    pk.pack_uint64(d.shm->nonce);
-  }
-  if (d.tcp) {
-    pk.pack(std::string("tcp"));
-    pk.pack_map(3);
-    pk.pack(std::string("host"));
-    pk.pack(d.tcp->host);
-    pk.pack(std::string("port"));
-    pk.pack_uint16(d.tcp->port);
-    pk.pack(std::string("instance"));
-    pk.pack_uint64(d.tcp->instance);
-  }
+  pk.pack_uint32(kDescriptorVersion);
   pk.pack(std::string("regions"));
   pk.pack_array(static_cast<std::uint32_t>(d.regions.size()));
   for (const RemoteRegion& r : d.regions) {
-    pk.pack_array(3);
+    pk.pack_array(5);
     pk.pack_uint32(r.id);
     pk.pack_uint64(r.addr);
     pk.pack_uint64(r.length);
+    pk.pack(r.kind.type);
+    pk.pack_uint32(r.kind.device);
+  }
+  pk.pack(std::string("backends"));
+  pk.pack_map(static_cast<std::uint32_t>(d.sections.size()));
+  for (const auto& [name, bytes] : d.sections) {
+    pk.pack(name);
+    pk.pack_bin(static_cast<std::uint32_t>(bytes.size()));
+    pk.pack_bin_body(reinterpret_cast<const char*>(bytes.data()),
+                     static_cast<std::uint32_t>(bytes.size()));
   }
   const auto* p = reinterpret_cast<const std::uint8_t*>(buffer.data());
   return {p, p + buffer.size()};
 }
+
+namespace {
+
+Result<RemoteRegion> DecodeRegion(const msgpack::object& r, const std::string& at) {
+  if (r.type != msgpack::type::ARRAY || r.via.array.size != 5) {
+    return Status::InvalidArgument(at + ": expected [id, address, length, kind, device]");
+  }
+  const msgpack::object* f = r.via.array.ptr;
+  for (std::uint32_t k : {0u, 1u, 2u, 4u}) {
+    if (f[k].type != msgpack::type::POSITIVE_INTEGER) {
+      return Status::InvalidArgument(at +
+                                     ": expected non-negative integers for id, address, "
+                                     "length and device");
+    }
+  }
+  if (f[3].type != msgpack::type::STR) {
+    return Status::InvalidArgument(at + ": expected the memory kind as a string, found " +
+                                   wire::ObjectTypeName(f[3]));
+  }
+  RemoteRegion region;
+  region.addr = f[1].via.u64;
+  region.length = f[2].via.u64;
+  if (f[0].via.u64 > std::numeric_limits<RegionId>::max()) {
+    return Status::InvalidArgument(at + ": region id exceeds 32 bits");
+  }
+  region.id = static_cast<RegionId>(f[0].via.u64);
+  if (region.length == 0 || region.addr + region.length < region.addr) {
+    return Status::InvalidArgument(at + ": expected a non-empty range inside the address space");
+  }
+  region.kind.type.assign(f[3].via.str.ptr, std::min<std::size_t>(f[3].via.str.size, 64));
+  if (!IsValidMemoryKindType(region.kind.type)) {
+    return Status::InvalidArgument(at + ": memory kind '" + region.kind.type +
+                                   "' is not 1 to 16 lower-case letters and digits");
+  }
+  if (f[4].via.u64 > std::numeric_limits<std::uint32_t>::max() ||
+      (region.kind.is_host() && f[4].via.u64 != 0)) {
+    return Status::InvalidArgument(at + ": device " + std::to_string(f[4].via.u64) +
+                                   " is out of range for memory kind " + region.kind.type);
+  }
+  region.kind.device = static_cast<std::uint32_t>(f[4].via.u64);
+  return region;
+}
+
+}  // namespace
 
 Result<PeerDescriptor> DecodeDescriptor(std::span<const std::uint8_t> bytes) {
   if (bytes.size() > (8u << 20)) {
@@ -71,54 +136,13 @@ Result<PeerDescriptor> DecodeDescriptor(std::span<const std::uint8_t> bytes) {
                            wire::SafeUnpack(bytes, {kMaxDescriptorRegions, 16, 4}));
   KVFERRY_ASSIGN_OR_RETURN(wire::MapView m, wire::MapView::Of(handle.get(), "descriptor"));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t version, m.Uint("v", 255));
-  if (version != 1) {
+  if (version != kDescriptorVersion) {
     return Status::NotSupported("transport descriptor version " + std::to_string(version) +
-                                " is not supported; this build reads version 1");
+                                " is not supported; this build reads version " +
+                                std::to_string(kDescriptorVersion) +
+                                ": run the same kvferry build on both sides");
   }
   PeerDescriptor d;
-  KVFERRY_ASSIGN_OR_RETURN(d.host.boot_id, m.Str("boot_id", 64));
-  KVFERRY_ASSIGN_OR_RETURN(d.host.pid_namespace,
-                           m.Uint("pidns", std::numeric_limits<std::uint64_t>::max()));
-  if (const msgpack::object* pid = m.Find("pid");
-      pid != nullptr && pid->type == msgpack::type::NEGATIVE_INTEGER) {
-    return Status::InvalidArgument(m.At("pid") +
-                                   ": expected the serving process's pid (> 0), found " +
-                                   std::to_string(pid->via.i64));
-  }
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pid,
-                           m.Uint("pid", std::numeric_limits<std::int32_t>::max()));
-  if (pid == 0) {
-    // Pid 0 names no process a reader could prove; refuse it before any backend sees it.
-    return Status::InvalidArgument(m.At("pid") +
-                                   ": expected the serving process's pid (> 0), found 0");
-  }
-  d.host.pid = static_cast<std::int64_t>(pid);
-  if (const msgpack::object* shm = m.Find("shm")) {
-    KVFERRY_ASSIGN_OR_RETURN(wire::MapView sm, wire::MapView::Of(*shm, m.At("shm")));
-    ShmProof proof;
-    constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
-    KVFERRY_ASSIGN_OR_RETURN(proof.start_time, sm.Uint("start", kMax));
-    KVFERRY_ASSIGN_OR_RETURN(proof.nonce_addr, sm.Uint("nonce_at", kMax));
-    KVFERRY_ASSIGN_OR_RETURN(proof.nonce, sm.Uint("nonce", kMax));
-    if (proof.nonce_addr == 0) {
-      return Status::InvalidArgument(m.At("shm") +
-                                     ": expected a non-zero address of the instance nonce");
-    }
-    d.shm = proof;
-  }
-  if (const msgpack::object* tcp = m.Find("tcp")) {
-    KVFERRY_ASSIGN_OR_RETURN(wire::MapView tm, wire::MapView::Of(*tcp, m.At("tcp")));
-    TcpEndpoint ep;
-    KVFERRY_ASSIGN_OR_RETURN(ep.host, tm.Str("host", 255));
-    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t port, tm.Uint("port", 65535));
-    if (ep.host.empty() || port == 0) {
-      return Status::InvalidArgument(m.At("tcp") + ": expected a host and a non-zero port");
-    }
-    ep.port = static_cast<std::uint16_t>(port);
-    KVFERRY_ASSIGN_OR_RETURN(ep.instance,
-                             tm.Uint("instance", std::numeric_limits<std::uint64_t>::max()));
-    d.tcp = ep;
-  }
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* regions, m.Require("regions"));
   if (regions->type != msgpack::type::ARRAY) {
     return Status::InvalidArgument(m.At("regions") + ": expected an array, found " +
@@ -126,51 +150,36 @@ Result<PeerDescriptor> DecodeDescriptor(std::span<const std::uint8_t> bytes) {
   }
   std::set<RegionId> seen;
   for (std::uint32_t i = 0; i < regions->via.array.size; ++i) {
-    const msgpack::object& r = regions->via.array.ptr[i];
     const std::string at = m.At("regions") + "[" + std::to_string(i) + "]";
-    if (r.type != msgpack::type::ARRAY || r.via.array.size != 3) {
-      return Status::InvalidArgument(at + ": expected [id, address, length]");
-    }
-    for (std::uint32_t k = 0; k < 3; ++k) {
-      if (r.via.array.ptr[k].type != msgpack::type::POSITIVE_INTEGER) {
-        return Status::InvalidArgument(at + ": expected non-negative integers");
-      }
-    }
-    RemoteRegion region{0, r.via.array.ptr[1].via.u64, r.via.array.ptr[2].via.u64};
-    if (r.via.array.ptr[0].via.u64 > std::numeric_limits<RegionId>::max()) {
-      return Status::InvalidArgument(at + ": region id exceeds 32 bits");
-    }
-    region.id = static_cast<RegionId>(r.via.array.ptr[0].via.u64);
-    if (region.length == 0 || region.addr + region.length < region.addr) {
-      return Status::InvalidArgument(at + ": expected a non-empty range inside the address space");
-    }
+    KVFERRY_ASSIGN_OR_RETURN(RemoteRegion region, DecodeRegion(regions->via.array.ptr[i], at));
     if (!seen.insert(region.id).second) {
       return Status::InvalidArgument(at + ": region id " + std::to_string(region.id) +
                                      " appears twice");
     }
-    d.regions.push_back(region);
+    d.regions.push_back(std::move(region));
+  }
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* backends, m.Require("backends"));
+  KVFERRY_ASSIGN_OR_RETURN(wire::MapView bm, wire::MapView::Of(*backends, m.At("backends")));
+  if (backends->via.map.size > kMaxDescriptorSections) {
+    return Status::InvalidArgument(
+        m.At("backends") + ": " + std::to_string(backends->via.map.size) +
+        " sections exceed the limit of " + std::to_string(kMaxDescriptorSections));
+  }
+  for (std::uint32_t i = 0; i < backends->via.map.size; ++i) {
+    const msgpack::object& key = backends->via.map.ptr[i].key;
+    const std::string name(key.via.str.ptr, std::min<std::size_t>(key.via.str.size, 64));
+    if (!IsValidMemoryKindType(name)) {
+      return Status::InvalidArgument(m.At("backends") + ": backend name '" + name +
+                                     "' is not 1 to 16 lower-case letters and digits");
+    }
+    KVFERRY_ASSIGN_OR_RETURN(d.sections[name], bm.Bin(name.c_str(), kMaxSectionBytes));
   }
   return d;
 }
 
-Result<HostIdentity> LocalHostIdentity() {
-  HostIdentity id;
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  if (!(boot >> id.boot_id)) {
-    return Status::Unavailable("cannot read /proc/sys/kernel/random/boot_id: is /proc mounted?");
-  }
-  struct stat st {};
-  if (stat("/proc/self/ns/pid", &st) != 0) {
-    return Status::Unavailable("cannot stat /proc/self/ns/pid: is /proc mounted?");
-  }
-  id.pid_namespace = st.st_ino;
-  id.pid = getpid();
-  return id;
-}
-
-RemoteRegionTable IndexRegions(const PeerDescriptor& peer) {
+RemoteRegionTable IndexRegions(const std::vector<RemoteRegion>& regions) {
   RemoteRegionTable table;
-  for (const RemoteRegion& r : peer.regions) table.emplace(r.id, r);
+  for (const RemoteRegion& r : regions) table.emplace(r.id, r);
   return table;
 }
 

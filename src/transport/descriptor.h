@@ -1,11 +1,11 @@
-// What one transport tells its peers: who it is (to decide same-host), how a same-host reader
-// proves that the process at its pid is still the one that wrote the descriptor, where its tcp
-// read server listens, and the regions it registered. Encoded as a msgpack map
-// (docs/transport.md).
+// What one transport tells its peers (docs/transport.md, "Descriptor"): the regions it registered,
+// with their memory kinds, and one opaque section per backend that has something to publish
+// (where its server listens, how a same-host reader proves the process). The core reads only the
+// regions; each backend encodes and versions its own section. Encoded as a msgpack map, version 2.
 #pragma once
 
 #include <cstdint>
-#include <optional>
+#include <map>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -16,72 +16,43 @@
 
 namespace kvferry {
 
-/// Same boot id and PID namespace means a peer's PID names a process on this kernel. A decoded
-/// descriptor always has pid > 0.
-struct HostIdentity {
-  std::string boot_id;
-  std::uint64_t pid_namespace = 0;
-  std::int64_t pid = 0;
-
-  friend bool operator==(const HostIdentity&, const HostIdentity&) = default;
-};
-
-struct TcpEndpoint {
-  std::string host;
-  std::uint16_t port = 0;
-  /// The serving process's random instance id (TcpServer::instance), proven in the handshake.
-  std::uint64_t instance = 0;
-
-  friend bool operator==(const TcpEndpoint&, const TcpEndpoint&) = default;
-};
-
-/// The shm section: what a same-host reader checks before its first read of the process at
-/// `HostIdentity::pid`, so that a pid reused by another process (a restarted instance) is never
-/// read as the old peer. Filled by ShmBackend::LocalProof.
-struct ShmProof {
-  /// The process's start time: field 22 of /proc/PID/stat (clock ticks since boot).
-  std::uint64_t start_time = 0;
-  /// Where, in the serving process's address space, its 8-byte instance nonce lives (non-zero).
-  std::uint64_t nonce_addr = 0;
-  /// The value of that nonce: random, chosen once per process.
-  std::uint64_t nonce = 0;
-
-  friend bool operator==(const ShmProof&, const ShmProof&) = default;
-};
-
 struct RemoteRegion {
   RegionId id = 0;
   std::uint64_t addr = 0;
   std::uint64_t length = 0;
+  MemoryKind kind;
 
   friend bool operator==(const RemoteRegion&, const RemoteRegion&) = default;
 };
 
 struct PeerDescriptor {
-  HostIdentity host;
-  std::optional<TcpEndpoint> tcp;
   std::vector<RemoteRegion> regions;
-  std::optional<ShmProof> shm;
+  /// Backend name -> that backend's section, opaque here.
+  std::map<std::string, std::vector<std::uint8_t>> sections;
 
   const RemoteRegion* FindRegion(RegionId id) const;
+  /// The section of backend `name`; empty when the peer published none.
+  std::span<const std::uint8_t> Section(const std::string& name) const;
   friend bool operator==(const PeerDescriptor&, const PeerDescriptor&) = default;
 };
 
+inline constexpr std::uint32_t kDescriptorVersion = 2;
 inline constexpr std::size_t kMaxDescriptorRegions = 65536;
+inline constexpr std::size_t kMaxDescriptorSections = 16;
+inline constexpr std::size_t kMaxSectionBytes = 64u << 10;
 
 std::vector<std::uint8_t> EncodeDescriptor(const PeerDescriptor& descriptor);
-/// Never trusts its input: malformed bytes, a pid that is not positive, an shm section without a
-/// nonce address, duplicate region ids and regions that wrap the address space are
-/// InvalidArgument.
+/// Never trusts its input: malformed bytes, another version, duplicate region ids, regions that
+/// wrap the address space, a memory kind that does not parse, a section that is not binary or
+/// too large are InvalidArgument (another version: NotSupported).
 Result<PeerDescriptor> DecodeDescriptor(std::span<const std::uint8_t> bytes);
 
-/// This process's identity: /proc/sys/kernel/random/boot_id, the inode of /proc/self/ns/pid, and
-/// getpid().
-Result<HostIdentity> LocalHostIdentity();
+/// Checks a memory kind's type: 1 to 16 lower-case letters and digits.
+bool IsValidMemoryKindType(std::string_view type);
 
 /// A peer's regions by id.
 using RemoteRegionTable = std::unordered_map<RegionId, RemoteRegion>;
-RemoteRegionTable IndexRegions(const PeerDescriptor& peer);
+RemoteRegionTable IndexRegions(const std::vector<RemoteRegion>& regions);
 
 /// Checks that [offset, offset + length) lies inside the peer's region `id` and is not empty.
 Status CheckRemoteRange(const RemoteRegionTable& regions, RegionId id, std::uint64_t offset,

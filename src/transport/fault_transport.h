@@ -52,8 +52,9 @@ class FaultInjectingTransport final : public Transport {
   /// How many batches a rule has been applied to.
   std::uint64_t faults_injected() const;
 
-  Status RegisterMemory(RegionId id, void* addr, std::size_t length) override {
-    return inner_->RegisterMemory(id, addr, length);
+  using Transport::RegisterMemory;
+  Status RegisterMemory(RegionId id, void* addr, std::size_t length, MemoryKind kind) override {
+    return inner_->RegisterMemory(id, addr, length, std::move(kind));
   }
   Status DeregisterMemory(RegionId id) override { return inner_->DeregisterMemory(id); }
   Result<std::vector<std::uint8_t>> Descriptor() override { return inner_->Descriptor(); }

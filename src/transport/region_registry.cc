@@ -9,6 +9,7 @@ RegionPin& RegionPin::operator=(RegionPin&& other) noexcept {
     if (registry_ != nullptr) registry_->Unpin(id_);
     registry_ = other.registry_;
     id_ = other.id_;
+    kind_ = other.kind_;
     other.registry_ = nullptr;
   }
   return *this;
@@ -18,7 +19,7 @@ RegionPin::~RegionPin() {
   if (registry_ != nullptr) registry_->Unpin(id_);
 }
 
-Status RegionRegistry::Add(RegionId id, void* addr, std::size_t length) {
+Status RegionRegistry::Add(RegionId id, void* addr, std::size_t length, MemoryKind kind) {
   if (addr == nullptr || length == 0) {
     return Status::InvalidArgument("region " + std::to_string(id) +
                                    ": expected a non-null address and a positive length");
@@ -46,7 +47,7 @@ Status RegionRegistry::Add(RegionId id, void* addr, std::size_t length) {
                                      std::to_string(prev->second));
     }
   }
-  regions_[id] = Entry{{id, static_cast<std::byte*>(addr), length}, 0, false};
+  regions_[id] = Entry{{id, static_cast<std::byte*>(addr), length, std::move(kind)}, 0, false};
   by_addr_[begin] = id;
   return Status::Ok();
 }
@@ -89,7 +90,7 @@ Result<RegionPin> RegionRegistry::PinLocal(const std::byte* p, std::uint64_t len
     Entry& e = regions_.at(it->second);
     if (begin - it->first <= e.info.length && length <= e.info.length - (begin - it->first)) {
       ++e.pins;
-      return RegionPin(this, e.info.id);
+      return RegionPin(this, e.info.id, &e.info.kind);
     }
   }
   return Status::InvalidArgument("local destination of " + std::to_string(length) +
@@ -100,6 +101,7 @@ Result<RegionPin> RegionRegistry::PinLocal(const std::byte* p, std::uint64_t len
 Result<std::byte*> RegionRegistry::PinRange(RegionId id, std::uint64_t offset, std::uint64_t length,
                                             RegionPin* pin) {
   std::byte* where = nullptr;
+  const MemoryKind* kind = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find(id);
@@ -115,9 +117,10 @@ Result<std::byte*> RegionRegistry::PinRange(RegionId id, std::uint64_t offset, s
     }
     ++e.pins;
     where = e.info.addr + offset;
+    kind = &e.info.kind;
   }
   // Outside the lock: a pin `*pin` held before is dropped here, and dropping takes the lock.
-  *pin = RegionPin(this, id);
+  *pin = RegionPin(this, id, kind);
   return where;
 }
 

@@ -20,6 +20,7 @@ struct RegionInfo {
   RegionId id = 0;
   std::byte* addr = nullptr;
   std::uint64_t length = 0;
+  MemoryKind kind;
 };
 
 class RegionRegistry;
@@ -28,7 +29,8 @@ class RegionRegistry;
 class RegionPin {
  public:
   RegionPin() = default;
-  RegionPin(RegionPin&& other) noexcept : registry_(other.registry_), id_(other.id_) {
+  RegionPin(RegionPin&& other) noexcept
+      : registry_(other.registry_), id_(other.id_), kind_(other.kind_) {
     other.registry_ = nullptr;
   }
   RegionPin& operator=(RegionPin&& other) noexcept;
@@ -38,18 +40,22 @@ class RegionPin {
 
   /// The pinned region; meaningful while the pin is held.
   RegionId region() const { return id_; }
+  /// The pinned region's memory kind; valid while the pin is held.
+  const MemoryKind& kind() const { return *kind_; }
 
  private:
   friend class RegionRegistry;
-  RegionPin(RegionRegistry* registry, RegionId id) : registry_(registry), id_(id) {}
+  RegionPin(RegionRegistry* registry, RegionId id, const MemoryKind* kind)
+      : registry_(registry), id_(id), kind_(kind) {}
   RegionRegistry* registry_ = nullptr;
   RegionId id_ = 0;
+  const MemoryKind* kind_ = nullptr;  // in the registry's entry, which a pin keeps listed
 };
 
 /// Thread-safe.
 class RegionRegistry {
  public:
-  Status Add(RegionId id, void* addr, std::size_t length);
+  Status Add(RegionId id, void* addr, std::size_t length, MemoryKind kind = MemoryKind::Host());
   /// Unlists the region at once (new pins fail), calls `revoke(id)` (without the registry's
   /// lock) so that the holders of its pins can end their reads early, then waits until its pins
   /// are gone. The wait is as long as the slowest holder takes to react to `revoke`.

@@ -618,8 +618,9 @@ TEST(ConnectorHardeningTest, OneSlowLoadFailsAloneNotTheOtherLoadsFromItsPeer) {
 class SlowCancelTransport final : public Transport {
  public:
   explicit SlowCancelTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
-  Status RegisterMemory(RegionId id, void* addr, std::size_t length) override {
-    return inner_->RegisterMemory(id, addr, length);
+  using Transport::RegisterMemory;
+  Status RegisterMemory(RegionId id, void* addr, std::size_t length, MemoryKind kind) override {
+    return inner_->RegisterMemory(id, addr, length, std::move(kind));
   }
   Status DeregisterMemory(RegionId id) override { return inner_->DeregisterMemory(id); }
   Result<std::vector<std::uint8_t>> Descriptor() override { return inner_->Descriptor(); }

@@ -31,6 +31,7 @@
 #include "transport/descriptor.h"
 #include "transport/tcp/frames.h"
 #include "transport/tcp/socket.h"
+#include "transport/tcp/tcp_section.h"
 #include "wire/messages.h"
 
 namespace kvferry {
@@ -43,7 +44,7 @@ using testing::kTimingSlack;
 
 std::unique_ptr<Transport> MakeTransport(bool serve, int connections = 1) {
   TransportOptions o;
-  o.kind = TransportKind::kTcp;
+  o.backend = "tcp";
   o.serve = serve;
   o.tcp_connections_per_peer = connections;
   Result<std::unique_ptr<Transport>> t = CreateTransport(o);
@@ -163,7 +164,9 @@ TEST(TcpServerHostileTest, IdleConnectionsNeitherSpinNorStarveTheServer) {
   Result<std::vector<std::uint8_t>> desc = FromHex(line->substr(6));
   ASSERT_TRUE(desc.ok());
   Result<PeerDescriptor> decoded = DecodeDescriptor(*desc);
-  ASSERT_TRUE(decoded.ok() && decoded->tcp.has_value());
+  ASSERT_TRUE(decoded.ok());
+  Result<TcpEndpoint> endpoint = DecodeTcpSection(decoded->Section("tcp"));
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status().ToString();
 
   rlimit lim{};
   ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &lim), 0);
@@ -175,7 +178,7 @@ TEST(TcpServerHostileTest, IdleConnectionsNeitherSpinNorStarveTheServer) {
 
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(decoded->tcp->port);
+  addr.sin_port = htons(endpoint->port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   std::vector<tcp::Fd> idle;
   for (int i = 0; i < 1000; ++i) {
@@ -268,9 +271,8 @@ class FakeServer {
   ~FakeServer() { thread_.join(); }
   std::vector<std::uint8_t> Descriptor() const {
     PeerDescriptor d;
-    d.host = {"not-this-host", 1, 1};
-    d.tcp = TcpEndpoint{"127.0.0.1", port_, 42};
-    d.regions.push_back({0, 4096, 4096});
+    d.sections["tcp"] = EncodeTcpSection(TcpEndpoint{"127.0.0.1", port_, 42});
+    d.regions.push_back({0, 4096, 4096, MemoryKind::Host()});
     return EncodeDescriptor(d);
   }
 
@@ -307,10 +309,12 @@ TEST(TcpServerHostileTest, DeregisterDoesNotWaitForAClientThatStoppedReading) {
   std::vector<std::uint8_t> region(32u << 20, 0x11);
   ASSERT_TRUE(server->RegisterMemory(0, region.data(), region.size()).ok());
   Result<PeerDescriptor> d = DecodeDescriptor(*server->Descriptor());
-  ASSERT_TRUE(d.ok() && d->tcp.has_value());
+  ASSERT_TRUE(d.ok());
+  Result<TcpEndpoint> endpoint = DecodeTcpSection(d->Section("tcp"));
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status().ToString();
 
   // A raw client: handshake (no secret: loopback), then four 8 MiB reads it never receives.
-  Result<tcp::Fd> fd = tcp::Connect("127.0.0.1", d->tcp->port, DeadlineAfter(milliseconds(5000)),
+  Result<tcp::Fd> fd = tcp::Connect("127.0.0.1", endpoint->port, DeadlineAfter(milliseconds(5000)),
                                     milliseconds(60000));
   ASSERT_TRUE(fd.ok());
   const tcp::StopCheck forever = [] { return Status::Ok(); };

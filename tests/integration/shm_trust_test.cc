@@ -27,6 +27,7 @@
 #include "common/subprocess.h"
 #include "kvferry/transport.h"
 #include "transport/descriptor.h"
+#include "transport/shm/shm_section.h"
 
 namespace kvferry {
 namespace {
@@ -56,20 +57,33 @@ Peer StartPeer(const std::string& backend) {
   return Peer{std::move(p).value(), descriptor.ok() ? *descriptor : std::vector<std::uint8_t>{}};
 }
 
-std::unique_ptr<Transport> MakeReader(TransportKind kind) {
+std::unique_ptr<Transport> MakeReader(const std::string& backend) {
   TransportOptions o;
-  o.kind = kind;
+  o.backend = backend;
   o.serve = false;
   Result<std::unique_ptr<Transport>> t = CreateTransport(o);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
   return std::move(t).value();
 }
 
-PeerDescriptor Decode(const std::vector<std::uint8_t>& bytes) {
+// A peer's descriptor with its shm section decoded, to tamper with.
+struct Decoded {
+  PeerDescriptor descriptor;
+  ShmSection shm;
+
+  std::vector<std::uint8_t> Encode() const {
+    PeerDescriptor d = descriptor;
+    d.sections["shm"] = EncodeShmSection(shm);
+    return EncodeDescriptor(d);
+  }
+};
+
+Decoded Decode(const std::vector<std::uint8_t>& bytes) {
   Result<PeerDescriptor> d = DecodeDescriptor(bytes);
   EXPECT_TRUE(d.ok()) << d.status().ToString();
-  EXPECT_TRUE(d->shm.has_value()) << "the peer's descriptor has no shm section";
-  return *d;
+  Result<ShmSection> shm = DecodeShmSection(d->Section("shm"));
+  EXPECT_TRUE(shm.ok()) << "the peer's shm section: " << shm.status().ToString();
+  return Decoded{*d, shm.ok() ? *shm : ShmSection{}};
 }
 
 // Reads the first 64 KiB of the peer's region 0 into registered local memory and checks them.
@@ -88,7 +102,7 @@ void ExpectReadsThePattern(Transport& reader, PeerId peer) {
 
 TEST(ShmTrustTest, TheRealDescriptorIsProvenAndRead) {
   Peer peer = StartPeer("shm");
-  std::unique_ptr<Transport> reader = MakeReader(TransportKind::kShm);
+  std::unique_ptr<Transport> reader = MakeReader("shm");
   Result<PeerId> p = reader->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   ExpectReadsThePattern(*reader, *p);
@@ -100,11 +114,11 @@ TEST(ShmTrustTest, TheRealDescriptorIsProvenAndRead) {
 TEST(ShmTrustTest, AnotherProcessAtTheDescriptorsPidIsNotRead) {
   Peer old_peer = StartPeer("shm");
   Peer other = StartPeer("shm");
-  PeerDescriptor d = Decode(old_peer.descriptor);
-  d.host.pid = other.process.pid();
-  std::unique_ptr<Transport> reader = MakeReader(TransportKind::kShm);
-  Result<PeerId> p = reader->Connect(EncodeDescriptor(d), DeadlineAfter(milliseconds(5000)));
-  ASSERT_FALSE(p.ok()) << "the process at pid " << d.host.pid << " was accepted as the peer";
+  Decoded d = Decode(old_peer.descriptor);
+  d.shm.host.pid = other.process.pid();
+  std::unique_ptr<Transport> reader = MakeReader("shm");
+  Result<PeerId> p = reader->Connect(d.Encode(), DeadlineAfter(milliseconds(5000)));
+  ASSERT_FALSE(p.ok()) << "the process at pid " << d.shm.host.pid << " was accepted as the peer";
   EXPECT_EQ(p.status().code(), StatusCode::kUnavailable);
   // Started in another clock tick, or (when both started in the same tick) a different nonce.
   EXPECT_THAT(p.status().message(),
@@ -115,16 +129,16 @@ TEST(ShmTrustTest, AnotherProcessAtTheDescriptorsPidIsNotRead) {
 // does not match, so nothing is read.
 TEST(ShmTrustTest, AWrongNonceOrStartTimeFailsConnect) {
   Peer peer = StartPeer("shm");
-  std::unique_ptr<Transport> reader = MakeReader(TransportKind::kShm);
-  PeerDescriptor d = Decode(peer.descriptor);
-  d.shm->nonce += 1;
-  Result<PeerId> nonce = reader->Connect(EncodeDescriptor(d), DeadlineAfter(milliseconds(5000)));
+  std::unique_ptr<Transport> reader = MakeReader("shm");
+  Decoded d = Decode(peer.descriptor);
+  d.shm.proof.nonce += 1;
+  Result<PeerId> nonce = reader->Connect(d.Encode(), DeadlineAfter(milliseconds(5000)));
   ASSERT_FALSE(nonce.ok());
   EXPECT_EQ(nonce.status().code(), StatusCode::kUnavailable);
   EXPECT_THAT(nonce.status().message(), HasSubstr("instance nonce"));
   d = Decode(peer.descriptor);
-  d.shm->start_time += 1;
-  Result<PeerId> start = reader->Connect(EncodeDescriptor(d), DeadlineAfter(milliseconds(5000)));
+  d.shm.proof.start_time += 1;
+  Result<PeerId> start = reader->Connect(d.Encode(), DeadlineAfter(milliseconds(5000)));
   ASSERT_FALSE(start.ok());
   EXPECT_THAT(start.status().message(), HasSubstr("started at tick"));
   // The untampered descriptor still connects: the failures above were the proof's.
@@ -135,11 +149,11 @@ TEST(ShmTrustTest, AWrongNonceOrStartTimeFailsConnect) {
 // the fix `auto` chose shm without reading any nonce.
 TEST(ShmTrustTest, AutoFallsBackToTcpWhenTheProofCannotBeRead) {
   Peer peer = StartPeer("auto");
-  PeerDescriptor d = Decode(peer.descriptor);
-  ASSERT_TRUE(d.tcp.has_value());
-  d.shm->nonce_addr = 8;  // page zero is never mapped
-  std::unique_ptr<Transport> reader = MakeReader(TransportKind::kAuto);
-  Result<PeerId> p = reader->Connect(EncodeDescriptor(d), DeadlineAfter(milliseconds(5000)));
+  Decoded d = Decode(peer.descriptor);
+  ASSERT_FALSE(d.descriptor.Section("tcp").empty());
+  d.shm.proof.nonce_addr = 8;  // page zero is never mapped
+  std::unique_ptr<Transport> reader = MakeReader("auto");
+  Result<PeerId> p = reader->Connect(d.Encode(), DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   Result<std::string> backend = reader->PeerBackend(*p);
   ASSERT_TRUE(backend.ok());
@@ -193,7 +207,7 @@ struct ChildOutcome {
 
 // The child, forked while this process has one thread: waits for the descriptor, drops
 // CAP_SYS_PTRACE, probes a plain read of its parent, connects with `kind` and reports.
-[[noreturn]] void ChildReader(int in, int out, TransportKind kind) {
+[[noreturn]] void ChildReader(int in, int out, const std::string& backend) {
   const std::string hex = ReadAll(in, DeadlineAfter(milliseconds(20000)));
   std::string report;
   if (!DropPtraceCapability()) report += "nocapset ";
@@ -204,7 +218,7 @@ struct ChildOutcome {
   report += refused ? "refused\n" : "allowed\n";
   Result<std::vector<std::uint8_t>> descriptor = FromHex(hex);
   TransportOptions o;
-  o.kind = kind;
+  o.backend = backend;
   o.serve = false;
   Result<std::unique_ptr<Transport>> t = CreateTransport(o);
   if (!descriptor.ok() || !t.ok()) {
@@ -219,7 +233,7 @@ struct ChildOutcome {
 }
 
 // Serves this process's memory (with the option as given) and lets a forked child read it.
-ChildOutcome ReadThisProcessFromAChild(TransportKind kind, bool permit_any_tracer) {
+ChildOutcome ReadThisProcessFromAChild(const std::string& backend, bool permit_any_tracer) {
   int to_child[2];
   int from_child[2];
   EXPECT_EQ(pipe(to_child), 0);
@@ -228,7 +242,7 @@ ChildOutcome ReadThisProcessFromAChild(TransportKind kind, bool permit_any_trace
   if (child == 0) {
     close(to_child[1]);
     close(from_child[0]);
-    ChildReader(to_child[0], from_child[1], kind);
+    ChildReader(to_child[0], from_child[1], backend);
   }
   close(to_child[0]);
   close(from_child[1]);
@@ -260,7 +274,7 @@ ChildOutcome ReadThisProcessFromAChild(TransportKind kind, bool permit_any_trace
 // Yama ptrace_scope=1 because it is a sibling): `auto` reads over tcp, forced shm fails, and the
 // text says how to enable shm. Before the fix the text named neither the option nor the sysctl.
 TEST(ShmTrustTest, AKernelRefusalSendsAutoToTcpAndSaysHowToEnableShm) {
-  const ChildOutcome automatic = ReadThisProcessFromAChild(TransportKind::kAuto, false);
+  const ChildOutcome automatic = ReadThisProcessFromAChild("auto", false);
   if (!automatic.refused) {
     GTEST_SKIP() << "CANNOT BE EXERCISED HERE: the kernel lets a child without CAP_SYS_PTRACE read "
                     "this process (euid "
@@ -268,7 +282,7 @@ TEST(ShmTrustTest, AKernelRefusalSendsAutoToTcpAndSaysHowToEnableShm) {
                  << "; needs root, or Yama ptrace_scope=1)";
   }
   EXPECT_EQ(automatic.result, "backend=tcp");
-  const ChildOutcome forced = ReadThisProcessFromAChild(TransportKind::kShm, false);
+  const ChildOutcome forced = ReadThisProcessFromAChild("shm", false);
   ASSERT_TRUE(forced.refused);
   EXPECT_THAT(forced.result, HasSubstr("error="));
   EXPECT_THAT(forced.result, HasSubstr("EPERM"));
@@ -286,11 +300,11 @@ TEST(ShmTrustTest, UnderYamaASiblingReadsOverShmOnlyWithTheOption) {
                  << (scope < 0 ? std::string("absent (no Yama)") : std::to_string(scope))
                  << "; the option's effect needs ptrace_scope=1";
   }
-  const ChildOutcome off = ReadThisProcessFromAChild(TransportKind::kAuto, false);
+  const ChildOutcome off = ReadThisProcessFromAChild("auto", false);
   ASSERT_TRUE(off.refused) << "ptrace_scope=1 but a child read its parent";
   EXPECT_EQ(off.result, "backend=tcp");
   // Sets PR_SET_PTRACER_ANY on this test process for the rest of its life: run last in its file.
-  const ChildOutcome on = ReadThisProcessFromAChild(TransportKind::kAuto, true);
+  const ChildOutcome on = ReadThisProcessFromAChild("auto", true);
   if (on.refused) {
     GTEST_SKIP() << "CANNOT BE EXERCISED HERE: with PR_SET_PTRACER_ANY the child is still "
                     "refused, for a reason other than Yama (euid "

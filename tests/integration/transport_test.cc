@@ -21,13 +21,16 @@
 #include "tests/test_timing.h"
 #include "transport/descriptor.h"
 #include "transport/fault_transport.h"
+#include "transport/shm/shm_section.h"
 #include "transport/tcp/frames.h"
 #include "transport/tcp/socket.h"
+#include "transport/tcp/tcp_section.h"
 
 namespace kvferry {
 namespace {
 
 using std::chrono::milliseconds;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr std::uint64_t kSeed = 0x6b76666572727900ull;  // the peer's default pattern seed
@@ -80,9 +83,9 @@ class LocalMemory {
   std::byte* data_;
 };
 
-std::unique_ptr<Transport> MakeClient(TransportKind kind, const std::string& secret = "") {
+std::unique_ptr<Transport> MakeClient(const std::string& backend, const std::string& secret = "") {
   TransportOptions o;
-  o.kind = kind;
+  o.backend = backend;
   o.serve = false;
   o.secret = secret;
   o.tcp_connections_per_peer = 3;
@@ -128,10 +131,10 @@ void ExpectPattern(const std::vector<Op>& ops, const std::byte* base) {
   }
 }
 
-class TransportTest : public ::testing::TestWithParam<TransportKind> {
+class TransportTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    peer_ = StartPeer(TransportKindName(GetParam()));
+    peer_ = StartPeer(GetParam());
     client_ = MakeClient(GetParam());
     ASSERT_TRUE(client_->RegisterMemory(100, local_.data(), local_.size()).ok());
     Result<PeerId> p = client_->Connect(peer_->descriptor, DeadlineAfter(milliseconds(5000)));
@@ -174,7 +177,7 @@ class TransportTest : public ::testing::TestWithParam<TransportKind> {
 TEST_P(TransportTest, ChoosesTheRequestedBackend) {
   Result<std::string> backend = client_->PeerBackend(peer_id_);
   ASSERT_TRUE(backend.ok());
-  EXPECT_EQ(*backend, TransportKindName(GetParam()));
+  EXPECT_EQ(*backend, GetParam());
 }
 
 TEST_P(TransportTest, RandomScatteredReadsAreVerifiedByteForByte) {
@@ -312,15 +315,45 @@ TEST_P(TransportTest, DeadlineIsTimeout) {
   EXPECT_EQ(r.status.code(), StatusCode::kTimeout);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, TransportTest,
-                         ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
-                         [](const auto& param_info) {
-                           return TransportKindName(param_info.param);
-                         });
+// Issue 13 item 2: the core asks the peer's backend whether it can read the remote region's
+// memory kind into the local region's, and refuses before any byte moves when it cannot.
+TEST_P(TransportTest, ARemoteRegionOfAKindTheBackendCannotReadIsRefused) {
+  Result<PeerDescriptor> d = DecodeDescriptor(peer_->descriptor);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  ASSERT_GE(d->regions.size(), 2u);
+  for (const RemoteRegion& r : d->regions) EXPECT_TRUE(r.kind.is_host());
+  for (RemoteRegion& r : d->regions) {
+    if (r.id == 1) r.kind = MemoryKind{"fake", 1};
+  }
+  Result<PeerId> p = client_->Connect(EncodeDescriptor(*d), DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(*client_->PeerBackend(*p), GetParam());
+  const std::uint64_t refused_before = client_->Stats().requests_refused;
+
+  Result<BatchId> host =
+      client_->SubmitReads(*p, {{local_.data(), 0, 0, 4096}}, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  EXPECT_EQ(client_->Wait(*host, DeadlineAfter(milliseconds(6000))).state, BatchState::kDone);
+  client_->Release(*host);
+
+  Result<BatchId> fake =
+      client_->SubmitReads(*p, {{local_.data(), 0, 0, 4096}, {local_.data() + 4096, 1, 0, 4096}},
+                           DeadlineAfter(milliseconds(5000)));
+  ASSERT_FALSE(fake.ok());
+  EXPECT_EQ(fake.status().code(), StatusCode::kNotSupported);
+  EXPECT_THAT(fake.status().message(), HasSubstr("read 1: the " + GetParam() +
+                                                 " backend cannot read fake:1 memory (the peer's "
+                                                 "region 1) into host memory (local region 100)"));
+  EXPECT_EQ(client_->Stats().requests_refused, refused_before + 1);
+  client_->Disconnect(*p);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TransportTest, ::testing::ValuesIn(TransportBackendNames()),
+                         [](const auto& param_info) { return param_info.param; });
 
 TEST(TcpTransportTest, FrozenPeerIsTimeoutAtTheDeadline) {
   Peer peer = StartPeer("tcp");
-  std::unique_ptr<Transport> client = MakeClient(TransportKind::kTcp);
+  std::unique_ptr<Transport> client = MakeClient("tcp");
   LocalMemory local(16u << 20);
   ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
   Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
@@ -344,7 +377,7 @@ TEST(TcpTransportTest, FrozenPeerIsTimeoutAtTheDeadline) {
 // shm reads need no CPU from the peer, so a stopped peer's memory is still read, at full speed.
 TEST(ShmTransportTest, FrozenPeerIsStillReadable) {
   Peer peer = StartPeer("shm");
-  std::unique_ptr<Transport> client = MakeClient(TransportKind::kShm);
+  std::unique_ptr<Transport> client = MakeClient("shm");
   LocalMemory local(8u << 20);
   ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
   Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
@@ -361,11 +394,11 @@ TEST(ShmTransportTest, FrozenPeerIsStillReadable) {
 TEST(TcpTransportTest, WrongOrMissingSecretIsRefused) {
   Peer peer = StartPeer("tcp", "the-right-secret");
   for (const std::string secret : {"a-wrong-secret", ""}) {
-    std::unique_ptr<Transport> client = MakeClient(TransportKind::kTcp, secret);
+    std::unique_ptr<Transport> client = MakeClient("tcp", secret);
     Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
     EXPECT_EQ(p.status().code(), StatusCode::kUnauthenticated) << secret;
   }
-  std::unique_ptr<Transport> client = MakeClient(TransportKind::kTcp, "the-right-secret");
+  std::unique_ptr<Transport> client = MakeClient("tcp", "the-right-secret");
   LocalMemory local(1u << 20);
   ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
   Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
@@ -383,7 +416,7 @@ TEST(TcpTransportTest, WrongOrMissingSecretIsRefused) {
 TEST(TcpTransportTest, APeerRestartedOnTheSamePortIsNotReadAsTheOldOne) {
   const std::string port = std::to_string(FreeLoopbackPorts(1));
   Peer first = StartPeer("tcp", "s3cret", {"--port", port});
-  std::unique_ptr<Transport> client = MakeClient(TransportKind::kTcp, "s3cret");
+  std::unique_ptr<Transport> client = MakeClient("tcp", "s3cret");
   LocalMemory local(1u << 20);
   ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
   Result<PeerId> p = client->Connect(first.descriptor, DeadlineAfter(milliseconds(5000)));
@@ -458,10 +491,12 @@ class RawClient {
 TEST(TcpTransportTest, ServerRefusesOutOfRangeAndDropsOnlyMalformedConnections) {
   Peer peer = StartPeer("tcp");
   Result<PeerDescriptor> d = DecodeDescriptor(peer.descriptor);
-  ASSERT_TRUE(d.ok() && d->tcp.has_value());
+  ASSERT_TRUE(d.ok());
+  Result<TcpEndpoint> endpoint = DecodeTcpSection(d->Section("tcp"));
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status().ToString();
 
   // An out-of-range read is answered with an error, and the connection stays usable.
-  RawClient good(*d->tcp);
+  RawClient good(*endpoint);
   ASSERT_TRUE(good.Handshake().ok());
   std::uint8_t req[tcp::kRequestHeaderBytes + tcp::kOpBytes];
   tcp::EncodeRequestHeader({1, 7}, req);
@@ -478,7 +513,7 @@ TEST(TcpTransportTest, ServerRefusesOutOfRangeAndDropsOnlyMalformedConnections) 
   EXPECT_THAT(text, HasSubstr("outside region 0"));
 
   // A malformed frame (bad magic) closes that connection only.
-  RawClient bad(*d->tcp);
+  RawClient bad(*endpoint);
   ASSERT_TRUE(bad.Handshake().ok());
   std::uint8_t junk[tcp::kRequestHeaderBytes] = {1, 2, 3, 4};
   ASSERT_TRUE(bad.Send(junk, sizeof(junk)).ok());
@@ -501,16 +536,19 @@ TEST(TcpTransportTest, ServerRefusesOutOfRangeAndDropsOnlyMalformedConnections) 
 
 TEST(TransportSelectionTest, AutoPicksShmOnThisHostAndForcedShmRefusesOtherHosts) {
   Peer peer = StartPeer("auto");
-  std::unique_ptr<Transport> client = MakeClient(TransportKind::kAuto);
+  std::unique_ptr<Transport> client = MakeClient("auto");
   Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(*client->PeerBackend(*p), "shm");
 
   Result<PeerDescriptor> d = DecodeDescriptor(peer.descriptor);
   ASSERT_TRUE(d.ok());
-  d->host.boot_id = "00000000-0000-0000-0000-000000000000";  // as if on another machine
+  Result<ShmSection> shm = DecodeShmSection(d->Section("shm"));
+  ASSERT_TRUE(shm.ok()) << shm.status().ToString();
+  shm->host.boot_id = "00000000-0000-0000-0000-000000000000";  // as if on another machine
+  d->sections["shm"] = EncodeShmSection(*shm);
   const std::vector<std::uint8_t> elsewhere = EncodeDescriptor(*d);
-  std::unique_ptr<Transport> shm_only = MakeClient(TransportKind::kShm);
+  std::unique_ptr<Transport> shm_only = MakeClient("shm");
   Result<PeerId> refused = shm_only->Connect(elsewhere, DeadlineAfter(milliseconds(5000)));
   EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
   EXPECT_THAT(refused.status().message(), HasSubstr("shm needs the peer on this kernel"));
@@ -521,7 +559,7 @@ TEST(TransportSelectionTest, AutoPicksShmOnThisHostAndForcedShmRefusesOtherHosts
 }
 
 TEST(TransportRegistrationTest, OverlapsDuplicatesAndUnknownIdsAreRefused) {
-  std::unique_ptr<Transport> t = MakeClient(TransportKind::kAuto);
+  std::unique_ptr<Transport> t = MakeClient("auto");
   std::vector<std::byte> mem(8192);
   EXPECT_TRUE(t->RegisterMemory(1, mem.data(), 4096).ok());
   EXPECT_EQ(t->RegisterMemory(1, mem.data() + 4096, 4096).code(), StatusCode::kInvalidArgument);
@@ -539,7 +577,7 @@ TEST(TransportRegistrationTest, OverlapsDuplicatesAndUnknownIdsAreRefused) {
 
 TEST(FaultInjectionTest, DelaysFailsAndCutsChosenBatchesOfARealBackend) {
   Peer peer = StartPeer("tcp");
-  auto faulty = std::make_unique<FaultInjectingTransport>(MakeClient(TransportKind::kTcp));
+  auto faulty = std::make_unique<FaultInjectingTransport>(MakeClient("tcp"));
   LocalMemory local(4u << 20);
   ASSERT_TRUE(faulty->RegisterMemory(1, local.data(), local.size()).ok());
   Result<PeerId> p = faulty->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
@@ -572,6 +610,93 @@ TEST(FaultInjectionTest, DelaysFailsAndCutsChosenBatchesOfARealBackend) {
   EXPECT_EQ(FirstPatternMismatch(local.data(), 4096, kSeed, 0, 0), -1) << "the first half ran";
   EXPECT_EQ(local.data()[4096], std::byte{0}) << "the second half did not";
   EXPECT_EQ(faulty->faults_injected(), 3u);
+}
+
+}  // namespace
+}  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// Issue 13 item 2: a region whose memory kind no backend of the transport can use is refused at
+// registration, naming the kind and the backends.
+TEST(TransportMemoryKindTest, RegisteringAKindNoBackendUsesIsRefused) {
+  std::unique_ptr<Transport> t = MakeClient("auto");
+  std::vector<std::byte> mem(8192);
+  const Status fake = t->RegisterMemory(1, mem.data(), 4096, MemoryKind{"fake", 0});
+  EXPECT_EQ(fake.code(), StatusCode::kInvalidArgument);
+  std::string backends;
+  for (const std::string& n : TransportBackendNames())
+    backends += (backends.empty() ? "" : ", ") + n;
+  EXPECT_THAT(fake.message(),
+              HasSubstr("fake:0 memory, which no backend of this transport (" + backends + ")"));
+  const Status malformed = t->RegisterMemory(2, mem.data(), 4096, MemoryKind{"Fake!", 0});
+  EXPECT_EQ(malformed.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(malformed.message(), HasSubstr("malformed"));
+  EXPECT_TRUE(t->RegisterMemory(1, mem.data(), 4096, MemoryKind::Host()).ok());
+  EXPECT_TRUE(t->RegisterMemory(2, mem.data() + 4096, 4096).ok());  // host by default
+}
+
+// Issue 13 item 1: backend options come as "<backend>.<key>" strings, are checked for every
+// backend of the build, and every error names the key.
+TEST(TransportOptionsTest, BadBackendOptionsAreRefusedNamingTheKey) {
+  auto refusal = [](TransportOptions o) {
+    o.serve = false;
+    const Status check = CheckTransportOptions(o);
+    Result<std::unique_ptr<Transport>> t = CreateTransport(o);
+    EXPECT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status().ToString();
+    EXPECT_EQ(check.code(), StatusCode::kInvalidArgument);
+    return std::string(t.status().message());
+  };
+  TransportOptions o;
+  o.backend_options = {{"tcp.connectionz", "4"}};
+  EXPECT_THAT(refusal(o), AllOf(HasSubstr("unknown transport option tcp.connectionz"),
+                                HasSubstr("tcp.connections")));
+  o.backend_options = {{"tcp.connections", "0"}};
+  EXPECT_THAT(refusal(o), AllOf(HasSubstr("tcp.connections"), HasSubstr("found '0'")));
+  o.backend_options = {{"shm.threads", "many"}};
+  EXPECT_THAT(refusal(o), HasSubstr("shm.threads: expected an integer"));
+  o.backend_options = {{"shm.permit_any_tracer", "yes please"}};
+  EXPECT_THAT(refusal(o), HasSubstr("shm.permit_any_tracer"));
+  o.backend_options = {{"rdma.lanes", "2"}};
+  EXPECT_THAT(refusal(o), HasSubstr("transport option rdma.lanes"));
+  // Options of a backend this transport does not use are checked too: a typo never hides.
+  o.backend = "tcp";
+  o.backend_options = {{"shm.threads", "0"}};
+  EXPECT_THAT(refusal(o), HasSubstr("shm.threads"));
+  o.backend_options.clear();
+  o.tcp_connections_per_peer = 0;  // a typed default is checked under its key
+  EXPECT_THAT(refusal(o), HasSubstr("tcp.connections"));
+  o.tcp_connections_per_peer = 4;
+  o.backend = "rdma";
+  EXPECT_THAT(refusal(o), HasSubstr("unknown transport 'rdma': expected auto"));
+  TransportOptionMap map;
+  EXPECT_EQ(AddTransportOption("tcp.connections", &map).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(AddTransportOption("=4", &map).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(AddTransportOption("tcp.advertise_host=a=b", &map).ok());
+  EXPECT_EQ(map.at("tcp.advertise_host"), "a=b");
+}
+
+TEST(TransportOptionsTest, AStringOptionOverridesItsTypedDefault) {
+  const int free_port = FreeLoopbackPorts(1);
+  ASSERT_GT(free_port, 0);
+  const auto port = static_cast<std::uint16_t>(free_port);
+
+  TransportOptions o;
+  o.backend = "tcp";
+  o.tcp_port = 0;
+  o.tcp_advertise_host = "typed.example";
+  o.backend_options = {{"tcp.port", std::to_string(port)}, {"tcp.advertise_host", "localhost"}};
+  Result<std::unique_ptr<Transport>> t = CreateTransport(o);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  Result<PeerDescriptor> d = DecodeDescriptor(*(*t)->Descriptor());
+  ASSERT_TRUE(d.ok());
+  Result<TcpEndpoint> endpoint = DecodeTcpSection(d->Section("tcp"));
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status().ToString();
+  EXPECT_EQ(endpoint->port, port);
+  EXPECT_EQ(endpoint->host, "localhost");
+  EXPECT_TRUE(d->Section("shm").empty());  // backend tcp: no shm section
 }
 
 }  // namespace

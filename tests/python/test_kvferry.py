@@ -26,6 +26,23 @@ def test_errors_map_to_exception_classes():
     assert issubclass(kvferry.Error, RuntimeError)
 
 
+def test_transport_backends_and_options_come_from_the_registry():
+    # Issue 13: backends are listed by the transport's registry, and their options are a map of
+    # "<backend>.<option>" strings checked by the backend, with errors that name the key.
+    assert kvferry.transport_backends() == ["shm", "tcp"]
+    worker = kvferry.Worker("kv_consumer", "py-opts", base_port=free_port(),
+                            transport_options={"tcp.connections": "2", "shm.threads": "1"})
+    assert worker.stats()["bytes_read"] == 0
+    with pytest.raises(kvferry.InvalidArgumentError, match="tcp.connections"):
+        kvferry.Worker("kv_consumer", "py-opts", base_port=free_port(),
+                       transport_options={"tcp.connections": "0"})
+    with pytest.raises(kvferry.InvalidArgumentError, match="unknown transport option tcp.nope"):
+        kvferry.Worker("kv_consumer", "py-opts", base_port=free_port(),
+                       transport_options={"tcp.nope": "1"})
+    with pytest.raises(kvferry.InvalidArgumentError, match="unknown transport 'rdma'"):
+        kvferry.Worker("kv_consumer", "py-opts", base_port=free_port(), transport="rdma")
+
+
 def test_cache_spec_and_hash():
     a = kvferry.CacheSpec.mha(2, 8, 64, 16, 16, "bf16", tp_size=2, tp_rank=1)
     b = kvferry.CacheSpec.mha(2, 8, 64, 99, 16, "bf16")

@@ -279,8 +279,70 @@ Status ProveInstance(const ShmPeerState& peer, const ShmProof& proof) {
 
 }  // namespace
 
-ShmBackend::ShmBackend(HostIdentity self, int threads)
-    : self_(std::move(self)), pool_(std::make_shared<WorkQueue>(threads, "kvferry-shm")) {}
+Result<ShmOptions> ParseShmOptions(const TransportOptions& options, const TransportOptionMap& own) {
+  ShmOptions o;
+  o.permit_any_tracer = options.shm_permit_any_tracer;
+  BackendOptionReader r("shm", own);
+  auto threads = static_cast<std::uint64_t>(std::max(options.shm_threads, 0));
+  KVFERRY_RETURN_IF_ERROR(r.ReadUint("threads", 1, 256, &threads));
+  KVFERRY_RETURN_IF_ERROR(r.Require(threads >= 1 && threads <= 256, "threads",
+                                    "1 to 256 reader threads", std::to_string(threads)));
+  o.threads = static_cast<int>(threads);
+  KVFERRY_RETURN_IF_ERROR(r.ReadBool("permit_any_tracer", &o.permit_any_tracer));
+  KVFERRY_RETURN_IF_ERROR(r.RejectUnknown());
+  return o;
+}
+
+bool ServingPermitsAnyTracer(const TransportOptions& options) {
+  if (!options.serve || (options.backend != "auto" && options.backend != "shm")) return false;
+  Result<ShmOptions> o = ParseShmOptions(options, OwnOptions(options.backend_options, "shm"));
+  return o.ok() && o->permit_any_tracer;
+}
+
+ShmBackend::ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer)
+    : self_(std::move(self)),
+      proof_(proof),
+      permitted_any_tracer_(permitted_any_tracer),
+      pool_(std::make_shared<WorkQueue>(threads, "kvferry-shm")) {}
+
+BackendFactory ShmBackend::Factory() {
+  BackendFactory f;
+  f.name = "shm";
+  f.check = [](const TransportOptions& options, const TransportOptionMap& own) {
+    return ParseShmOptions(options, own).status();
+  };
+  f.create = [](const BackendContext& ctx) -> Result<std::unique_ptr<Backend>> {
+    KVFERRY_ASSIGN_OR_RETURN(ShmOptions o, ParseShmOptions(ctx.options, ctx.own_options));
+    KVFERRY_ASSIGN_OR_RETURN(HostIdentity self, LocalHostIdentity());
+    KVFERRY_ASSIGN_OR_RETURN(ShmProof proof, LocalProof());
+    const bool permit = ctx.options.serve && o.permit_any_tracer;
+    if (permit) PermitAnyTracer();
+    return std::unique_ptr<Backend>(
+        std::make_unique<ShmBackend>(std::move(self), proof, o.threads, permit));
+  };
+  return f;
+}
+
+std::vector<std::uint8_t> ShmBackend::DescriptorSection() {
+  return EncodeShmSection(ShmSection{self_, proof_});
+}
+
+Status ShmBackend::CanReach(const PeerView& peer) {
+  if (peer.section.empty()) {
+    return Status::Unavailable(
+        "the peer's descriptor has no shm section (host identity, start time and instance "
+        "nonce), so it cannot be read over shm");
+  }
+  Result<ShmSection> s = DecodeShmSection(peer.section);
+  if (!s.ok()) return s.status();
+  if (s->host.boot_id != self_.boot_id || s->host.pid_namespace != self_.pid_namespace) {
+    return Status::Unavailable(
+        "shm needs the peer on this kernel and PID namespace; the peer has boot id " +
+        s->host.boot_id + " and PID namespace " + std::to_string(s->host.pid_namespace) +
+        ", this process " + self_.boot_id + " and " + std::to_string(self_.pid_namespace));
+  }
+  return Status::Ok();
+}
 
 Result<ShmProof> ShmBackend::LocalProof() {
   ShmProof proof;
@@ -305,30 +367,21 @@ std::string ShmBackend::RefusedReadText(pid_t pid) {
          YamaScopeText() +
          "): shm needs the same user (or CAP_SYS_PTRACE) and, under Yama ptrace_scope=1, a "
          "reader that descends from the serving process or a serving process that permits "
-         "tracers: set shm_permit_any_tracer there (kvferry serve --shm-permit-any-tracer), "
+         "tracers: set shm_permit_any_tracer there (kvferry serve --shm-permit-any-tracer, or "
+         "the transport option shm.permit_any_tracer=true), "
          "which lets every process ptrace it, or run `sysctl kernel.yama.ptrace_scope=0`; "
          "otherwise use the tcp transport";
 }
 
-Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& peer,
+Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
                                                          Deadline /*deadline*/) {
-  if (peer.host.boot_id != self_.boot_id || peer.host.pid_namespace != self_.pid_namespace) {
-    return Status::Unavailable(
-        "shm needs the peer on this kernel and PID namespace; the peer has boot id " +
-        peer.host.boot_id + " and PID namespace " + std::to_string(peer.host.pid_namespace) +
-        ", this process " + self_.boot_id + " and " + std::to_string(self_.pid_namespace));
-  }
-  if (peer.host.pid <= 0 || peer.host.pid > INT_MAX) {
-    return Status::InvalidArgument("the peer's pid is " + std::to_string(peer.host.pid) +
+  KVFERRY_RETURN_IF_ERROR(CanReach(peer));
+  KVFERRY_ASSIGN_OR_RETURN(const ShmSection section, DecodeShmSection(peer.section));
+  if (section.host.pid <= 0 || section.host.pid > INT_MAX) {
+    return Status::InvalidArgument("the peer's pid is " + std::to_string(section.host.pid) +
                                    ": expected the serving process's pid (> 0)");
   }
-  if (!peer.shm) {
-    return Status::Unavailable(
-        "the peer's descriptor has no shm section (start time and instance nonce), so process " +
-        std::to_string(peer.host.pid) +
-        " cannot be proven to be the peer; the peer runs an older kvferry: use tcp");
-  }
-  const auto pid = static_cast<pid_t>(peer.host.pid);
+  const auto pid = static_cast<pid_t>(section.host.pid);
   const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
   if (pidfd < 0) {
     const int err = errno;
@@ -341,7 +394,7 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& p
   auto state = std::make_shared<ShmPeerState>(pid, pidfd);
   // Before the first read of a region: prove that the process is the one that wrote the
   // descriptor, so a reused pid is never read as the peer.
-  KVFERRY_RETURN_IF_ERROR(ProveInstance(*state, *peer.shm));
+  KVFERRY_RETURN_IF_ERROR(ProveInstance(*state, section.proof));
   // Probe one byte of a region, so that unmapped memory is found now, not mid-transfer.
   if (!peer.regions.empty()) {
     std::byte probe{};
@@ -360,7 +413,7 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerDescriptor& p
     }
   }
   return std::unique_ptr<BackendPeer>(
-      std::make_unique<ShmPeer>(std::move(state), IndexRegions(peer), pool_));
+      std::make_unique<ShmPeer>(std::move(state), IndexRegions(peer.regions), pool_));
 }
 
 }  // namespace kvferry

@@ -9,30 +9,60 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/work_queue.h"
 #include "transport/backend.h"
+#include "transport/shm/shm_section.h"
 
 namespace kvferry {
 
+/// The shm backend's options (docs/transport.md, "Options"): the typed defaults of
+/// TransportOptions (shm_threads, shm_permit_any_tracer), overridden by shm.threads and
+/// shm.permit_any_tracer.
+struct ShmOptions {
+  int threads = 2;
+  bool permit_any_tracer = false;
+};
+Result<ShmOptions> ParseShmOptions(const TransportOptions& options, const TransportOptionMap& own);
+
+/// Whether a transport created with `options` calls prctl(PR_SET_PTRACER_ANY): only when it
+/// serves, has the shm backend (backend auto or shm), and shm.permit_any_tracer is set (false
+/// for options that do not parse).
+bool ServingPermitsAnyTracer(const TransportOptions& options);
+
 class ShmBackend final : public Backend {
  public:
-  ShmBackend(HostIdentity self, int threads);
-  const char* name() const override { return "shm"; }
-  /// Before any read: the peer's pid must be > 0 and name a live process whose start time
-  /// (/proc/PID/stat) equals the descriptor's and whose instance nonce, read from its memory,
-  /// equals the descriptor's; otherwise PeerDisconnected (the process is gone or was replaced)
-  /// or Unavailable (another host, no shm section, or the kernel refused the read).
-  Result<std::unique_ptr<BackendPeer>> Connect(const PeerDescriptor& peer,
-                                               Deadline deadline) override;
+  /// `self` and `proof` are this process's (LocalHostIdentity, LocalProof).
+  ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer = false);
+  /// The registry's entry: name "shm".
+  static BackendFactory Factory();
 
-  /// This process's shm section for its descriptor: its start time and the address and value of
-  /// its instance nonce (random, chosen on first use, never changed, kept for the process's life).
+  const char* name() const override { return "shm"; }
+  std::vector<std::uint8_t> DescriptorSection() override;
+  /// OK for a peer whose shm section names this kernel and PID namespace; Unavailable when it has
+  /// no section or another host; InvalidArgument/NotSupported for a section that does not decode.
+  Status CanReach(const PeerView& peer) override;
+  /// Before any read: the peer's pid must be > 0 and name a live process whose start time
+  /// (/proc/PID/stat) equals the section's and whose instance nonce, read from its memory,
+  /// equals the section's; otherwise PeerDisconnected (the process is gone or was replaced)
+  /// or Unavailable (another host, no shm section, or the kernel refused the read).
+  Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
+  /// Host memory into host memory only: process_vm_readv cannot reach device memory.
+  bool CanRead(const MemoryKind& remote, const MemoryKind& local) const override {
+    return remote.is_host() && local.is_host();
+  }
+
+  /// Whether this backend called prctl(PR_SET_PTRACER_ANY) when it was created.
+  bool permitted_any_tracer() const { return permitted_any_tracer_; }
+
+  /// This process's proof for its section: its start time and the address and value of its
+  /// instance nonce (random, chosen on first use, never changed, kept for the process's life).
   static Result<ShmProof> LocalProof();
 
   /// Allows every process to ptrace this one, not only to read its memory, when Yama's
   /// ptrace_scope is 1 (prctl PR_SET_PTRACER_ANY; without Yama it changes nothing). Called only
-  /// when TransportOptions::shm_permit_any_tracer is set; never undone.
+  /// when shm.permit_any_tracer is set on a serving transport; never undone.
   static void PermitAnyTracer();
 
   /// The text a refused read (EPERM) reports: why, and how to let shm work.
@@ -40,6 +70,8 @@ class ShmBackend final : public Backend {
 
  private:
   HostIdentity self_;
+  ShmProof proof_;
+  bool permitted_any_tracer_;
   std::shared_ptr<WorkQueue> pool_;
 };
 

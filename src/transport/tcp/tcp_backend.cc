@@ -462,19 +462,76 @@ class TcpPeer final : public BackendPeer {
 
 }  // namespace
 
-Result<std::unique_ptr<BackendPeer>> TcpBackend::Connect(const PeerDescriptor& peer,
-                                                         Deadline deadline) {
-  if (!peer.tcp) {
+Result<std::unique_ptr<TcpBackend>> TcpBackend::Create(TcpOptions options, bool serve,
+                                                       RegionRegistry* regions) {
+  std::unique_ptr<TcpBackend> b(new TcpBackend(std::move(options)));
+  if (serve) {
+    const TcpOptions& o = b->options_;
+    const std::string& advertise = o.advertise_host.empty() ? o.bind_host : o.advertise_host;
+    if (advertise == "0.0.0.0" || advertise == "::") {
+      return Status::InvalidArgument("the tcp server binds to " + o.bind_host +
+                                     "; set tcp.advertise_host (tcp_advertise_host) to the "
+                                     "address peers should connect to");
+    }
+    KVFERRY_ASSIGN_OR_RETURN(
+        b->server_,
+        TcpServer::Start(regions, o.bind_host, o.port, o.client.secret, &b->counters_, o.limits));
+  }
+  return b;
+}
+
+BackendFactory TcpBackend::Factory() {
+  BackendFactory f;
+  f.name = "tcp";
+  f.check = [](const TransportOptions& options, const TransportOptionMap& own) {
+    return ParseTcpOptions(options, own).status();
+  };
+  f.create = [](const BackendContext& ctx) -> Result<std::unique_ptr<Backend>> {
+    KVFERRY_ASSIGN_OR_RETURN(TcpOptions o, ParseTcpOptions(ctx.options, ctx.own_options));
+    KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<TcpBackend> b,
+                             Create(std::move(o), ctx.options.serve, ctx.regions));
+    return std::unique_ptr<Backend>(std::move(b));
+  };
+  return f;
+}
+
+TcpBackend::~TcpBackend() { server_.reset(); }
+
+std::vector<std::uint8_t> TcpBackend::DescriptorSection() {
+  if (!server_) return {};
+  return EncodeTcpSection(
+      TcpEndpoint{options_.advertise_host.empty() ? options_.bind_host : options_.advertise_host,
+                  server_->port(), server_->instance()});
+}
+
+Status TcpBackend::CanReach(const PeerView& peer) {
+  if (peer.section.empty()) {
     return Status::Unavailable("the peer runs no tcp read server; start it with serving enabled");
   }
+  return DecodeTcpSection(peer.section).status();
+}
+
+void TcpBackend::RevokeRegion(RegionId region) {
+  if (server_) server_->RevokeRegion(region);
+}
+
+void TcpBackend::AddStats(TransportStats* stats) const {
+  stats->bytes_served += counters_.bytes_served.load();
+  stats->requests_refused += counters_.refused.load();
+}
+
+Result<std::unique_ptr<BackendPeer>> TcpBackend::Connect(const PeerView& peer, Deadline deadline) {
+  KVFERRY_RETURN_IF_ERROR(CanReach(peer));
+  KVFERRY_ASSIGN_OR_RETURN(const TcpEndpoint endpoint, DecodeTcpSection(peer.section));
+  const ClientOptions& client = options_.client;
   std::vector<std::unique_ptr<Connection>> conns;
-  for (int i = 0; i < std::max(options_.connections_per_peer, 1); ++i) {
-    Result<Fd> fd = tcp::Connect(peer.tcp->host, peer.tcp->port, deadline, options_.user_timeout);
+  for (int i = 0; i < std::max(client.connections_per_peer, 1); ++i) {
+    Result<Fd> fd = tcp::Connect(endpoint.host, endpoint.port, deadline, client.user_timeout);
     if (!fd.ok()) return fd.status();
-    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), *peer.tcp, options_.secret, deadline));
-    conns.push_back(std::make_unique<Connection>(*peer.tcp, options_, std::move(fd).value()));
+    KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), endpoint, client.secret, deadline));
+    conns.push_back(std::make_unique<Connection>(endpoint, client, std::move(fd).value()));
   }
-  return std::unique_ptr<BackendPeer>(std::make_unique<TcpPeer>(options_, std::move(conns)));
+  return std::unique_ptr<BackendPeer>(std::make_unique<TcpPeer>(client, std::move(conns)));
 }
 
 }  // namespace kvferry::tcp

@@ -1,12 +1,16 @@
-// The decode side of the tcp backend: several authenticated connections per peer, requests
-// striped across them, responses received straight into the destination blocks.
+// The tcp backend: on the decode side several authenticated connections per peer, requests
+// striped across them, responses received straight into the destination blocks; on the prefill
+// side (serving) its own read server (tcp_server.h).
 #pragma once
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "transport/backend.h"
+#include "transport/tcp/tcp_section.h"
+#include "transport/tcp/tcp_server.h"
 
 namespace kvferry::tcp {
 
@@ -17,15 +21,49 @@ struct ClientOptions {
   std::chrono::milliseconds user_timeout{5000};
 };
 
+/// The tcp backend's options (docs/transport.md, "Options"): TransportOptions' tcp_* fields and
+/// max_request_bytes, overridden by the tcp.* keys.
+struct TcpOptions {
+  ClientOptions client;
+  std::string bind_host = "127.0.0.1";
+  std::uint16_t port = 0;
+  /// What peers are told; the bind address when empty. Required for 0.0.0.0 and ::.
+  std::string advertise_host;
+  ServerLimits limits;
+};
+/// InvalidArgument naming the key for an unknown key, a value that does not parse or is out of
+/// range, or a serving wildcard bind address without tcp.advertise_host.
+Result<TcpOptions> ParseTcpOptions(const TransportOptions& options, const TransportOptionMap& own);
+
 class TcpBackend final : public Backend {
  public:
-  explicit TcpBackend(ClientOptions options) : options_(std::move(options)) {}
+  /// With options.serve, binds and starts the read server over `regions` (a busy port is
+  /// Unavailable naming it).
+  static Result<std::unique_ptr<TcpBackend>> Create(TcpOptions options, bool serve,
+                                                    RegionRegistry* regions);
+  /// The registry's entry: name "tcp".
+  static BackendFactory Factory();
+  ~TcpBackend() override;
+
   const char* name() const override { return "tcp"; }
-  Result<std::unique_ptr<BackendPeer>> Connect(const PeerDescriptor& peer,
-                                               Deadline deadline) override;
+  /// The server's endpoint; empty when not serving.
+  std::vector<std::uint8_t> DescriptorSection() override;
+  /// OK for a peer with a tcp section (it serves); Unavailable without one.
+  Status CanReach(const PeerView& peer) override;
+  Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
+  /// Host memory into host memory only.
+  bool CanRead(const MemoryKind& remote, const MemoryKind& local) const override {
+    return remote.is_host() && local.is_host();
+  }
+  void RevokeRegion(RegionId region) override;
+  void AddStats(TransportStats* stats) const override;
 
  private:
-  ClientOptions options_;
+  explicit TcpBackend(TcpOptions options) : options_(std::move(options)) {}
+
+  TcpOptions options_;
+  ServerCounters counters_;
+  std::unique_ptr<TcpServer> server_;  // null when not serving; uses counters_
 };
 
 }  // namespace kvferry::tcp

@@ -6,57 +6,108 @@
 #include <random>
 #include <set>
 
+#include "transport/shm/shm_section.h"
+#include "transport/tcp/tcp_section.h"
+
 namespace kvferry {
 namespace {
 
 using ::testing::HasSubstr;
 
+const ShmSection kShm{{"87d27ef8-ec29-4dbb-b1ee-24fd9ed0171c", 4026531836u, 4242},
+                      {123456789, 0x55d0c0de1000ull, 0x0123456789abcdefull}};
+const TcpEndpoint kTcp{"127.0.0.1", 40001, 0xfedcba9876543210ull};
+
 PeerDescriptor Sample() {
-  return PeerDescriptor{{"87d27ef8-ec29-4dbb-b1ee-24fd9ed0171c", 4026531836u, 4242},
-                        TcpEndpoint{"127.0.0.1", 40001, 0xfedcba9876543210ull},
-                        {{0, 0x7f0000001000, 1u << 20}, {5, 0x7f0000200000, 4096}},
-                        std::nullopt};
+  PeerDescriptor d;
+  d.regions = {{0, 0x7f0000001000, 1u << 20, MemoryKind::Host()},
+               {5, 0x7f0000200000, 4096, MemoryKind{"fake", 3}}};
+  d.sections["tcp"] = EncodeTcpSection(kTcp);
+  d.sections["shm"] = EncodeShmSection(kShm);
+  return d;
 }
 
-TEST(DescriptorTest, RoundTrips) {
+TEST(DescriptorTest, RoundTripsRegionsKindsAndOpaqueSections) {
   const PeerDescriptor d = Sample();
   Result<PeerDescriptor> back = DecodeDescriptor(EncodeDescriptor(d));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, d);
+  EXPECT_EQ(back->regions[1].kind.ToString(), "fake:3");
   PeerDescriptor no_tcp = d;
-  no_tcp.tcp.reset();
+  no_tcp.sections.erase("tcp");
   EXPECT_EQ(*DecodeDescriptor(EncodeDescriptor(no_tcp)), no_tcp);
+  EXPECT_TRUE(DecodeDescriptor(EncodeDescriptor(no_tcp))->Section("tcp").empty());
+  // A section the core has no backend for is carried, not interpreted.
+  PeerDescriptor other = d;
+  other.sections["ucx"] = {1, 2, 3};
+  EXPECT_EQ(*DecodeDescriptor(EncodeDescriptor(other)), other);
 }
 
-TEST(DescriptorTest, ShmProofRoundTrips) {
+TEST(DescriptorTest, RefusesAnotherVersion) {
+  std::vector<std::uint8_t> bytes = EncodeDescriptor(Sample());
+  // {"v": 2, ...}: fixmap, fixstr "v", positive fixint.
+  ASSERT_EQ(bytes[3], kDescriptorVersion);
+  bytes[3] = 1;
+  Result<PeerDescriptor> d = DecodeDescriptor(bytes);
+  EXPECT_EQ(d.status().code(), StatusCode::kNotSupported);
+  EXPECT_THAT(d.status().message(), HasSubstr("reads version 2"));
+}
+
+TEST(DescriptorTest, RefusesMalformedMemoryKinds) {
   PeerDescriptor d = Sample();
-  d.shm = ShmProof{123456789, 0x55d0c0de1000ull, 0x0123456789abcdefull};
-  Result<PeerDescriptor> back = DecodeDescriptor(EncodeDescriptor(d));
+  d.regions[0].kind = MemoryKind{"Cuda", 0};
+  EXPECT_THAT(DecodeDescriptor(EncodeDescriptor(d)).status().message(),
+              HasSubstr("memory kind 'Cuda'"));
+  d.regions[0].kind = MemoryKind{"host", 1};
+  EXPECT_THAT(DecodeDescriptor(EncodeDescriptor(d)).status().message(),
+              HasSubstr("out of range for memory kind host"));
+}
+
+TEST(MemoryKindTest, ParsesAndPrints) {
+  EXPECT_EQ(ParseMemoryKind("host")->ToString(), "host");
+  EXPECT_TRUE(ParseMemoryKind("host")->is_host());
+  EXPECT_EQ(*ParseMemoryKind("cuda:1"), (MemoryKind{"cuda", 1}));
+  EXPECT_EQ((MemoryKind{"sim", 0}).ToString(), "sim:0");
+  for (const char* bad : {"", "host:1", "cuda:", "cuda:x", "CUDA:0", "a-b:0"}) {
+    EXPECT_EQ(ParseMemoryKind(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+TEST(ShmSectionTest, RoundTrips) {
+  Result<ShmSection> back = DecodeShmSection(EncodeShmSection(kShm));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(*back, d);
+  EXPECT_EQ(*back, kShm);
 }
 
 // Issue 11: pid 0 names no process a reader could prove; it was accepted and handed to shm.
-TEST(DescriptorTest, RefusesPidZeroAndNegativePids) {
-  PeerDescriptor d = Sample();
-  d.host.pid = 0;
-  Result<PeerDescriptor> zero = DecodeDescriptor(EncodeDescriptor(d));
+TEST(ShmSectionTest, RefusesPidZeroAndNegativePids) {
+  ShmSection s = kShm;
+  s.host.pid = 0;
+  Result<ShmSection> zero = DecodeShmSection(EncodeShmSection(s));
   ASSERT_FALSE(zero.ok());
   EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(zero.status().message(), HasSubstr("pid (> 0), found 0"));
-  d.host.pid = -7;
-  Result<PeerDescriptor> negative = DecodeDescriptor(EncodeDescriptor(d));
+  s.host.pid = -7;
+  Result<ShmSection> negative = DecodeShmSection(EncodeShmSection(s));
   ASSERT_FALSE(negative.ok());
   EXPECT_EQ(negative.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(negative.status().message(), HasSubstr("found -7"));
 }
 
-TEST(DescriptorTest, RefusesAnShmSectionWithoutANonceAddress) {
-  PeerDescriptor d = Sample();
-  d.shm = ShmProof{1, 0, 42};
-  Result<PeerDescriptor> back = DecodeDescriptor(EncodeDescriptor(d));
+TEST(ShmSectionTest, RefusesASectionWithoutANonceAddress) {
+  ShmSection s = kShm;
+  s.proof.nonce_addr = 0;
+  Result<ShmSection> back = DecodeShmSection(EncodeShmSection(s));
   ASSERT_FALSE(back.ok());
   EXPECT_THAT(back.status().message(), HasSubstr("non-zero address of the instance nonce"));
+}
+
+TEST(TcpSectionTest, RoundTripsAndRefusesAnEmptyEndpoint) {
+  EXPECT_EQ(*DecodeTcpSection(EncodeTcpSection(kTcp)), kTcp);
+  EXPECT_EQ(DecodeTcpSection(EncodeTcpSection(TcpEndpoint{"", 1, 0})).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeTcpSection(EncodeTcpSection(TcpEndpoint{"h", 0, 0})).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(DescriptorTest, RefusesDuplicateAndWrappingRegions) {
@@ -70,7 +121,7 @@ TEST(DescriptorTest, RefusesDuplicateAndWrappingRegions) {
 }
 
 TEST(DescriptorTest, RangeChecks) {
-  const RemoteRegionTable t = IndexRegions(Sample());
+  const RemoteRegionTable t = IndexRegions(Sample().regions);
   EXPECT_TRUE(CheckRemoteRange(t, 5, 0, 4096).ok());
   EXPECT_FALSE(CheckRemoteRange(t, 5, 1, 4096).ok());
   EXPECT_FALSE(CheckRemoteRange(t, 5, ~0ull, 2).ok());
@@ -80,7 +131,8 @@ TEST(DescriptorTest, RangeChecks) {
 
 // Corrupted descriptors: each is either refused with a descriptor error that says what is wrong,
 // or decodes to a descriptor that keeps the decoder's promises (unique region ids, non-empty
-// ranges inside the address space, a tcp endpoint with a host and a port) and round-trips.
+// ranges inside the address space, well-formed memory kinds) and round-trips. The sections are
+// opaque here; their backends' decoders are tested above.
 TEST(DescriptorTest, RandomCorruptionIsRefusedOrDecodesToAValidDescriptor) {
   const std::vector<std::uint8_t> good = EncodeDescriptor(Sample());
   std::mt19937 rng(3);
@@ -106,10 +158,10 @@ TEST(DescriptorTest, RandomCorruptionIsRefusedOrDecodesToAValidDescriptor) {
       EXPECT_GT(r.length, 0u) << "input " << i;
       EXPECT_LE(r.addr, ~0ull - r.length) << "input " << i << ": region " << r.id << " wraps";
     }
-    if (d->tcp) {
-      EXPECT_FALSE(d->tcp->host.empty()) << "input " << i;
-      EXPECT_NE(d->tcp->port, 0) << "input " << i;
+    for (const RemoteRegion& r : d->regions) {
+      EXPECT_TRUE(IsValidMemoryKindType(r.kind.type)) << "input " << i;
     }
+    EXPECT_LE(d->sections.size(), kMaxDescriptorSections) << "input " << i;
     Result<PeerDescriptor> again = DecodeDescriptor(EncodeDescriptor(*d));
     ASSERT_TRUE(again.ok()) << "input " << i << ": " << again.status().ToString();
     EXPECT_EQ(*again, *d) << "input " << i;
@@ -125,7 +177,7 @@ TEST(DescriptorTest, RandomCorruptionIsRefusedOrDecodesToAValidDescriptor) {
   }
 }
 
-TEST(DescriptorTest, LocalIdentityIsReadable) {
+TEST(ShmSectionTest, LocalIdentityIsReadable) {
   Result<HostIdentity> id = LocalHostIdentity();
   ASSERT_TRUE(id.ok()) << id.status().ToString();
   EXPECT_FALSE(id->boot_id.empty());

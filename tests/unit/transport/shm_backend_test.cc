@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "common/clock.h"
-#include "transport/engine.h"
+#include "transport/transport_core.h"
 
 namespace kvferry {
 namespace {
@@ -32,6 +32,13 @@ std::uint64_t SelfStartTime() {
   return std::stoull(field);
 }
 
+// What a test peer publishes, before it is encoded into the shm section the backend reads.
+struct ShmPeerDescription {
+  HostIdentity host;
+  std::optional<ShmProof> shm;
+  std::vector<RemoteRegion> regions;
+};
+
 class ShmProofTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -43,17 +50,19 @@ class ShmProofTest : public ::testing::Test {
     descriptor_.host = self_;
     descriptor_.shm = *proof;
     descriptor_.regions.push_back(
-        {7, reinterpret_cast<std::uint64_t>(memory_.data()), memory_.size()});
+        {7, reinterpret_cast<std::uint64_t>(memory_.data()), memory_.size(), MemoryKind::Host()});
   }
 
-  Result<std::unique_ptr<BackendPeer>> Connect(const PeerDescriptor& d) {
-    return backend_.Connect(d, DeadlineAfter(milliseconds(2000)));
+  Result<std::unique_ptr<BackendPeer>> Connect(const ShmPeerDescription& d) {
+    const std::vector<std::uint8_t> section =
+        d.shm ? EncodeShmSection(ShmSection{d.host, *d.shm}) : std::vector<std::uint8_t>{};
+    return backend_.Connect(PeerView{d.regions, section}, DeadlineAfter(milliseconds(2000)));
   }
 
   HostIdentity self_;
   std::vector<std::byte> memory_ = std::vector<std::byte>(4096, std::byte{0x5a});
-  PeerDescriptor descriptor_;
-  ShmBackend backend_{LocalHostIdentity().value(), 1};
+  ShmPeerDescription descriptor_;
+  ShmBackend backend_{LocalHostIdentity().value(), ShmBackend::LocalProof().value(), 1};
 };
 
 TEST_F(ShmProofTest, LocalProofNamesThisProcessAndStaysTheSame) {
@@ -75,7 +84,7 @@ TEST_F(ShmProofTest, TheRightProofConnects) {
 
 // Issue 11: the pid was trusted without proof; a process that reused it was read as the peer.
 TEST_F(ShmProofTest, AWrongNonceIsPeerDisconnected) {
-  PeerDescriptor d = descriptor_;
+  ShmPeerDescription d = descriptor_;
   d.shm->nonce ^= 1;
   Result<std::unique_ptr<BackendPeer>> peer = Connect(d);
   ASSERT_FALSE(peer.ok());
@@ -84,7 +93,7 @@ TEST_F(ShmProofTest, AWrongNonceIsPeerDisconnected) {
 }
 
 TEST_F(ShmProofTest, AWrongStartTimeIsPeerDisconnected) {
-  PeerDescriptor d = descriptor_;
+  ShmPeerDescription d = descriptor_;
   d.shm->start_time += 1;
   Result<std::unique_ptr<BackendPeer>> peer = Connect(d);
   ASSERT_FALSE(peer.ok());
@@ -93,7 +102,7 @@ TEST_F(ShmProofTest, AWrongStartTimeIsPeerDisconnected) {
 }
 
 TEST_F(ShmProofTest, AnUnreadableNonceAddressIsPeerDisconnected) {
-  PeerDescriptor d = descriptor_;
+  ShmPeerDescription d = descriptor_;
   d.shm->nonce_addr = 8;  // page zero is never mapped
   Result<std::unique_ptr<BackendPeer>> peer = Connect(d);
   ASSERT_FALSE(peer.ok());
@@ -106,8 +115,8 @@ TEST_F(ShmProofTest, AnUnreadableNonceAddressIsPeerDisconnected) {
 TEST_F(ShmProofTest, TheProofIsCheckedBeforeAnyRegionIsRead) {
   void* guard = mmap(nullptr, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(guard, MAP_FAILED);
-  PeerDescriptor d = descriptor_;
-  d.regions = {{7, reinterpret_cast<std::uint64_t>(guard), 4096}};
+  ShmPeerDescription d = descriptor_;
+  d.regions = {{7, reinterpret_cast<std::uint64_t>(guard), 4096, MemoryKind::Host()}};
   Result<std::unique_ptr<BackendPeer>> right = Connect(d);
   ASSERT_FALSE(right.ok());
   EXPECT_EQ(right.status().code(), StatusCode::kUnavailable);
@@ -121,7 +130,7 @@ TEST_F(ShmProofTest, TheProofIsCheckedBeforeAnyRegionIsRead) {
 }
 
 TEST_F(ShmProofTest, ADescriptorWithoutShmSectionIsNotReadOverShm) {
-  PeerDescriptor d = descriptor_;
+  ShmPeerDescription d = descriptor_;
   d.shm.reset();
   Result<std::unique_ptr<BackendPeer>> peer = Connect(d);
   ASSERT_FALSE(peer.ok());
@@ -131,7 +140,7 @@ TEST_F(ShmProofTest, ADescriptorWithoutShmSectionIsNotReadOverShm) {
 
 // Issue 11: pid 0 reached pidfd_open; a descriptor built in-process never gets past Connect.
 TEST_F(ShmProofTest, PidZeroIsRefusedByTheBackendToo) {
-  PeerDescriptor d = descriptor_;
+  ShmPeerDescription d = descriptor_;
   d.host.pid = 0;
   Result<std::unique_ptr<BackendPeer>> peer = Connect(d);
   ASSERT_FALSE(peer.ok());
@@ -152,42 +161,61 @@ TEST(ShmTracerDecisionTest, OnlyTheExplicitOptionPermitsAnyTracer) {
   EXPECT_FALSE(o.shm_permit_any_tracer);
   EXPECT_TRUE(o.serve);
   EXPECT_FALSE(ServingPermitsAnyTracer(o));  // the defaults: serving, auto, option off
-  o.kind = TransportKind::kShm;
+  o.backend = "shm";
   EXPECT_FALSE(ServingPermitsAnyTracer(o));
   o.shm_permit_any_tracer = true;
   EXPECT_TRUE(ServingPermitsAnyTracer(o));
-  o.kind = TransportKind::kAuto;
+  o.backend = "auto";
   EXPECT_TRUE(ServingPermitsAnyTracer(o));
-  o.kind = TransportKind::kTcp;
+  o.backend = "tcp";
   EXPECT_FALSE(ServingPermitsAnyTracer(o));
-  o.kind = TransportKind::kAuto;
+  o.backend = "auto";
   o.serve = false;
   EXPECT_FALSE(ServingPermitsAnyTracer(o));
+  // The string option says the same as the typed field, and overrides it.
+  o.serve = true;
+  o.backend_options["shm.permit_any_tracer"] = "false";
+  EXPECT_FALSE(ServingPermitsAnyTracer(o));
+  o.shm_permit_any_tracer = false;
+  o.backend_options["shm.permit_any_tracer"] = "true";
+  EXPECT_TRUE(ServingPermitsAnyTracer(o));
 }
 
-TEST(ShmTracerDecisionTest, AServingEngineCallsPrctlOnlyWithTheOption) {
+bool PermittedAnyTracer(const TransportCore& core) {
+  const auto* shm = static_cast<const ShmBackend*>(core.FindBackendInstance("shm"));
+  return shm != nullptr && shm->permitted_any_tracer();
+}
+
+TEST(ShmTracerDecisionTest, AServingTransportCallsPrctlOnlyWithTheOption) {
   TransportOptions o;  // serving, auto
-  Result<std::unique_ptr<Engine>> plain = Engine::Create(o);
+  Result<std::unique_ptr<TransportCore>> plain = TransportCore::Create(o);
   ASSERT_TRUE(plain.ok()) << plain.status().ToString();
-  EXPECT_FALSE((*plain)->permitted_any_tracer());
+  EXPECT_FALSE(PermittedAnyTracer(**plain));
   o.shm_permit_any_tracer = true;
-  Result<std::unique_ptr<Engine>> permitting = Engine::Create(o);
+  Result<std::unique_ptr<TransportCore>> permitting = TransportCore::Create(o);
   ASSERT_TRUE(permitting.ok()) << permitting.status().ToString();
-  EXPECT_TRUE((*permitting)->permitted_any_tracer());
+  EXPECT_TRUE(PermittedAnyTracer(**permitting));
+  TransportOptions by_key;
+  by_key.backend_options["shm.permit_any_tracer"] = "true";
+  Result<std::unique_ptr<TransportCore>> keyed = TransportCore::Create(by_key);
+  ASSERT_TRUE(keyed.ok()) << keyed.status().ToString();
+  EXPECT_TRUE(PermittedAnyTracer(**keyed));
 }
 
-TEST(ShmDescriptorTest, AnEnginesDescriptorCarriesThisProcesssProof) {
+TEST(ShmDescriptorTest, ATransportsDescriptorCarriesThisProcesssProof) {
   TransportOptions o;
   o.serve = false;
-  Result<std::unique_ptr<Engine>> engine = Engine::Create(o);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  Result<std::vector<std::uint8_t>> bytes = (*engine)->Descriptor();
+  Result<std::unique_ptr<TransportCore>> core = TransportCore::Create(o);
+  ASSERT_TRUE(core.ok()) << core.status().ToString();
+  Result<std::vector<std::uint8_t>> bytes = (*core)->Descriptor();
   ASSERT_TRUE(bytes.ok());
   Result<PeerDescriptor> d = DecodeDescriptor(*bytes);
   ASSERT_TRUE(d.ok()) << d.status().ToString();
-  ASSERT_TRUE(d->shm.has_value());
-  EXPECT_EQ(*d->shm, ShmBackend::LocalProof().value());
-  EXPECT_EQ(d->host.pid, getpid());
+  Result<ShmSection> shm = DecodeShmSection(d->Section("shm"));
+  ASSERT_TRUE(shm.ok()) << shm.status().ToString();
+  EXPECT_EQ(shm->proof, ShmBackend::LocalProof().value());
+  EXPECT_EQ(shm->host.pid, getpid());
+  EXPECT_TRUE(d->Section("tcp").empty());  // not serving: no tcp section
 }
 
 }  // namespace

@@ -1,34 +1,34 @@
-// The Transport every caller gets from CreateTransport: registration, validation, batches and
-// stats in one place, with the shm and tcp backends behind it, chosen per peer.
+// The Transport every caller gets from CreateTransport: registration, validation, batches,
+// deadlines and stats in one place, with the registered backends (backend.h) behind it, chosen
+// per peer. It knows no backend by name.
 #pragma once
 
 #include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
+#include <string>
+#include <vector>
 
 #include "kvferry/transport.h"
 #include "transport/backend.h"
 #include "transport/descriptor.h"
 #include "transport/region_registry.h"
-#include "transport/tcp/tcp_server.h"
 
 namespace kvferry {
 
-/// Whether a transport created with `options` calls prctl(PR_SET_PTRACER_ANY): only when it
-/// serves, may use shm, and shm_permit_any_tracer is set.
-bool ServingPermitsAnyTracer(const TransportOptions& options);
-
-class Engine final : public Transport {
+class TransportCore final : public Transport {
  public:
-  static Result<std::unique_ptr<Engine>> Create(const TransportOptions& options);
-  ~Engine() override;
+  /// Checks every option, then creates the backends `options.backend` names ("auto": all of
+  /// them, in registry order).
+  static Result<std::unique_ptr<TransportCore>> Create(const TransportOptions& options);
+  ~TransportCore() override;
 
-  /// Whether Create called prctl(PR_SET_PTRACER_ANY) for this transport.
-  bool permitted_any_tracer() const { return permitted_any_tracer_; }
+  /// The backend called `name` of this transport, or null; for tests and diagnostics.
+  Backend* FindBackendInstance(std::string_view name) const;
 
-  Status RegisterMemory(RegionId id, void* addr, std::size_t length) override;
+  using Transport::RegisterMemory;
+  Status RegisterMemory(RegionId id, void* addr, std::size_t length, MemoryKind kind) override;
   Status DeregisterMemory(RegionId id) override;
   Result<std::vector<std::uint8_t>> Descriptor() override;
   Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) override;
@@ -42,12 +42,12 @@ class Engine final : public Transport {
   TransportStats Stats() override;
 
  private:
-  explicit Engine(const TransportOptions& options) : options_(options) {}
+  explicit TransportCore(const TransportOptions& options) : options_(options) {}
 
   struct PeerRecord {
-    const char* backend = "";
+    Backend* backend = nullptr;
     std::shared_ptr<BackendPeer> peer;
-    RemoteRegionTable regions;
+    std::shared_ptr<const RemoteRegionTable> regions;  // shared with running SubmitReads
   };
   struct BatchRecord {
     PeerId peer = 0;
@@ -56,13 +56,8 @@ class Engine final : public Transport {
   std::shared_ptr<Batch> FindBatch(BatchId id);
 
   const TransportOptions options_;
-  HostIdentity self_;
-  ShmProof shm_proof_;
-  bool permitted_any_tracer_ = false;
   RegionRegistry registry_;
-  tcp::ServerCounters server_counters_;
-  std::unique_ptr<tcp::TcpServer> server_;
-  std::vector<std::unique_ptr<Backend>> backends_;  // in order of preference
+  std::vector<std::unique_ptr<Backend>> backends_;  // in order of preference; use registry_
 
   std::mutex mu_;
   std::map<PeerId, PeerRecord> peers_;      // guarded by mu_

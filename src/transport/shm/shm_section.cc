@@ -1,0 +1,87 @@
+#include "transport/shm/shm_section.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <limits>
+
+#include "wire/msgpack_reader.h"
+
+namespace kvferry {
+
+std::vector<std::uint8_t> EncodeShmSection(const ShmSection& s) {
+  msgpack::sbuffer buffer;
+  msgpack::packer<msgpack::sbuffer> pk(buffer);
+  pk.pack_map(7);
+  pk.pack(std::string("v"));
+  pk.pack_uint32(kShmSectionVersion);
+  pk.pack(std::string("boot_id"));
+  pk.pack(s.host.boot_id);
+  pk.pack(std::string("pidns"));
+  pk.pack_uint64(s.host.pid_namespace);
+  pk.pack(std::string("pid"));
+  pk.pack_int64(s.host.pid);
+  pk.pack(std::string("start"));
+  pk.pack_uint64(s.proof.start_time);
+  pk.pack(std::string("nonce_at"));
+  pk.pack_uint64(s.proof.nonce_addr);
+  pk.pack(std::string("nonce"));
+  pk.pack_uint64(s.proof.nonce);
+  const auto* p = reinterpret_cast<const std::uint8_t*>(buffer.data());
+  return {p, p + buffer.size()};
+}
+
+Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes) {
+  KVFERRY_ASSIGN_OR_RETURN(msgpack::object_handle handle, wire::SafeUnpack(bytes, {16, 16, 2}));
+  KVFERRY_ASSIGN_OR_RETURN(wire::MapView m, wire::MapView::Of(handle.get(), "descriptor.shm"));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t version, m.Uint("v", 255));
+  if (version != kShmSectionVersion) {
+    return Status::NotSupported("shm section version " + std::to_string(version) +
+                                " is not supported; this build reads version " +
+                                std::to_string(kShmSectionVersion));
+  }
+  ShmSection s;
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  KVFERRY_ASSIGN_OR_RETURN(s.host.boot_id, m.Str("boot_id", 64));
+  KVFERRY_ASSIGN_OR_RETURN(s.host.pid_namespace, m.Uint("pidns", kMax));
+  if (const msgpack::object* pid = m.Find("pid");
+      pid != nullptr && pid->type == msgpack::type::NEGATIVE_INTEGER) {
+    return Status::InvalidArgument(m.At("pid") +
+                                   ": expected the serving process's pid (> 0), found " +
+                                   std::to_string(pid->via.i64));
+  }
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pid,
+                           m.Uint("pid", std::numeric_limits<std::int32_t>::max()));
+  if (pid == 0) {
+    // Pid 0 names no process a reader could prove.
+    return Status::InvalidArgument(m.At("pid") +
+                                   ": expected the serving process's pid (> 0), found 0");
+  }
+  s.host.pid = static_cast<std::int64_t>(pid);
+  KVFERRY_ASSIGN_OR_RETURN(s.proof.start_time, m.Uint("start", kMax));
+  KVFERRY_ASSIGN_OR_RETURN(s.proof.nonce_addr, m.Uint("nonce_at", kMax));
+  KVFERRY_ASSIGN_OR_RETURN(s.proof.nonce, m.Uint("nonce", kMax));
+  if (s.proof.nonce_addr == 0) {
+    return Status::InvalidArgument(m.At("nonce_at") +
+                                   ": expected a non-zero address of the instance nonce");
+  }
+  return s;
+}
+
+Result<HostIdentity> LocalHostIdentity() {
+  HostIdentity id;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  if (!(boot >> id.boot_id)) {
+    return Status::Unavailable("cannot read /proc/sys/kernel/random/boot_id: is /proc mounted?");
+  }
+  struct stat st {};
+  if (stat("/proc/self/ns/pid", &st) != 0) {
+    return Status::Unavailable("cannot stat /proc/self/ns/pid: is /proc mounted?");
+  }
+  id.pid_namespace = st.st_ino;
+  id.pid = getpid();
+  return id;
+}
+
+}  // namespace kvferry

@@ -1,0 +1,57 @@
+// The shm backend's section of the descriptor: who the serving process is (to decide same-host)
+// and how a same-host reader proves that the process at its pid is still the one that wrote the
+// descriptor. Its own msgpack map, versioned here (docs/transport.md, "Descriptor").
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+/// Same boot id and PID namespace means a peer's PID names a process on this kernel. A decoded
+/// section always has pid > 0.
+struct HostIdentity {
+  std::string boot_id;
+  std::uint64_t pid_namespace = 0;
+  std::int64_t pid = 0;
+
+  friend bool operator==(const HostIdentity&, const HostIdentity&) = default;
+};
+
+/// What a same-host reader checks before its first read of the process at `HostIdentity::pid`,
+/// so that a pid reused by another process (a restarted instance) is never read as the old peer.
+/// Filled by ShmBackend::LocalProof.
+struct ShmProof {
+  /// The process's start time: field 22 of /proc/PID/stat (clock ticks since boot).
+  std::uint64_t start_time = 0;
+  /// Where, in the serving process's address space, its 8-byte instance nonce lives (non-zero).
+  std::uint64_t nonce_addr = 0;
+  /// The value of that nonce: random, chosen once per process.
+  std::uint64_t nonce = 0;
+
+  friend bool operator==(const ShmProof&, const ShmProof&) = default;
+};
+
+struct ShmSection {
+  HostIdentity host;
+  ShmProof proof;
+
+  friend bool operator==(const ShmSection&, const ShmSection&) = default;
+};
+
+inline constexpr std::uint32_t kShmSectionVersion = 1;
+
+std::vector<std::uint8_t> EncodeShmSection(const ShmSection& section);
+/// Never trusts its input: malformed bytes, another version (NotSupported), a pid that is not
+/// positive and a zero nonce address are refused.
+Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes);
+
+/// This process's identity: /proc/sys/kernel/random/boot_id, the inode of /proc/self/ns/pid, and
+/// getpid().
+Result<HostIdentity> LocalHostIdentity();
+
+}  // namespace kvferry
