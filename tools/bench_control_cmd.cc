@@ -96,12 +96,12 @@ struct HostCache {
 };
 
 Result<std::unique_ptr<Worker>> MakeWorker(Role role, const std::string& engine, int base_port,
-                                           TransportKind kind, HostCache& cache) {
+                                           const std::string& backend, HostCache& cache) {
   WorkerConfig c;
   c.role = role;
   c.engine_id = engine;
   c.base_port = base_port;
-  c.transport.kind = kind;
+  c.transport.backend = backend;
   c.hold_lease = milliseconds(60000);
   c.transfer_timeout = milliseconds(10000);
   KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> w, Worker::Create(c));
@@ -127,7 +127,7 @@ Status WaitReceived(Worker& worker, const std::string& id) {
 
 // One-block loads through the connector (prefill and decode workers in this process, metadata
 // cached after the first), against one ZeroMQ round trip plus one raw read of the same bytes.
-Result<Json> MeasureLoads(const ControlArgs& a, TransportKind kind) {
+Result<Json> MeasureLoads(const ControlArgs& a, const std::string& backend) {
   KVFERRY_ASSIGN_OR_RETURN(HostCache prefill_cache, HostCache::Create());
   KVFERRY_ASSIGN_OR_RETURN(HostCache decode_cache, HostCache::Create());
   std::vector<int> taken;
@@ -135,10 +135,10 @@ Result<Json> MeasureLoads(const ControlArgs& a, TransportKind kind) {
   const int decode_port = FreeLoopbackPorts(1, taken);
   KVFERRY_ASSIGN_OR_RETURN(
       std::unique_ptr<Worker> prefill,
-      MakeWorker(Role::kPrefill, "bench-prefill", prefill_port, kind, prefill_cache));
+      MakeWorker(Role::kPrefill, "bench-prefill", prefill_port, backend, prefill_cache));
   KVFERRY_ASSIGN_OR_RETURN(
       std::unique_ptr<Worker> decode,
-      MakeWorker(Role::kDecode, "bench-decode", decode_port, kind, decode_cache));
+      MakeWorker(Role::kDecode, "bench-decode", decode_port, backend, decode_cache));
   constexpr int kWarmup = 20;
   std::vector<double> load_us;
   for (int i = 0; i < kWarmup + a.loads; ++i) {
@@ -192,7 +192,7 @@ Result<Json> MeasureLoads(const ControlArgs& a, TransportKind kind) {
 
   // Baseline 2: a raw read of one block of every layer and part through a transport alone.
   TransportOptions server_options;
-  server_options.kind = kind;
+  server_options.backend = backend;
   KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> server, CreateTransport(server_options));
   TransportOptions client_options = server_options;
   client_options.serve = false;
@@ -226,7 +226,7 @@ Result<Json> MeasureLoads(const ControlArgs& a, TransportKind kind) {
   const Summary rtt = Summarize(rtt_us);
   const Summary read = Summarize(read_us);
   const double baseline = rtt.p50_us + read.p50_us;
-  return Json{{"backend", TransportKindName(kind)},
+  return Json{{"backend", backend},
               {"loads", a.loads},
               {"bytes_per_load", spec.BlockBytes(0) * spec.num_parts() * kLayers},
               {"load", ToJson(load)},
@@ -362,18 +362,18 @@ Json MeasureScheduler(const ControlArgs& a) {
 
 // The first handshake to a new peer (metadata request, descriptor, transport connect), from a
 // fresh decode worker each time, against one ZeroMQ round trip of the metadata request alone.
-Result<Json> MeasureHandshakes(const ControlArgs& a, TransportKind kind) {
+Result<Json> MeasureHandshakes(const ControlArgs& a, const std::string& backend) {
   KVFERRY_ASSIGN_OR_RETURN(HostCache prefill_cache, HostCache::Create());
   const int prefill_port = FreeLoopbackPorts(1);
   KVFERRY_ASSIGN_OR_RETURN(
       std::unique_ptr<Worker> prefill,
-      MakeWorker(Role::kPrefill, "bench-prefill", prefill_port, kind, prefill_cache));
+      MakeWorker(Role::kPrefill, "bench-prefill", prefill_port, backend, prefill_cache));
   std::vector<double> first_us;
   for (int i = 0; i < a.handshakes; ++i) {
     KVFERRY_ASSIGN_OR_RETURN(HostCache decode_cache, HostCache::Create());
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> decode,
                              MakeWorker(Role::kDecode, "bench-decode-" + std::to_string(i),
-                                        FreeLoopbackPorts(1), kind, decode_cache));
+                                        FreeLoopbackPorts(1), backend, decode_cache));
     const std::string held = "h" + std::to_string(i);
     ConnectorMetadata hold;
     hold.holds.push_back({held, 60000});
@@ -401,7 +401,7 @@ Result<Json> MeasureHandshakes(const ControlArgs& a, TransportKind kind) {
   }
   const Summary first = Summarize(first_us);
   const Summary call = Summarize(call_us);
-  return Json{{"backend", TransportKindName(kind)},
+  return Json{{"backend", backend},
               {"handshakes", a.handshakes},
               {"first_handshake", ToJson(first)},
               {"metadata_call", ToJson(call)},
@@ -417,15 +417,15 @@ int RunControl(const ControlArgs& a) {
   out["loads"] = Json::array();
   out["handshakes"] = Json::array();
   for (const std::string& name : a.backends) {
-    Result<TransportKind> kind = ParseTransportKind(name);
-    if (!kind.ok() || *kind == TransportKind::kAuto) {
-      std::cerr << "kvferry bench control: backend '" << name << "': expected shm or tcp\n";
+    if (Status s = CheckTransportBackend(name); !s.ok() || name == "auto") {
+      std::cerr << "kvferry bench control: backend '" << name
+                << "': expected one of this build's backends, not auto\n";
       return 2;
     }
-    Result<Json> loads = MeasureLoads(a, *kind);
+    Result<Json> loads = MeasureLoads(a, name);
     if (!loads.ok()) return fail("one-block loads over " + name, loads.status());
     out["loads"].push_back(*loads);
-    Result<Json> hs = MeasureHandshakes(a, *kind);
+    Result<Json> hs = MeasureHandshakes(a, name);
     if (!hs.ok()) return fail("handshakes over " + name, hs.status());
     out["handshakes"].push_back(*hs);
   }
