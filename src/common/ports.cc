@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 
 namespace kvferry {
@@ -23,14 +24,31 @@ bool PortFree(int port) {
   return ok;
 }
 
+// The first port of the kernel's ephemeral range (net.ipv4.ip_local_port_range), where it picks
+// ports for outgoing connections and binds to port 0.
+int EphemeralLow() {
+  std::FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+  int low = 32768;
+  int high = 60999;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%d %d", &low, &high) != 2) low = 32768;
+    std::fclose(f);
+  }
+  return low;
+}
+
 }  // namespace
 
 int FreeLoopbackPorts(int count, std::vector<int>& taken) {
-  // Random bases spread concurrent callers (parallel tests) over the range.
+  // Below the ephemeral range: a port found free here is not then taken by the kernel for some
+  // other test's outgoing connection or port-0 bind before the caller binds it. Random bases
+  // spread concurrent callers (parallel tests) over the range.
+  constexpr int kLowest = 10000;
+  const int span = std::max(EphemeralLow() - kLowest - count, 1000);
   std::random_device seed;
   std::mt19937 rng(seed());
   for (int attempt = 0; attempt < 200; ++attempt) {
-    const int base = 20000 + static_cast<int>(rng() % 40000u);
+    const int base = kLowest + static_cast<int>(rng() % static_cast<unsigned>(span));
     bool ok = true;
     for (int i = 0; i < count && ok; ++i) {
       ok = std::find(taken.begin(), taken.end(), base + i) == taken.end() && PortFree(base + i);
