@@ -152,11 +152,21 @@ std::uint64_t CpuTicks(pid_t pid) {
 
 TEST(TcpServerHostileTest, IdleConnectionsNeitherSpinNorStarveTheServer) {
   // The server runs with 256 descriptors and caps above that, so it runs out of descriptors.
+  // Not under sanitizers: UBSan's vptr check probes memory through a pipe(), which fails when the
+  // process is out of descriptors, and then reports every uncached virtual call as an "invalid
+  // vptr" and aborts (a false positive of the checker). There the server gets enough descriptors
+  // for the 1,000 idle connections; the handshake deadline and the CPU bound are still tested,
+  // and the descriptor exhaustion is tested by the plain build (make test).
   constexpr int kHandshakeMs = 2000;
-  const std::string command = std::string("ulimit -n 256 && exec ") + KVFERRY_CLI_PATH +
-                              " bench peer --backend tcp --bytes 1048576 --regions 1" +
-                              " --handshake-timeout-ms " + std::to_string(kHandshakeMs) +
-                              " --max-connections 4096 --max-connections-per-source 4096";
+  const int descriptors = testing::kTimingSlack > 1 ? 4096 : 256;
+  if (descriptors != 256) {
+    std::cout << "NOTE: sanitizer build: the server runs with " << descriptors
+              << " descriptors, so out-of-descriptors handling is not exercised here\n";
+  }
+  const std::string command =
+      "ulimit -n " + std::to_string(descriptors) + " && exec " + std::string(KVFERRY_CLI_PATH) +
+      " bench peer --backend tcp --bytes 1048576 --regions 1" + " --handshake-timeout-ms " +
+      std::to_string(kHandshakeMs) + " --max-connections 4096 --max-connections-per-source 4096";
   Result<Subprocess> peer = Subprocess::Spawn({"/bin/sh", "-c", command});
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
   Result<std::string> line = peer->ReadLine(std::chrono::seconds(30));
