@@ -59,7 +59,9 @@ TEST(WireTest, StridedAndFusedCacheSpecsRoundTrip) {
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     const AgentMetadata& got = std::get<AgentMetadata>(*back);
     EXPECT_EQ(got, m);
-    EXPECT_EQ(got.cache.BlockStride(1), cache.BlockStride(1));
+    for (int p = 0; p < cache.num_parts(); ++p) {
+      EXPECT_EQ(got.cache.BlockStride(p), cache.BlockStride(p));
+    }
     EXPECT_EQ(got.cache.fields(), cache.fields());
   }
 }
