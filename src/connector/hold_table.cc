@@ -41,6 +41,14 @@ HoldTable::Early* HoldTable::EarlyFor(const std::string& id, Clock::time_point n
   return &it->second;
 }
 
+Status HoldTable::EarlyTableFull(const char* kind, std::size_t refused, std::size_t total) const {
+  return Status::ResourceExhausted(
+      std::to_string(refused) + " of " + std::to_string(total) + " " + kind +
+      " notices name requests this worker does not hold, and its "
+      "table of early notices is full (" +
+      std::to_string(limits_.max_early) + "); their holds end by lease");
+}
+
 Result<std::uint32_t> HoldTable::Finished(const std::string& reader, std::uint32_t reader_tp,
                                           std::span<const std::string> ids, Clock::time_point now) {
   std::uint32_t applied = 0;
@@ -64,13 +72,7 @@ Result<std::uint32_t> HoldTable::Finished(const std::string& reader, std::uint32
     e->reader_tp = reader_tp;
     ++applied;
   }
-  if (refused > 0) {
-    return Status::ResourceExhausted(
-        std::to_string(refused) + " of " + std::to_string(ids.size()) +
-        " finished notices name requests this worker does not hold, and its table of early "
-        "notices is full (" +
-        std::to_string(limits_.max_early) + "); their holds end by lease");
-  }
+  if (refused > 0) return EarlyTableFull("finished", refused, ids.size());
   return applied;
 }
 
@@ -91,13 +93,7 @@ Result<std::uint32_t> HoldTable::Aborted(std::span<const std::string> ids, Clock
     e->aborted = true;
     ++applied;
   }
-  if (refused > 0) {
-    return Status::ResourceExhausted(
-        std::to_string(refused) + " of " + std::to_string(ids.size()) +
-        " abort notices name requests this worker does not hold, and its table of early notices "
-        "is full (" +
-        std::to_string(limits_.max_early) + "); their holds end by lease");
-  }
+  if (refused > 0) return EarlyTableFull("abort", refused, ids.size());
   return applied;
 }
 

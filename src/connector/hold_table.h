@@ -78,6 +78,8 @@ class HoldTable {
   };
   // The early entry for `id`, created if there is room; nullptr past the cap.
   Early* EarlyFor(const std::string& id, Clock::time_point now);
+  // The refusal of `refused` of `total` notices of `kind` that did not fit under max_early.
+  Status EarlyTableFull(const char* kind, std::size_t refused, std::size_t total) const;
   void TryComplete(const std::string& id);
   void Release(const std::string& id, std::uint64_t* counter);
 
