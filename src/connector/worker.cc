@@ -95,6 +95,9 @@ class WorkerImpl {
   int ExpectedReadersLocked(std::uint32_t reader_tp) const;
 
   void RunLoad(const LoadSpec& load);
+  // Reports a load's end (the one place, so each ends once); `recompute` false for engine aborts.
+  void EndLoadLocked(const std::string& id, const std::vector<std::int64_t>& blocks,
+                     const Status& s, bool recompute);
   Status DoLoad(const LoadSpec& load);
   std::vector<std::string> NoticeEndpoints(const LoadSpec& load,
                                            const std::vector<TpSource>& sources) const;
@@ -361,11 +364,7 @@ void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
       Status s = queued.WithContext("queueing the load of request " + id);
       Log().warn("{}", s.ToString());
       std::lock_guard<std::mutex> lock(mu_);
-      loads_.erase(id);
-      finished_receiving_.push_back(id);
-      ++stats_.loads_failed;
-      ++stats_.failures[StatusCodeName(s.code())];
-      load_errors_.push_back({id, blocks, s, cfg_.failure_policy == LoadFailurePolicy::kRecompute});
+      EndLoadLocked(id, blocks, s, /*recompute=*/true);
     }
   }
 }
@@ -457,20 +456,27 @@ void WorkerImpl::RunLoad(const LoadSpec& load) {
     SendAborts(load, std::string(s.message()));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  loads_.erase(load.request_id);
-  finished_receiving_.push_back(load.request_id);  // exactly once: this is the only place
   if (s.ok()) {
-    ++stats_.loads_done;
     stats_.transfer_latency.Add(
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
-  } else {
-    ++stats_.loads_failed;
-    ++stats_.failures[StatusCodeName(s.code())];
-    // A load the engine aborted has nothing to recompute: the engine has dropped the request.
-    load_errors_.push_back(
-        {load.request_id, load.local_block_ids, s,
-         !aborted_by_engine && cfg_.failure_policy == LoadFailurePolicy::kRecompute});
   }
+  // A load the engine aborted has nothing to recompute: the engine has dropped the request.
+  EndLoadLocked(load.request_id, load.local_block_ids, s, !aborted_by_engine);
+}
+
+void WorkerImpl::EndLoadLocked(const std::string& id, const std::vector<std::int64_t>& blocks,
+                               const Status& s, bool recompute) {
+  // Every started load ends here, exactly once: reported done or failed to GetFinished.
+  loads_.erase(id);
+  finished_receiving_.push_back(id);
+  if (s.ok()) {
+    ++stats_.loads_done;
+    return;
+  }
+  ++stats_.loads_failed;
+  ++stats_.failures[StatusCodeName(s.code())];
+  load_errors_.push_back(
+      {id, blocks, s, recompute && cfg_.failure_policy == LoadFailurePolicy::kRecompute});
 }
 
 std::vector<std::string> WorkerImpl::NoticeEndpoints(const LoadSpec& load,
