@@ -247,7 +247,9 @@ class Worker {
   void StartLoadKv(const ConnectorMetadata& metadata);
   /// Rule 11: every started load is reported exactly once in `receiving`, done or failed.
   FinishedRequests GetFinished();
-  /// Failed loads with their local block ids, since the last call.
+  /// Failed loads with their local block ids, since the last call. Call it after GetFinished:
+  /// a load's error is recorded before the load is reported finished, so every failed load in
+  /// `receiving` has its error by then (in this call or an earlier one).
   std::vector<LoadError> TakeLoadErrors();
   /// The engine aborted the request whose load runs or waits here: the load stops (reads in
   /// flight are cancelled; when this returns none of them writes any more), the prefill ranks

@@ -82,7 +82,13 @@ class WorkerImpl {
     Status status;
     std::optional<wire::AgentMetadata> metadata;
     PeerId peer = 0;
+    std::string engine_id;        // the engine the first load named; set before it is shared
     Clock::time_point last_used;  // guarded by the worker's mu_; for LRU eviction
+
+    bool Failed() {  // lock order: the worker's mu_, then this mu
+      std::lock_guard<std::mutex> lock(mu);
+      return state == State::kFailed;
+    }
   };
   struct LoadState {
     LoadSpec spec;
@@ -638,67 +644,94 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
 Result<std::shared_ptr<WorkerImpl::Agent>> WorkerImpl::GetAgent(const LoadSpec& load, int rank,
                                                                 Deadline deadline) {
   const std::string endpoint = Endpoint(load.remote_host, load.remote_port + rank);
-  std::shared_ptr<Agent> agent;
-  std::shared_ptr<Agent> evicted;
-  bool owner = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = agents_.find(endpoint);
-    if (it == agents_.end()) {
-      if (agents_.size() >= static_cast<std::size_t>(cfg_.max_agents)) {
-        // Rule 14: the cache of peer agents is bounded; the least recently used one that no load
-        // is using makes room. Its data-plane connections close with it.
-        auto lru = agents_.end();
-        for (auto a = agents_.begin(); a != agents_.end(); ++a) {
-          if (a->second.use_count() != 1) continue;  // a load or a handshake holds it
-          if (lru == agents_.end() || a->second->last_used < lru->second->last_used) lru = a;
-        }
-        if (lru == agents_.end()) {
-          return Status::ResourceExhausted(
-              "this worker talks to " + std::to_string(agents_.size()) +
-              " prefill ranks at once, its cap (max_agents); " + endpoint +
-              " must wait until a load from another one ends");
-        }
-        evicted = std::move(lru->second);
-        agents_.erase(lru);
-        ++stats_.agents_evicted;
-      }
-      it = agents_.emplace(endpoint, std::make_shared<Agent>()).first;
-      owner = true;
-    }
-    it->second->last_used = Clock::now();
-    agent = it->second;
-  }
-  if (evicted) transport_->Disconnect(evicted->peer);
-  if (owner) {
-    // Rule 9: one handshake per remote agent at a time; concurrent loads wait for this one.
-    const Clock::time_point start = Clock::now();
-    Status s = Handshake(*agent, endpoint, load, rank, deadline);
+  // At most two passes: the second runs only when the first found an agent made for another
+  // engine at this endpoint (a prefill instance restarted on the same ports).
+  for (int pass = 0;; ++pass) {
+    std::shared_ptr<Agent> agent;
+    std::shared_ptr<Agent> evicted;
+    bool owner = false;
     {
-      std::lock_guard<std::mutex> lock(agent->mu);
-      agent->state = s.ok() ? Agent::State::kReady : Agent::State::kFailed;
-      agent->status = s;
-    }
-    agent->cv.notify_all();
-    std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.handshakes;
-    stats_.handshake_latency.Add(
-        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
-    if (!s.ok()) {
-      // A failed handshake is not cached: the next load tries again.
+      std::lock_guard<std::mutex> lock(mu_);
       auto it = agents_.find(endpoint);
-      if (it != agents_.end() && it->second == agent) agents_.erase(it);
-      return s;
+      if (it != agents_.end() && it->second->Failed()) {
+        agents_.erase(it);  // its owner is about to drop it: not cached
+        it = agents_.end();
+      }
+      if (it == agents_.end()) {
+        if (agents_.size() >= static_cast<std::size_t>(cfg_.max_agents)) {
+          // Rule 14: the cache of peer agents is bounded; the least recently used one that no
+          // load is using makes room. Its data-plane connections close with it.
+          auto lru = agents_.end();
+          for (auto a = agents_.begin(); a != agents_.end(); ++a) {
+            if (a->second.use_count() != 1) continue;  // a load or a handshake holds it
+            if (lru == agents_.end() || a->second->last_used < lru->second->last_used) lru = a;
+          }
+          if (lru == agents_.end()) {
+            return Status::ResourceExhausted(
+                "this worker talks to " + std::to_string(agents_.size()) +
+                " prefill ranks at once, its cap (max_agents); " + endpoint +
+                " must wait until a load from another one ends");
+          }
+          evicted = std::move(lru->second);
+          agents_.erase(lru);
+          ++stats_.agents_evicted;
+        }
+        auto fresh = std::make_shared<Agent>();
+        fresh->engine_id = load.remote_engine_id;
+        it = agents_.emplace(endpoint, std::move(fresh)).first;
+        owner = true;
+      }
+      it->second->last_used = Clock::now();
+      agent = it->second;
     }
-    return agent;
+    if (evicted) transport_->Disconnect(evicted->peer);
+    if (owner) {
+      // Rule 9: one handshake per remote agent at a time; concurrent loads wait for this one.
+      const Clock::time_point start = Clock::now();
+      Status s = Handshake(*agent, endpoint, load, rank, deadline);
+      {
+        std::lock_guard<std::mutex> lock(agent->mu);
+        agent->state = s.ok() ? Agent::State::kReady : Agent::State::kFailed;
+        agent->status = s;
+      }
+      agent->cv.notify_all();
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.handshakes;
+      stats_.handshake_latency.Add(
+          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
+      if (!s.ok()) {
+        // A failed handshake is not cached: the next load tries again.
+        auto it = agents_.find(endpoint);
+        if (it != agents_.end() && it->second == agent) agents_.erase(it);
+        return s;
+      }
+      return agent;
+    }
+    std::unique_lock<std::mutex> lock(agent->mu);
+    if (!agent->cv.wait_until(lock, deadline,
+                              [&] { return agent->state != Agent::State::kConnecting; })) {
+      return Status::Timeout("waiting for the handshake with " + endpoint + " timed out");
+    }
+    const bool same_engine = agent->engine_id == load.remote_engine_id;
+    if (agent->state == Agent::State::kFailed) {
+      // A handshake for another engine failed (it named the engine that was here before a
+      // restart, say): that says nothing about this load's engine; handshake for it.
+      if (!same_engine && pass == 0) continue;
+      return agent->status;
+    }
+    if (same_engine || pass > 0) return agent;  // RunLoad refuses an engine mismatch clearly
+    lock.unlock();
+    // The agent was made for another engine. When this endpoint now answers as the engine this
+    // load names, the prefill instance restarted: the cached agent is stale (its engine and its
+    // blocks are gone), so it is dropped and a fresh handshake made. Otherwise the load names
+    // an engine that is gone, and RunLoad refuses it without disturbing the cached agent.
+    Result<wire::Message> reply = client_->Call(endpoint, wire::MetadataRequest{self_}, deadline);
+    const auto* md = reply.ok() ? std::get_if<wire::AgentMetadata>(&*reply) : nullptr;
+    if (md == nullptr || md->agent.peer.engine_id != load.remote_engine_id) return agent;
+    Log().info("{} is now engine {} (was {}): dropping the cached agent", endpoint,
+               load.remote_engine_id, agent->engine_id);
+    InvalidateAgent(endpoint, agent);
   }
-  std::unique_lock<std::mutex> lock(agent->mu);
-  if (!agent->cv.wait_until(lock, deadline,
-                            [&] { return agent->state != Agent::State::kConnecting; })) {
-    return Status::Timeout("waiting for the handshake with " + endpoint + " timed out");
-  }
-  if (agent->state == Agent::State::kFailed) return agent->status;
-  return agent;
 }
 
 Status WorkerImpl::Handshake(Agent& agent, const std::string& endpoint, const LoadSpec& load,

@@ -496,10 +496,19 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
   }
   const ConnectorMetadata meta = scheduler_->BuildConnectorMeta();
   for (auto& w : workers_) w->StartLoadKv(meta);
-  std::map<std::string, Status> errors;
+  // Each rank's finished loads first, then its errors (vLLM's order): a worker records a load's
+  // error before it reports the load finished, so every load reported here has its error in
+  // load_errors_ by now. Errors are kept until the request ends: another rank may report the
+  // same request steps later, and one failed rank is enough to recompute.
+  std::vector<std::vector<std::string>> finished(workers_.size());
   for (std::size_t rank = 0; rank < workers_.size(); ++rank) {
-    for (LoadError& e : workers_[rank]->TakeLoadErrors()) errors[e.request_id] = e.status;
-    for (const std::string& id : workers_[rank]->GetFinished().receiving) {
+    finished[rank] = workers_[rank]->GetFinished().receiving;
+    for (LoadError& e : workers_[rank]->TakeLoadErrors()) {
+      if (running_.count(e.request_id) != 0) load_errors_.emplace(e.request_id, e.status);
+    }
+  }
+  for (std::size_t rank = 0; rank < workers_.size(); ++rank) {
+    for (const std::string& id : finished[rank]) {
       std::set<int>& ranks = rank_reports_[id];
       ranks.insert(static_cast<int>(rank));
       if (ranks.size() != workers_.size()) continue;
@@ -514,15 +523,17 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
         FreeBlocks(r.blocks);
         out.push_back(r.result);
         running_.erase(it);
+        load_errors_.erase(id);
         continue;
       }
-      auto err = errors.find(id);
-      if (err != errors.end()) {
+      auto err = load_errors_.find(id);
+      if (err != load_errors_.end()) {
         // Recompute policy: the engine computes the blocks the load could not deliver.
         Log().warn("request {}: load failed ({}); recomputing {} blocks", id,
                    err->second.ToString(), r.result.loaded_blocks);
         Compute(r, r.prefix_hit, r.result.loaded_blocks);
         r.result.recomputed_blocks = r.result.loaded_blocks;
+        load_errors_.erase(err);
       }
       Status verify;
       r.result.verified_bytes = Verify(r, 0, static_cast<std::int64_t>(r.blocks.size()), &verify);

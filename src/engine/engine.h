@@ -167,6 +167,7 @@ class Instance {
   std::map<std::string, std::unique_ptr<Running>> running_;  // decode: loading
   std::map<std::string, std::vector<std::int64_t>> held_;    // prefill: blocks held
   std::map<std::string, std::set<int>> rank_reports_;        // per request: ranks reported
+  std::map<std::string, Status> load_errors_;  // decode: a rank's load failed (until it ends)
   // Decode prefix cache: chain hash of a full block's tokens -> block; LRU of evictable blocks.
   std::unordered_map<std::uint64_t, std::int64_t> prefix_;
   std::list<std::uint64_t> lru_;

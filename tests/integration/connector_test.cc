@@ -46,8 +46,8 @@ struct Params {
 class PrefillProcess {
  public:
   PrefillProcess(const std::string& kind, int tp, const std::string& engine, int lease_ms,
-                 const std::string& secret = "")
-      : base_port_(FreeBasePort(tp)), engine_(engine) {
+                 const std::string& secret = "", int base_port = 0)
+      : base_port_(base_port != 0 ? base_port : FreeBasePort(tp)), engine_(engine) {
     std::vector<std::string> argv = {KVFERRY_CONNECTOR_PEER_PATH, kind,   std::to_string(tp),
                                      std::to_string(base_port_),  engine, std::to_string(lease_ms)};
     if (!secret.empty()) argv.push_back(secret);
@@ -457,6 +457,51 @@ TEST(ConnectorTest, PrefillKilledFailsExactlyItsRequestsWithTheirBlocks) {
   for (const char* r : {"req-a", "req-b", "req-c"}) decode.Free(r);
   doomed.reset();
   ExpectNothingLeft(healthy, decode);
+}
+
+// A prefill instance killed and started again on the same ports, under a new engine id: the
+// decode worker's cached agent for the old engine is stale. Loads naming the new engine read
+// from it (the stale agent is dropped and a fresh handshake made), loads naming the old one are
+// refused clearly, and neither disturbs the other. Before the fix a load naming the new engine
+// failed with "is now engine prefill-old" (the stale agent was used until a read on it failed).
+TEST(ConnectorTest, PrefillRestartedOnTheSamePortsServesItsNewLoadsAndRefusesTheOldOnes) {
+  auto old = std::make_unique<PrefillProcess>("mha", 1, "prefill-old", 60000);
+  const int port = old->base_port();
+  DecodeInstance decode("mha", 1, "", milliseconds(10000), milliseconds(5000));
+  const Params warm = old->Hold("req-warm", 2);
+  ASSERT_TRUE(decode.Load("req-warm", *old, warm).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-warm", {}, milliseconds(10000)));
+  ASSERT_TRUE(decode.Errors("req-warm").empty());
+  decode.Free("req-warm");
+  const Params stale = old->Hold("req-stale", 3);
+  old->Kill();
+  PrefillProcess fresh("mha", 1, "prefill-new", 60000, "", port);
+  int n = 0;
+  for (int round = 0; round < 2; ++round) {
+    // The new engine's loads, before and after a load naming the old engine.
+    const std::string req = "req-new-" + std::to_string(n++);
+    const Params p = fresh.Hold(req, 4);
+    ASSERT_TRUE(decode.Load(req, fresh, p).ok());
+    ASSERT_TRUE(decode.WaitReceived(req, {}, milliseconds(10000)));
+    EXPECT_TRUE(decode.Errors(req).empty()) << decode.Errors(req).front().status.ToString();
+    EXPECT_EQ(decode.Mismatches(req), 0);
+    EXPECT_TRUE(fresh.WaitLine("FREED " + req, milliseconds(5000)));
+    decode.Free(req);
+    if (round == 0) {
+      ASSERT_TRUE(decode.Load("req-stale", *old, stale).ok());
+      ASSERT_TRUE(decode.WaitReceived("req-stale", {}, milliseconds(10000)));
+      ASSERT_EQ(decode.Errors("req-stale").size(), 1u);
+      const Status& s = decode.Errors("req-stale")[0].status;
+      EXPECT_THAT(s.message(), HasSubstr("prefill-new")) << s.ToString();
+      EXPECT_THAT(s.message(), HasSubstr("prefill-old")) << s.ToString();
+      EXPECT_EQ(decode.Errors("req-stale")[0].local_block_ids, decode.LocalBlocks("req-stale"));
+      decode.Free("req-stale");
+    }
+  }
+  // The old engine's handshake, the new one's; the refused load made none and left it cached.
+  EXPECT_EQ(decode.worker(0).Stats().handshakes, 2u);
+  old.reset();
+  ExpectNothingLeft(fresh, decode);
 }
 
 TEST(ConnectorTest, HoldEndsOnLeaseExpiryWhenNoReaderComes) {
