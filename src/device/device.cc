@@ -3,6 +3,8 @@
 
 #include <charconv>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "device/cuda/cuda_device.h"
 #include "device/sim/sim_device.h"
@@ -94,6 +96,8 @@ Result<IpcHandle> IpcHandle::Decode(std::span<const std::uint8_t> bytes) {
   return h;
 }
 
+bool KnownDeviceType(std::string_view type) { return type == "sim" || type == "cuda"; }
+
 Result<std::unique_ptr<Device>> OpenDevice(std::string_view name) {
   const auto colon = name.find(':');
   int index = -1;
@@ -120,6 +124,19 @@ Result<std::unique_ptr<Device>> OpenDevice(std::string_view name) {
   }
   return Status::InvalidArgument("device name \"" + std::string(name) +
                                  "\": unknown kind; this build has sim and cuda");
+}
+
+Result<Device*> ProcessDevice(std::string_view name) {
+  // Never destroyed: transports and caches of any lifetime (statics included) may use them.
+  static auto* mu = new std::mutex;
+  static auto* devices = new std::map<std::string, std::unique_ptr<Device>, std::less<>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  auto it = devices->find(name);
+  if (it != devices->end()) return it->second.get();
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenDevice(name));
+  Device* raw = device.get();
+  devices->emplace(std::string(name), std::move(device));
+  return raw;
 }
 
 }  // namespace kvferry::device

@@ -149,9 +149,20 @@ class Device {
   virtual Result<std::unique_ptr<Stream>> CreateStream() = 0;
 };
 
+/// Whether this build has a device implementation called `type` ("sim", "cuda"); whether a
+/// device of it exists here is OpenDevice's answer.
+bool KnownDeviceType(std::string_view type);
+
 /// Opens a device by name: "sim:N" (a fresh simulated device with default options) or "cuda:N".
 /// cuda without a driver or device is Unavailable ("no CUDA driver ..."); an unknown kind is
 /// InvalidArgument naming the kinds this build has.
 Result<std::unique_ptr<Device>> OpenDevice(std::string_view name);
+
+/// The device of this process called `name` ("sim:0", "cuda:1"): opened by the first call, the
+/// same object for every later call, never closed. Memory that kvferry's transport reads or
+/// serves (regions registered with a device MemoryKind) must come from this device, so that the
+/// transport and the code that allocated the memory share one address space of the device.
+/// Errors as OpenDevice's; a failed open is not remembered (the next call tries again).
+Result<Device*> ProcessDevice(std::string_view name);
 
 }  // namespace kvferry::device

@@ -41,6 +41,14 @@ class Batch {
   /// Fails the batch with `status` (for example the peer died) and waits as Cancel does.
   void Fail(const Status& status);
 
+  /// The memory kind of the local region read `op` (in SubmitReads order) lands in; host for a
+  /// batch made without pins (tests).
+  MemoryKind local_kind(std::size_t op) const {
+    return op < local_kinds_.size() ? local_kinds_[op] : MemoryKind::Host();
+  }
+  /// True when every read lands in host memory.
+  bool local_all_host() const { return local_all_host_; }
+
   /// True while the batch runs and one of its reads lands in region `id`.
   bool PinsRegion(RegionId id) const;
 
@@ -53,6 +61,8 @@ class Batch {
 
   const BatchId id_;
   const Deadline deadline_;
+  std::vector<MemoryKind> local_kinds_;  // one per read; set by the constructor
+  bool local_all_host_ = true;
   std::function<void(const BatchResult&, std::uint64_t)> on_end_;
 
   mutable std::mutex mu_;

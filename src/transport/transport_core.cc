@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/log.h"
+#include "device/device.h"
 #include "transport/backend_options.h"
 
 namespace kvferry {
@@ -120,6 +121,20 @@ Status TransportCore::RegisterMemory(RegionId id, void* addr, std::size_t length
                                      ") reads or serves; register host memory, or use a "
                                      "backend that supports " +
                                      kind.type + " memory");
+    }
+    // The memory must be this process's memory of that device (device::ProcessDevice), inside
+    // one of its allocations: a wrong kind would have backends copy from the wrong place.
+    Result<device::Device*> dev = device::ProcessDevice(kind.ToString());
+    if (!dev.ok()) return dev.status().WithContext("region " + std::to_string(id));
+    const auto base = reinterpret_cast<std::uintptr_t>(addr);
+    Result<device::PointerInfo> info = (*dev)->Query(base);
+    if (!info.ok() || base + length > info->alloc_base + info->alloc_size) {
+      return Status::InvalidArgument(
+          "region " + std::to_string(id) + " is registered as " + kind.ToString() +
+          " memory, but [" + std::to_string(base) + ", +" + std::to_string(length) +
+          ") is not inside one allocation of that device in this process" +
+          (info.ok() ? "" : " (" + info.status().ToString() + ")") +
+          "; allocate it with that device (device::ProcessDevice) or register its true kind");
     }
   }
   return registry_.Add(id, addr, length, std::move(kind));

@@ -9,10 +9,12 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 
 #include "common/clock.h"
+#include "device/device.h"
 #include "transport/tcp/frames.h"
 #include "transport/tcp/socket.h"
 
@@ -28,6 +30,23 @@ struct Request {
   std::vector<ReadOp> ops;
   std::uint64_t bytes = 0;
   int attempts = 0;
+  // Per op, the device its local memory is on (null: host); empty when every op lands in host
+  // memory. Device ops are received through pinned staging (docs/device.md, "tcp").
+  std::vector<device::Device*> devices;
+};
+
+// Pinned staging per connection and device: two buffers, so the wire fills one while the device
+// copies the other; a buffer is reused only after its copy's event completed.
+constexpr std::uint64_t kStageBytes = std::uint64_t{2} << 20;
+constexpr std::chrono::seconds kCopyWait(10);  // a staged copy that takes longer fails the unit
+struct StageSlot {
+  std::unique_ptr<device::PinnedBuffer> buffer;
+  std::unique_ptr<device::Event> event;  // the copy out of `buffer`, until waited for
+};
+struct Staging {
+  std::unique_ptr<device::Stream> stream;
+  StageSlot slots[2];
+  int next = 0;
 };
 
 // Runs the client half of the handshake on a fresh socket to `peer`, which must prove it is the
@@ -287,10 +306,88 @@ class Connection {
                               std::to_string(h->payload_length) + " bytes, expected " +
                               std::to_string(r.bytes));
     }
+    if (!r.devices.empty()) return ReceiveStaged(r, stop, received);
     std::vector<iovec> iov;
     iov.reserve(r.ops.size());
     for (const ReadOp& op : r.ops) iov.push_back({op.local, op.length});
     return RecvAll(fd_.get(), iov.data(), static_cast<int>(iov.size()), stop, received);
+  }
+
+  // The payload of a request with ops landing in device memory: host ops straight into their
+  // memory, device ops through this connection's staging buffers and a host-to-device copy.
+  // Every copy issued has ended when this returns, so nothing writes after the unit ends.
+  // Staging that cannot be set up or a copy that fails is Internal: the rest of the payload is
+  // unread, so the connection is dropped.
+  Status ReceiveStaged(Request& r, const StopCheck& stop, std::uint64_t* received) {
+    Status result;
+    Staging* st = nullptr;
+    for (std::size_t i = 0; i < r.ops.size() && result.ok(); ++i) {
+      const ReadOp& op = r.ops[i];
+      device::Device* dev = r.devices[i];
+      if (dev == nullptr) {
+        iovec v{op.local, op.length};
+        result = RecvAll(fd_.get(), &v, 1, stop, received);
+        continue;
+      }
+      Result<Staging*> got = StagingFor(*dev);
+      if (!got.ok()) {
+        result = Status::Internal("staging for " + dev->name() +
+                                  " memory failed: " + got.status().ToString());
+        break;
+      }
+      st = *got;
+      for (std::uint64_t off = 0; off < op.length && result.ok();) {
+        const std::uint64_t len = std::min(kStageBytes, op.length - off);
+        StageSlot& slot = st->slots[st->next];
+        st->next ^= 1;
+        if (Status w = WaitSlot(slot); !w.ok()) {
+          result = w;
+          break;
+        }
+        iovec v{slot.buffer->data(), len};
+        result = RecvAll(fd_.get(), &v, 1, stop, received);
+        if (!result.ok()) break;
+        const auto dst = reinterpret_cast<device::DeviceAddress>(op.local + off);
+        Status copy = st->stream->CopyHostToDevice(dst, slot.buffer->data(), len);
+        Result<std::unique_ptr<device::Event>> event =
+            copy.ok() ? st->stream->RecordEvent() : Result<std::unique_ptr<device::Event>>(copy);
+        if (!event.ok()) {
+          result = Status::Internal("copying received bytes to " + dev->name() +
+                                    " failed: " + event.status().ToString());
+          break;
+        }
+        slot.event = std::move(event).value();
+        off += len;
+      }
+    }
+    for (auto& [dev, staging] : staging_) {
+      for (StageSlot& slot : staging.slots) {
+        if (Status w = WaitSlot(slot); !w.ok() && result.ok()) result = w;
+      }
+    }
+    return result;
+  }
+
+  Result<Staging*> StagingFor(device::Device& dev) {
+    Staging& st = staging_[&dev];
+    if (!st.stream) {
+      KVFERRY_ASSIGN_OR_RETURN(st.stream, dev.CreateStream());
+    }
+    for (StageSlot& slot : st.slots) {
+      if (!slot.buffer) {
+        KVFERRY_ASSIGN_OR_RETURN(slot.buffer, dev.AllocatePinned(kStageBytes));
+      }
+    }
+    return &st;
+  }
+
+  // Waits for the copy out of `slot`'s buffer, if one was issued.
+  static Status WaitSlot(StageSlot& slot) {
+    if (!slot.event) return Status::Ok();
+    Status s = slot.event->Wait(DeadlineAfter(kCopyWait));
+    slot.event.reset();
+    if (!s.ok()) return Status::Internal("a staged copy to device memory failed: " + s.ToString());
+    return s;
   }
 
   // Ends queued requests of stopped batches. Returns true if a pipelined (sent, not yet
@@ -387,9 +484,10 @@ class Connection {
 
   const TcpEndpoint endpoint_;
   const ClientOptions& options_;
-  Fd fd_;                               // used by the thread only
-  std::deque<std::uint64_t> sent_ids_;  // thread only
-  std::uint64_t next_id_ = 1;           // thread only
+  Fd fd_;                                       // used by the thread only
+  std::deque<std::uint64_t> sent_ids_;          // thread only
+  std::map<device::Device*, Staging> staging_;  // thread only
+  std::uint64_t next_id_ = 1;                   // thread only
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Request> queue_;      // guarded by mu_
@@ -414,7 +512,23 @@ class TcpPeer final : public BackendPeer {
                       0);
       return;
     }
-    Request r{batch, {}, 0, 0};
+    Request r{batch, {}, 0, 0, {}};
+    // Where each op lands, when some land in device memory (registration checked the device).
+    std::vector<device::Device*> devices;
+    if (!batch->local_all_host()) {
+      devices.resize(ops.size());
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        const MemoryKind kind = batch->local_kind(i);
+        if (kind.is_host()) continue;
+        Result<device::Device*> dev = device::ProcessDevice(kind.ToString());
+        if (!dev.ok()) {
+          batch->AddUnit();
+          batch->UnitDone(dev.status().WithContext("read " + std::to_string(i)), 0);
+          return;
+        }
+        devices[i] = *dev;
+      }
+    }
     auto flush = [&] {
       if (r.ops.empty()) return;
       batch->AddUnit();
@@ -429,12 +543,17 @@ class TcpPeer final : public BackendPeer {
         }
       }
       conns_[best]->Enqueue(std::move(r));
-      r = Request{batch, {}, 0, 0};
+      r = Request{batch, {}, 0, 0, {}};
     };
     const std::uint64_t cap = std::min(options_.max_request_bytes, kMaxRequestBytes);
-    for (const ReadOp& op : ops) {
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const ReadOp& op = ops[i];
       for (std::uint64_t off = 0; off < op.length;) {
         const std::uint64_t len = std::min(op.length - off, cap - r.bytes);
+        if (!devices.empty()) {
+          r.devices.resize(r.ops.size());
+          r.devices.push_back(devices[i]);
+        }
         r.ops.push_back({op.local + off, op.remote_region, op.remote_offset + off, len});
         r.bytes += len;
         off += len;

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "device/device.h"
 #include "transport/backend.h"
 #include "transport/tcp/tcp_section.h"
 #include "transport/tcp/tcp_server.h"
@@ -53,7 +54,9 @@ class TcpBackend final : public Backend {
   Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
   /// Host memory into host memory only.
   bool CanRead(const MemoryKind& remote, const MemoryKind& local) const override {
-    return remote.is_host() && local.is_host();
+    // Device memory is staged through pinned host memory on both ends (docs/device.md).
+    return (remote.is_host() || device::KnownDeviceType(remote.type)) &&
+           (local.is_host() || device::KnownDeviceType(local.type));
   }
   void RevokeRegion(RegionId region) override;
   void AddStats(TransportStats* stats) const override;

@@ -19,6 +19,7 @@
 #include "common/clock.h"
 #include "common/errno_text.h"
 #include "common/log.h"
+#include "device/device.h"
 #include "transport/tcp/frames.h"
 
 namespace kvferry::tcp {
@@ -29,8 +30,11 @@ constexpr std::size_t kReadChunk = std::size_t{64} * 1024;
 
 // One queued response: a header (and error text) followed by bytes from registered memory.
 struct Response {
+  std::uint64_t serial = 0;  // per connection, to tell responses apart in the staging buffer
   std::vector<std::uint8_t> head;
   std::vector<iovec> body;
+  // Per body entry, the device it is on (null: host memory, sent in place); empty when all host.
+  std::vector<device::Device*> body_dev;
   std::vector<RegionPin> pins;  // keep the regions registered while their bytes are sent
   std::size_t head_sent = 0;
   std::size_t body_index = 0;
@@ -50,7 +54,22 @@ struct Connection {
   std::deque<Response> out;
   bool want_write = false;
   bool reading = true;
+  std::uint64_t next_serial = 1;
+  // Device memory goes out through one pinned buffer per connection (bounded: kStageBytes),
+  // holding bytes [from, from + len) of body entry `entry` of response `serial`.
+  struct Stage {
+    device::Device* dev = nullptr;
+    std::unique_ptr<device::Stream> stream;
+    std::unique_ptr<device::PinnedBuffer> buffer;
+    std::uint64_t serial = 0;
+    std::size_t entry = 0;
+    std::uint64_t from = 0;
+    std::uint64_t len = 0;
+  } stage;
 };
+
+constexpr std::uint64_t kStageBytes = std::uint64_t{2} << 20;
+constexpr std::chrono::seconds kCopyWait(10);
 
 std::string SourceAddress(const sockaddr_storage& addr) {
   char text[INET6_ADDRSTRLEN] = {};
@@ -323,6 +342,17 @@ class Loop {
                                          std::to_string(kMaxRequestBytes) + " bytes");
         break;
       }
+      if (!pin.kind().is_host()) {
+        Result<device::Device*> dev = device::ProcessDevice(pin.kind().ToString());
+        if (!dev.ok()) {
+          status = dev.status().WithContext("op " + std::to_string(i));
+          break;
+        }
+        r.body_dev.resize(r.body.size());
+        r.body_dev.push_back(*dev);
+      } else if (!r.body_dev.empty()) {
+        r.body_dev.push_back(nullptr);
+      }
       r.body.push_back({*where, op->length});
       r.pins.push_back(std::move(pin));
     }
@@ -331,6 +361,7 @@ class Loop {
       // Refused before any byte moves; the connection stays usable.
       Refuse(status);
       r.body.clear();
+      r.body_dev.clear();
       r.pins.clear();
       const std::string text(status.message().substr(0, kMaxErrorBytes));
       EncodeResponseHeader({static_cast<std::uint32_t>(status.code()), h.request_id, text.size()},
@@ -340,8 +371,52 @@ class Loop {
       EncodeResponseHeader({0, h.request_id, total}, r.head.data());
       counters_->bytes_served.fetch_add(total);
     }
+    r.serial = c.next_serial++;
     c.out.push_back(std::move(r));
     return true;
+  }
+
+  // Bytes [skip, ...) of device body entry `i` of `r`, staged in the connection's buffer (copied
+  // from the device now unless the buffer holds them already); `*avail` says how many.
+  Result<std::byte*> Staged(Connection& c, const Response& r, std::size_t i, std::uint64_t skip,
+                            std::uint64_t* avail) {
+    Connection::Stage& st = c.stage;
+    const bool held = st.buffer && st.serial == r.serial && st.entry == i && st.from <= skip &&
+                      skip < st.from + st.len;
+    if (!held) {
+      device::Device* dev = r.body_dev[i];
+      if (st.dev != dev) {
+        st.buffer.reset();
+        st.stream.reset();
+        st.dev = dev;
+      }
+      if (!st.stream) {
+        KVFERRY_ASSIGN_OR_RETURN(st.stream, dev->CreateStream());
+      }
+      if (!st.buffer) {
+        KVFERRY_ASSIGN_OR_RETURN(st.buffer, dev->AllocatePinned(kStageBytes));
+      }
+      st.serial = 0;  // nothing valid until the copy has ended
+      const std::uint64_t len = std::min<std::uint64_t>(kStageBytes, r.body[i].iov_len - skip);
+      const auto src =
+          reinterpret_cast<device::DeviceAddress>(static_cast<std::byte*>(r.body[i].iov_base)) +
+          skip;
+      Status copy = st.stream->CopyDeviceToHost(st.buffer->data(), src, len);
+      Result<std::unique_ptr<device::Event>> event =
+          copy.ok() ? st.stream->RecordEvent() : Result<std::unique_ptr<device::Event>>(copy);
+      if (!event.ok()) return event.status();
+      if (Status w = (*event)->Wait(DeadlineAfter(kCopyWait)); !w.ok()) {
+        st.stream.reset();  // a copy may still run into the buffer: never reuse either
+        (void)st.buffer.release();
+        return w;
+      }
+      st.serial = r.serial;
+      st.entry = i;
+      st.from = skip;
+      st.len = len;
+    }
+    *avail = st.from + st.len - skip;
+    return st.buffer->data() + (skip - st.from);
   }
 
   bool Flush(Connection& c) {
@@ -353,7 +428,21 @@ class Loop {
       }
       for (std::size_t i = r.body_index; i < r.body.size() && iov.size() < IOV_MAX; ++i) {
         const std::size_t skip = i == r.body_index ? r.body_offset : 0;
-        iov.push_back({static_cast<char*>(r.body[i].iov_base) + skip, r.body[i].iov_len - skip});
+        if (r.body_dev.empty() || r.body_dev[i] == nullptr) {
+          iov.push_back({static_cast<char*>(r.body[i].iov_base) + skip, r.body[i].iov_len - skip});
+          continue;
+        }
+        // Device memory: one staged chunk at a time, from the front of what is left.
+        if (i != r.body_index) break;
+        std::uint64_t avail = 0;
+        Result<std::byte*> staged = Staged(c, r, i, skip, &avail);
+        if (!staged.ok()) {
+          Refuse(staged.status().WithContext("staging " + r.body_dev[i]->name() +
+                                             " memory to send; closing the connection"));
+          return false;
+        }
+        iov.push_back({*staged, avail});
+        break;
       }
       if (iov.empty()) {
         c.out.pop_front();

@@ -1,0 +1,216 @@
+// Device memory through the transport (issue 14 item 2, docs/device.md): a serving transport and a
+// reading transport in this process, each region host memory or memory of a simulated device
+// (whose addresses fault when host code touches them), read over tcp in every combination of
+// kinds: random scattered reads verified byte for byte by copying the device memory back, a cancel
+// while reads stage, and registrations that name the wrong kind refused.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/pattern.h"
+#include "device/device.h"
+#include "kvferry/transport.h"
+#include "tests/unit/device/device_test_util.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+using ::testing::HasSubstr;
+
+constexpr std::uint64_t kBytes = 16u << 20;  // per side
+constexpr std::uint64_t kSeed = 0x64657669636500ull;
+constexpr RegionId kRemoteRegion = 7;
+constexpr RegionId kLocalRegion = 100;
+
+// kBytes of one kind ("host", "sim:0", ...), filled with a pattern or zeros, readable back.
+class Memory {
+ public:
+  Memory(const std::string& kind, bool patterned) : kind_(kind) {
+    std::vector<std::byte> init(kBytes);
+    if (patterned) FillPattern(init.data(), kBytes, kSeed, kRemoteRegion, 0);
+    if (kind == "host") {
+      host_ = std::move(init);
+      return;
+    }
+    Result<device::Device*> dev = device::ProcessDevice(kind);
+    EXPECT_TRUE(dev.ok()) << dev.status().ToString();
+    dev_ = *dev;
+    auto alloc = dev_->Allocate(kBytes);
+    EXPECT_TRUE(alloc.ok()) << alloc.status().ToString();
+    alloc_ = std::move(alloc).value();
+    auto stream = dev_->CreateStream();
+    EXPECT_TRUE(stream.ok());
+    stream_ = std::move(stream).value();
+    EXPECT_TRUE(device::testing::Upload(*stream_, alloc_->address(), init).ok());
+  }
+  MemoryKind kind() const {
+    return kind_ == "host" ? MemoryKind::Host() : *ParseMemoryKind(kind_);
+  }
+  // The address to register and read into: a host pointer, or a device address as one.
+  std::byte* base() {
+    return dev_ == nullptr ? host_.data()
+                           : reinterpret_cast<std::byte*>(alloc_->address());  // NOLINT
+  }
+  std::vector<std::byte> Contents() {
+    if (dev_ == nullptr) return host_;
+    auto bytes = device::testing::Download(*stream_, alloc_->address(), kBytes);
+    EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+    return bytes.ok() ? *bytes : std::vector<std::byte>{};
+  }
+
+ private:
+  std::string kind_;
+  std::vector<std::byte> host_;
+  device::Device* dev_ = nullptr;
+  std::unique_ptr<device::DeviceAllocation> alloc_;
+  std::unique_ptr<device::Stream> stream_;
+};
+
+std::unique_ptr<Transport> MakeTransport(bool serve) {
+  TransportOptions o;
+  o.backend = "tcp";
+  o.serve = serve;
+  o.tcp_connections_per_peer = 2;
+  o.max_request_bytes = 1u << 20;  // several requests per batch
+  Result<std::unique_ptr<Transport>> t = CreateTransport(o);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? std::move(t).value() : nullptr;
+}
+
+struct Kinds {
+  std::string remote;
+  std::string local;
+};
+void PrintTo(const Kinds& k, std::ostream* os) { *os << k.remote << " -> " << k.local; }
+
+class DeviceTransportTest : public ::testing::TestWithParam<Kinds> {
+ protected:
+  void SetUp() override {
+    remote_ = std::make_unique<Memory>(GetParam().remote, true);
+    local_ = std::make_unique<Memory>(GetParam().local, false);
+    server_ = MakeTransport(true);
+    client_ = MakeTransport(false);
+    ASSERT_TRUE(server_ && client_);
+    ASSERT_TRUE(
+        server_->RegisterMemory(kRemoteRegion, remote_->base(), kBytes, remote_->kind()).ok());
+    ASSERT_TRUE(client_->RegisterMemory(kLocalRegion, local_->base(), kBytes, local_->kind()).ok());
+    Result<std::vector<std::uint8_t>> d = server_->Descriptor();
+    ASSERT_TRUE(d.ok());
+    Result<PeerId> p = client_->Connect(*d, DeadlineAfter(milliseconds(5000)));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    peer_ = *p;
+  }
+
+  std::unique_ptr<Memory> remote_;
+  std::unique_ptr<Memory> local_;
+  std::unique_ptr<Transport> server_;
+  std::unique_ptr<Transport> client_;
+  PeerId peer_ = 0;
+};
+
+TEST_P(DeviceTransportTest, RandomScatteredReadsAreByteExact) {
+  std::mt19937_64 rng(42);
+  struct Op {
+    std::uint64_t remote, local, length;
+  };
+  std::vector<Op> ops;
+  std::uint64_t local = 0;
+  for (int i = 0; i < 400; ++i) {
+    // Mostly block-sized reads, some tiny, some several staging buffers long.
+    const std::uint64_t kind = rng() % 10;
+    const std::uint64_t len = kind == 0 ? 1 + rng() % 100 : kind == 1 ? (5u << 20) : (64u << 10);
+    if (local + len > kBytes) break;
+    ops.push_back({rng() % (kBytes - len + 1), local, len});
+    local += len + rng() % 4096;
+  }
+  std::vector<ReadOp> reads;
+  for (const Op& o : ops) reads.push_back({local_->base() + o.local, kRemoteRegion, o.remote, o.length});
+  Result<BatchId> b = client_->SubmitReads(peer_, reads, DeadlineAfter(milliseconds(30000)));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  const BatchResult r = client_->Wait(*b, DeadlineAfter(milliseconds(40000)));
+  ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+  client_->Release(*b);
+  const std::vector<std::byte> got = local_->Contents();
+  ASSERT_EQ(got.size(), kBytes);
+  std::uint64_t next = 0;  // bytes between reads stay zero: nothing landed outside them
+  std::uint64_t total = 0;
+  for (const Op& o : ops) {
+    total += o.length;
+    for (std::uint64_t k = next; k < o.local; ++k) ASSERT_EQ(got[k], std::byte{0}) << k;
+    ASSERT_EQ(FirstPatternMismatch(got.data() + o.local, o.length, kSeed, kRemoteRegion, o.remote),
+              -1)
+        << GetParam().remote << " -> " << GetParam().local << ": remote offset " << o.remote
+        << " length " << o.length;
+    next = o.local + o.length;
+  }
+  EXPECT_EQ(client_->Stats().bytes_read, total);
+}
+
+TEST_P(DeviceTransportTest, CancelWhileStagingEndsTheBatchAndNothingLandsAfter) {
+  std::vector<ReadOp> reads;
+  for (std::uint64_t off = 0; off < kBytes; off += 64u << 10) {
+    reads.push_back({local_->base() + off, kRemoteRegion, off, 64u << 10});
+  }
+  Result<BatchId> b = client_->SubmitReads(peer_, reads, DeadlineAfter(milliseconds(30000)));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  client_->Cancel(*b);
+  const BatchState state = client_->Poll(*b).state;
+  EXPECT_TRUE(state == BatchState::kCancelled || state == BatchState::kDone)
+      << BatchStateName(state);
+  const std::vector<std::byte> after_cancel = local_->Contents();
+  // Give any straggler the time to land, then look again: nothing changed.
+  for (int i = 0; i < 3; ++i) {
+    Result<BatchId> probe = client_->SubmitReads(peer_, {}, DeadlineAfter(milliseconds(1000)));
+    ASSERT_TRUE(probe.ok());
+    client_->Wait(*probe, DeadlineAfter(milliseconds(1000)));
+    client_->Release(*probe);
+  }
+  EXPECT_TRUE(local_->Contents() == after_cancel) << "bytes landed after Cancel returned";
+  client_->Release(*b);
+  // The connection still serves a fresh batch.
+  Result<BatchId> again = client_->SubmitReads(peer_, {{local_->base(), kRemoteRegion, 0, 4096}},
+                                               DeadlineAfter(milliseconds(10000)));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(client_->Wait(*again, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
+  client_->Release(*again);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, DeviceTransportTest,
+                         ::testing::Values(Kinds{"host", "sim:1"}, Kinds{"sim:0", "host"},
+                                           Kinds{"sim:0", "sim:1"}, Kinds{"sim:0", "sim:0"},
+                                           Kinds{"host", "host"}),
+                         [](const auto& param_info) {
+                           std::string n = param_info.param.remote + "_to_" + param_info.param.local;
+                           for (char& c : n) c = c == ':' ? '_' : c;
+                           return n;
+                         });
+
+TEST(DeviceRegistrationTest, MemoryNotOfTheNamedDeviceIsRefused) {
+  std::unique_ptr<Transport> t = MakeTransport(false);
+  std::vector<std::byte> host(8192);
+  // Host memory registered as device memory: the device does not know it.
+  Status s = t->RegisterMemory(1, host.data(), 4096, MemoryKind{"sim", 0});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("not inside one allocation of that device"));
+  // A range running past the end of its allocation.
+  Result<device::Device*> dev = device::ProcessDevice("sim:0");
+  ASSERT_TRUE(dev.ok());
+  auto alloc = (*dev)->Allocate(8192);
+  ASSERT_TRUE(alloc.ok());
+  auto* base = reinterpret_cast<std::byte*>((*alloc)->address());  // NOLINT
+  s = t->RegisterMemory(2, base + 4096, 8192, MemoryKind{"sim", 0});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  // Another device's memory.
+  s = t->RegisterMemory(3, base, 8192, MemoryKind{"sim", 3});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(t->RegisterMemory(4, base, 8192, MemoryKind{"sim", 0}).ok());
+}
+
+}  // namespace
+}  // namespace kvferry
