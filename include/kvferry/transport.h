@@ -87,8 +87,9 @@ Status AddTransportOption(std::string_view key_value, TransportOptionMap* option
 /// overrides them by key.
 struct TransportOptions {
   /// "auto" (every backend of this build, tried per peer in TransportBackendNames() order: shm
-  /// when the peer is on this host, proves its instance and the kernel permits the read, else
-  /// tcp), or one backend's name.
+  /// when the peer is on this host, proves its instance, the kernel permits the read and shm can
+  /// read every memory kind of the peer's regions into every kind registered here when Connect
+  /// is called, else tcp), or one backend's name.
   std::string backend = "auto";
   /// "<backend>.<option>" = value; applied over the typed fields below. An unknown backend or
   /// option, or a value that does not parse, is InvalidArgument naming the key.

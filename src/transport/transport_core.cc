@@ -1,6 +1,7 @@
 #include "transport/transport_core.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 
 #include "common/log.h"
@@ -169,13 +170,40 @@ Result<std::vector<std::uint8_t>> TransportCore::Descriptor() {
   return EncodeDescriptor(d);
 }
 
+namespace {
+
+// Unavailable naming the first pair of kinds `backend` cannot read (remote into local).
+Status CanReadKinds(const Backend& backend, const std::vector<RemoteRegion>& remote,
+                    const std::set<std::string>& local_kinds) {
+  std::set<std::string> seen;
+  for (const RemoteRegion& r : remote) {
+    if (!seen.insert(r.kind.ToString()).second) continue;
+    for (const std::string& text : local_kinds) {
+      Result<MemoryKind> local = ParseMemoryKind(text);
+      if (local.ok() && !backend.CanRead(r.kind, *local)) {
+        return Status::Unavailable("it cannot read the peer's " + r.kind.ToString() +
+                                   " memory into this process's " + text + " memory");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<PeerId> TransportCore::Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) {
   KVFERRY_ASSIGN_OR_RETURN(PeerDescriptor d, DecodeDescriptor(descriptor));
   std::string reasons;
   std::string refused;  // from backends that could reach the peer but failed to connect
+  // With several backends (auto), one that cannot move every memory kind of the peer's regions
+  // into every kind of ours is passed over: device memory on one host goes over tcp's staging
+  // rather than failing at the first read over shm.
+  std::set<std::string> local_kinds;
+  for (const RegionInfo& r : registry_.List()) local_kinds.insert(r.kind.ToString());
   for (const auto& backend : backends_) {
     const PeerView view{d.regions, d.Section(backend->name())};
     Status reach = backend->CanReach(view);
+    if (reach.ok() && backends_.size() > 1) reach = CanReadKinds(*backend, d.regions, local_kinds);
     if (reach.code() == StatusCode::kInvalidArgument || reach.code() == StatusCode::kNotSupported) {
       // A section its backend cannot decode: the descriptor is malformed or from another build.
       return reach.WithContext("descriptor section " + std::string(backend->name()));

@@ -49,9 +49,7 @@ class Memory {
     stream_ = std::move(stream).value();
     EXPECT_TRUE(device::testing::Upload(*stream_, alloc_->address(), init).ok());
   }
-  MemoryKind kind() const {
-    return kind_ == "host" ? MemoryKind::Host() : *ParseMemoryKind(kind_);
-  }
+  MemoryKind kind() const { return kind_ == "host" ? MemoryKind::Host() : *ParseMemoryKind(kind_); }
   // The address to register and read into: a host pointer, or a device address as one.
   std::byte* base() {
     return dev_ == nullptr ? host_.data()
@@ -130,7 +128,8 @@ TEST_P(DeviceTransportTest, RandomScatteredReadsAreByteExact) {
     local += len + rng() % 4096;
   }
   std::vector<ReadOp> reads;
-  for (const Op& o : ops) reads.push_back({local_->base() + o.local, kRemoteRegion, o.remote, o.length});
+  for (const Op& o : ops)
+    reads.push_back({local_->base() + o.local, kRemoteRegion, o.remote, o.length});
   Result<BatchId> b = client_->SubmitReads(peer_, reads, DeadlineAfter(milliseconds(30000)));
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   const BatchResult r = client_->Wait(*b, DeadlineAfter(milliseconds(40000)));
@@ -186,10 +185,41 @@ INSTANTIATE_TEST_SUITE_P(Kinds, DeviceTransportTest,
                                            Kinds{"sim:0", "sim:1"}, Kinds{"sim:0", "sim:0"},
                                            Kinds{"host", "host"}),
                          [](const auto& param_info) {
-                           std::string n = param_info.param.remote + "_to_" + param_info.param.local;
+                           std::string n =
+                               param_info.param.remote + "_to_" + param_info.param.local;
                            for (char& c : n) c = c == ':' ? '_' : c;
                            return n;
                          });
+
+// With backend auto on one host, shm (which reads host memory only) is passed over for a peer
+// whose regions are device memory, or when this side's are: tcp's staging carries them.
+TEST(DeviceAutoTest, AutoOnOneHostCarriesDeviceMemoryOverTcp) {
+  for (const Kinds& k : {Kinds{"sim:0", "host"}, Kinds{"host", "sim:1"}}) {
+    SCOPED_TRACE(k.remote + " -> " + k.local);
+    Memory remote(k.remote, true);
+    Memory local(k.local, false);
+    TransportOptions o;
+    o.backend = "auto";
+    Result<std::unique_ptr<Transport>> server = CreateTransport(o);
+    o.serve = false;
+    Result<std::unique_ptr<Transport>> client = CreateTransport(o);
+    ASSERT_TRUE(server.ok() && client.ok());
+    ASSERT_TRUE(
+        (*server)->RegisterMemory(kRemoteRegion, remote.base(), kBytes, remote.kind()).ok());
+    ASSERT_TRUE((*client)->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
+    Result<PeerId> p =
+        (*client)->Connect(*(*server)->Descriptor(), DeadlineAfter(milliseconds(5000)));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ(*(*client)->PeerBackend(*p), "tcp");
+    Result<BatchId> b = (*client)->SubmitReads(*p, {{local.base(), kRemoteRegion, 4096, 1u << 20}},
+                                               DeadlineAfter(milliseconds(10000)));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_EQ((*client)->Wait(*b, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
+    (*client)->Release(*b);
+    const std::vector<std::byte> got = local.Contents();
+    EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, 4096), -1);
+  }
+}
 
 TEST(DeviceRegistrationTest, MemoryNotOfTheNamedDeviceIsRefused) {
   std::unique_ptr<Transport> t = MakeTransport(false);
