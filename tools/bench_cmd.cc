@@ -25,6 +25,7 @@
 #include "common/digest.h"
 #include "common/pattern.h"
 #include "common/subprocess.h"
+#include "device/device.h"
 #include "kvferry/transport.h"
 #include "tools/commands.h"
 
@@ -54,6 +55,76 @@ class Buffer {
   std::byte* data_;
 };
 
+// `bytes` of host memory ("host") or of a device of this process ("sim:0", "cuda:0"), which the
+// benchmark registers, reads into and checks.
+class BenchMemory {
+ public:
+  static Result<std::unique_ptr<BenchMemory>> Create(const std::string& kind, std::uint64_t bytes) {
+    auto m = std::unique_ptr<BenchMemory>(new BenchMemory(bytes));
+    if (kind == "host") {
+      m->host_ = std::make_unique<Buffer>(bytes);
+      if (m->host_->data() == nullptr) {
+        return Status::ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes");
+      }
+      return m;
+    }
+    KVFERRY_ASSIGN_OR_RETURN(m->kind_, ParseMemoryKind(kind));
+    KVFERRY_ASSIGN_OR_RETURN(m->dev_, device::ProcessDevice(kind));
+    KVFERRY_ASSIGN_OR_RETURN(m->alloc_, m->dev_->Allocate(bytes));
+    KVFERRY_ASSIGN_OR_RETURN(m->stream_, m->dev_->CreateStream());
+    return m;
+  }
+  const MemoryKind& kind() const { return kind_; }
+  std::uint64_t size() const { return bytes_; }
+  // What to register and read into: a host pointer, or a device address carried as one.
+  std::byte* base() const {
+    return host_ ? host_->data()
+                 : reinterpret_cast<std::byte*>(
+                       alloc_->address());  // NOLINT(performance-no-int-to-ptr)
+  }
+  // Fills it with the bench pattern, region by region (region r of `per` bytes has id r).
+  Status FillPattern(std::uint64_t seed, std::uint64_t per) {
+    std::vector<std::byte> chunk(std::min<std::uint64_t>(per, 8u << 20));
+    for (std::uint64_t off = 0; off < bytes_;) {
+      const std::uint64_t region = off / per;
+      const std::uint64_t in = off % per;
+      const std::uint64_t len = std::min<std::uint64_t>(chunk.size(), per - in);
+      std::byte* dst = host_ ? host_->data() + off : chunk.data();
+      ::kvferry::FillPattern(dst, len, seed, static_cast<std::uint32_t>(region), in);
+      if (!host_) KVFERRY_RETURN_IF_ERROR(Copy(chunk.data(), off, len, /*upload=*/true));
+      off += len;
+    }
+    return Status::Ok();
+  }
+  // Bytes [offset, offset + len), copied back from the device if need be.
+  Result<std::vector<std::byte>> Read(std::uint64_t offset, std::uint64_t len) {
+    std::vector<std::byte> out(len);
+    if (host_) {
+      std::memcpy(out.data(), host_->data() + offset, len);
+    } else {
+      KVFERRY_RETURN_IF_ERROR(Copy(out.data(), offset, len, /*upload=*/false));
+    }
+    return out;
+  }
+
+ private:
+  explicit BenchMemory(std::uint64_t bytes) : bytes_(bytes) {}
+  Status Copy(std::byte* host, std::uint64_t offset, std::uint64_t len, bool upload) {
+    const device::DeviceAddress at = alloc_->address() + offset;
+    KVFERRY_RETURN_IF_ERROR(upload ? stream_->CopyHostToDevice(at, host, len)
+                                   : stream_->CopyDeviceToHost(host, at, len));
+    KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> e, stream_->RecordEvent());
+    return e->Wait(DeadlineAfter(std::chrono::seconds(30)));
+  }
+
+  std::uint64_t bytes_;
+  MemoryKind kind_;
+  std::unique_ptr<Buffer> host_;
+  device::Device* dev_ = nullptr;
+  std::unique_ptr<device::DeviceAllocation> alloc_;
+  std::unique_ptr<device::Stream> stream_;
+};
+
 // ---------------------------------------------------------------------------------------------
 // bench peer
 
@@ -69,6 +140,7 @@ struct PeerArgs {
   std::size_t max_connections = TransportOptions{}.tcp_max_connections;
   std::size_t max_connections_per_source = TransportOptions{}.tcp_max_connections_per_source;
   std::vector<std::string> transport_opts;
+  std::string memory = "host";
 };
 
 int RunPeer(const PeerArgs& a) {
@@ -95,16 +167,16 @@ int RunPeer(const PeerArgs& a) {
     std::cerr << "kvferry bench peer: " << t.status().ToString() << "\n";
     return 1;
   }
-  Buffer memory(a.bytes);
-  if (memory.data() == nullptr) {
-    std::cerr << "kvferry bench peer: cannot allocate " << a.bytes << " bytes\n";
+  Result<std::unique_ptr<BenchMemory>> memory = BenchMemory::Create(a.memory, a.bytes);
+  const std::uint64_t per = a.bytes / static_cast<std::uint64_t>(a.regions);
+  Status filled = memory.ok() ? (*memory)->FillPattern(a.seed, per) : memory.status();
+  if (!filled.ok()) {
+    std::cerr << "kvferry bench peer: " << a.memory << " memory: " << filled.ToString() << "\n";
     return 1;
   }
-  const std::uint64_t per = a.bytes / static_cast<std::uint64_t>(a.regions);
   for (int r = 0; r < a.regions; ++r) {
-    std::byte* base = memory.data() + per * static_cast<std::uint64_t>(r);
-    FillPattern(base, per, a.seed, static_cast<std::uint32_t>(r), 0);
-    Status s = (*t)->RegisterMemory(static_cast<RegionId>(r), base, per);
+    std::byte* base = (*memory)->base() + per * static_cast<std::uint64_t>(r);
+    Status s = (*t)->RegisterMemory(static_cast<RegionId>(r), base, per, (*memory)->kind());
     if (!s.ok()) {
       std::cerr << "kvferry bench peer: " << s.ToString() << "\n";
       return 1;
@@ -132,6 +204,7 @@ struct BenchArgs {
   int inflight = 2;
   int connections = 4;
   std::vector<std::string> transport_opts;
+  std::string memory = "host";  // host, sim or cuda: where both sides' blocks are
   bool json = false;
 };
 
@@ -225,7 +298,12 @@ double PlainTcpStream(double min_seconds) {
   return seconds > 0 ? static_cast<double>(received) / seconds / 1e9 : 0;
 }
 
-Status MeasureBackend(const BenchArgs& a, const std::string& backend,
+// Scattered reads from a peer process whose pool is `memory` ("host" or a device name) into a
+// local pool of the same kind. `baseline` says what the figures are compared with: "" for the
+// backend's own physical baseline (memcpy gather for shm, a plain TCP stream for tcp), or the
+// name of a list of medians measured before in this run (`*baseline_gbps`, one per size).
+Status MeasureBackend(const BenchArgs& a, const std::string& backend, const std::string& memory,
+                      const std::string& baseline_name, const std::vector<double>* baseline_gbps,
                       std::vector<Measurement>* out) {
   const std::uint64_t pool = a.pool_mib << 20;
   std::vector<std::string> argv = {SelfExe(),
@@ -236,7 +314,9 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
                                    "--bytes",
                                    std::to_string(pool),
                                    "--connections",
-                                   std::to_string(a.connections)};
+                                   std::to_string(a.connections),
+                                   "--memory",
+                                   memory};
   for (const std::string& arg : TransportOptArgv(a.transport_opts)) argv.push_back(arg);
   KVFERRY_ASSIGN_OR_RETURN(Subprocess peer, Subprocess::Spawn(argv));
   KVFERRY_ASSIGN_OR_RETURN(std::string line, peer.ReadLine(std::chrono::seconds(60)));
@@ -249,13 +329,21 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
   options.serve = false;
   options.tcp_connections_per_peer = a.connections;
   KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, CreateTransport(options));
-  Buffer local(pool);
-  Buffer source(pool);
-  if (local.data() == nullptr || source.data() == nullptr) {
-    return Status::ResourceExhausted("cannot allocate the benchmark buffers");
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<BenchMemory> local_mem,
+                           BenchMemory::Create(memory, pool));
+  // The memcpy baseline's source and destination (host memory only).
+  std::unique_ptr<Buffer> source;
+  std::unique_ptr<Buffer> dest;
+  if (baseline_name.empty() && backend == "shm") {
+    source = std::make_unique<Buffer>(pool);
+    dest = std::make_unique<Buffer>(pool);
+    if (source->data() == nullptr || dest->data() == nullptr) {
+      return Status::ResourceExhausted("cannot allocate the benchmark buffers");
+    }
+    FillPattern(source->data(), pool, kPatternSeed, 0, 0);
   }
-  FillPattern(source.data(), pool, kPatternSeed, 0, 0);
-  KVFERRY_RETURN_IF_ERROR(t->RegisterMemory(0, local.data(), pool));
+  std::byte* const local_base = local_mem->base();
+  KVFERRY_RETURN_IF_ERROR(t->RegisterMemory(0, local_base, pool, local_mem->kind()));
   KVFERRY_ASSIGN_OR_RETURN(PeerId p,
                            t->Connect(descriptor, DeadlineAfter(std::chrono::seconds(10))));
   std::mt19937_64 rng(42);
@@ -292,8 +380,8 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
         if (res.state != BatchState::kDone) return res.status;
         if (!verified) {
           for (const auto& [r, l] : f.plan) {
-            if (FirstPatternMismatch(local.data() + l * block, block, kPatternSeed, 0, r * block) >=
-                0) {
+            KVFERRY_ASSIGN_OR_RETURN(std::vector<std::byte> got, local_mem->Read(l * block, block));
+            if (FirstPatternMismatch(got.data(), block, kPatternSeed, 0, r * block) >= 0) {
               return Status::Internal("benchmark read returned wrong bytes");
             }
           }
@@ -309,7 +397,7 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
         std::vector<ReadOp> ops;
         ops.reserve(plan.size());
         for (const auto& [r, l] : plan) {
-          ops.push_back({local.data() + l * block, 0, (r % blocks) * block, block});
+          ops.push_back({local_base + l * block, 0, (r % blocks) * block, block});
         }
         for (auto& pr : plan) pr.first %= blocks;
         KVFERRY_ASSIGN_OR_RETURN(
@@ -321,11 +409,21 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend,
       while (!inflight.empty()) KVFERRY_RETURN_IF_ERROR(finish_oldest());
       now = Clock::now();
       ours.push_back(static_cast<double>(bytes) / Seconds(start, now) / 1e9);
-      base.push_back(backend == "shm"
-                         ? MemcpyGather(source, local, block, a.min_seconds, per_batch, rng)
-                         : PlainTcpStream(a.min_seconds));
+      if (baseline_name.empty()) {
+        base.push_back(backend == "shm"
+                           ? MemcpyGather(*source, *dest, block, a.min_seconds, per_batch, rng)
+                           : PlainTcpStream(a.min_seconds));
+      }
     }
-    out->push_back({backend, block, Median(ours), backend == "shm" ? "memcpy_gather" : "tcp_stream",
+    const std::size_t n = out->size();
+    if (!baseline_name.empty()) {
+      base.push_back(baseline_gbps != nullptr && n < baseline_gbps->size() ? (*baseline_gbps)[n]
+                                                                           : 0.0);
+    }
+    out->push_back({backend + (memory == "host" ? "" : "@" + memory), block, Median(ours),
+                    !baseline_name.empty() ? baseline_name
+                    : backend == "shm"     ? "memcpy_gather"
+                                           : "tcp_stream",
                     Median(base)});
   }
   t->Disconnect(p);
@@ -340,8 +438,28 @@ std::string SizeName(std::uint64_t b) {
 
 int RunBench(const BenchArgs& a) {
   std::vector<Measurement> results;
-  for (const std::string& backend : a.backends) {
-    Status s = MeasureBackend(a, backend, &results);
+  if (a.memory != "host") {
+    // Device memory on both sides over tcp (staged through pinned buffers at both ends),
+    // against host-memory tcp measured just before in this run with the same blocks.
+    if (a.memory != "sim" && a.memory != "cuda") {
+      std::cerr << "kvferry bench transport: --memory expects host, sim or cuda; found " << a.memory
+                << "\n";
+      return 2;
+    }
+    std::vector<Measurement> host;
+    Status s = MeasureBackend(a, "tcp", "host", "", nullptr, &host);
+    std::vector<double> host_gbps;
+    for (const Measurement& m : host) host_gbps.push_back(m.gbps);
+    if (s.ok()) {
+      s = MeasureBackend(a, "tcp", a.memory + ":0", "tcp_host_memory", &host_gbps, &results);
+    }
+    if (!s.ok()) {
+      std::cerr << "kvferry bench transport (tcp, " << a.memory << "): " << s.ToString() << "\n";
+      return 1;
+    }
+  }
+  for (const std::string& backend : a.memory == "host" ? a.backends : std::vector<std::string>{}) {
+    Status s = MeasureBackend(a, backend, "host", "", nullptr, &results);
     if (!s.ok()) {
       std::cerr << "kvferry bench transport (" << backend << "): " << s.ToString() << "\n";
       return 1;
@@ -396,6 +514,11 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   AddTransportOptOption(*transport, targs->transport_opts);
   transport->add_option("--connections", targs->connections, "tcp connections per peer")
       ->capture_default_str();
+  transport
+      ->add_option("--memory", targs->memory,
+                   "host, or sim/cuda: device memory on both sides over tcp (staged), "
+                   "against host-memory tcp in the same run")
+      ->capture_default_str();
   transport->add_flag("--json", targs->json, "Machine-readable output");
   transport->callback([targs, &exit_code] { exit_code = RunBench(*targs); });
 
@@ -407,6 +530,7 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   peer->add_option("--bytes", pargs->bytes, "Bytes to register");
   peer->add_option("--regions", pargs->regions, "Split into this many regions (ids 0..n-1)");
   peer->add_option("--seed", pargs->seed, "Pattern seed");
+  peer->add_option("--memory", pargs->memory, "host, or a device of this process (sim:0, cuda:0)");
   peer->add_option("--host", pargs->host, "tcp bind address");
   peer->add_option("--port", pargs->port, "tcp port (0: any)");
   peer->add_option("--connections", pargs->connections, "tcp connections per peer");

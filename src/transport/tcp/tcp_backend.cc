@@ -320,13 +320,14 @@ class Connection {
   // unread, so the connection is dropped.
   Status ReceiveStaged(Request& r, const StopCheck& stop, std::uint64_t* received) {
     Status result;
-    Staging* st = nullptr;
-    for (std::size_t i = 0; i < r.ops.size() && result.ok(); ++i) {
-      const ReadOp& op = r.ops[i];
+    std::size_t i = 0;
+    std::uint64_t op_off = 0;  // bytes of op i already received
+    while (i < r.ops.size() && result.ok()) {
       device::Device* dev = r.devices[i];
       if (dev == nullptr) {
-        iovec v{op.local, op.length};
+        iovec v{r.ops[i].local, r.ops[i].length};
         result = RecvAll(fd_.get(), &v, 1, stop, received);
+        ++i;
         continue;
       }
       Result<Staging*> got = StagingFor(*dev);
@@ -335,29 +336,46 @@ class Connection {
                                   " memory failed: " + got.status().ToString());
         break;
       }
-      st = *got;
-      for (std::uint64_t off = 0; off < op.length && result.ok();) {
-        const std::uint64_t len = std::min(kStageBytes, op.length - off);
-        StageSlot& slot = st->slots[st->next];
-        st->next ^= 1;
-        if (Status w = WaitSlot(slot); !w.ok()) {
-          result = w;
-          break;
-        }
-        iovec v{slot.buffer->data(), len};
-        result = RecvAll(fd_.get(), &v, 1, stop, received);
-        if (!result.ok()) break;
-        const auto dst = reinterpret_cast<device::DeviceAddress>(op.local + off);
-        Status copy = st->stream->CopyHostToDevice(dst, slot.buffer->data(), len);
-        Result<std::unique_ptr<device::Event>> event =
-            copy.ok() ? st->stream->RecordEvent() : Result<std::unique_ptr<device::Event>>(copy);
-        if (!event.ok()) {
-          result = Status::Internal("copying received bytes to " + dev->name() +
-                                    " failed: " + event.status().ToString());
-          break;
-        }
-        slot.event = std::move(event).value();
-        off += len;
+      Staging& st = **got;
+      StageSlot& slot = st.slots[st.next];
+      st.next ^= 1;
+      if (Status w = WaitSlot(slot); !w.ok()) {
+        result = w;
+        break;
+      }
+      // One buffer's worth of the payload: consecutive ops on this device, the last maybe cut.
+      struct Piece {
+        std::byte* dst;
+        std::uint64_t at;
+        std::uint64_t len;
+      };
+      std::vector<Piece> pieces;
+      std::uint64_t total = 0;
+      while (i < r.ops.size() && r.devices[i] == dev && total < kStageBytes) {
+        const ReadOp& op = r.ops[i];
+        const std::uint64_t len = std::min(kStageBytes - total, op.length - op_off);
+        pieces.push_back({op.local + op_off, total, len});
+        total += len;
+        op_off += len;
+        if (op_off < op.length) break;
+        ++i;
+        op_off = 0;
+      }
+      iovec v{slot.buffer->data(), total};
+      result = RecvAll(fd_.get(), &v, 1, stop, received);
+      if (!result.ok()) break;
+      Status copy;
+      for (const Piece& p : pieces) {
+        copy = st.stream->CopyHostToDevice(reinterpret_cast<device::DeviceAddress>(p.dst),
+                                           slot.buffer->data() + p.at, p.len);
+        if (!copy.ok()) break;
+      }
+      // Recorded even after a failed copy, so that the copies issued are waited for below.
+      Result<std::unique_ptr<device::Event>> event = st.stream->RecordEvent();
+      if (event.ok()) slot.event = std::move(event).value();
+      if (!copy.ok() || !event.ok()) {
+        result = Status::Internal("copying received bytes to " + dev->name() +
+                                  " failed: " + (copy.ok() ? event.status() : copy).ToString());
       }
     }
     for (auto& [dev, staging] : staging_) {

@@ -56,15 +56,20 @@ struct Connection {
   bool reading = true;
   std::uint64_t next_serial = 1;
   // Device memory goes out through one pinned buffer per connection (bounded: kStageBytes),
-  // holding bytes [from, from + len) of body entry `entry` of response `serial`.
+  // holding consecutive payload bytes of response `serial`: `pieces` say which, in order.
+  struct Piece {
+    std::size_t entry;   // body entry
+    std::uint64_t from;  // first byte of the entry held
+    std::uint64_t len;   // bytes of it held
+    std::uint64_t at;    // where in the buffer
+  };
   struct Stage {
     device::Device* dev = nullptr;
     std::unique_ptr<device::Stream> stream;
     std::unique_ptr<device::PinnedBuffer> buffer;
-    std::uint64_t serial = 0;
-    std::size_t entry = 0;
-    std::uint64_t from = 0;
-    std::uint64_t len = 0;
+    std::uint64_t serial = 0;  // 0: holds nothing
+    std::vector<Piece> pieces;
+    std::uint64_t total = 0;
   } stage;
 };
 
@@ -376,47 +381,64 @@ class Loop {
     return true;
   }
 
-  // Bytes [skip, ...) of device body entry `i` of `r`, staged in the connection's buffer (copied
-  // from the device now unless the buffer holds them already); `*avail` says how many.
+  // Bytes [skip, ...) of device body entry `i` of `r` and the payload after them, staged in the
+  // connection's buffer: copied from the device now (as much of this and the following entries
+  // on the same device as fits, one event for all) unless the buffer holds them already.
+  // `*avail` says how many consecutive payload bytes the returned pointer holds.
   Result<std::byte*> Staged(Connection& c, const Response& r, std::size_t i, std::uint64_t skip,
                             std::uint64_t* avail) {
     Connection::Stage& st = c.stage;
-    const bool held = st.buffer && st.serial == r.serial && st.entry == i && st.from <= skip &&
-                      skip < st.from + st.len;
-    if (!held) {
-      device::Device* dev = r.body_dev[i];
-      if (st.dev != dev) {
-        st.buffer.reset();
-        st.stream.reset();
-        st.dev = dev;
+    if (st.serial == r.serial && st.buffer) {
+      for (const Connection::Piece& p : st.pieces) {
+        if (p.entry == i && p.from <= skip && skip < p.from + p.len) {
+          const std::uint64_t pos = p.at + (skip - p.from);
+          *avail = st.total - pos;
+          return st.buffer->data() + pos;
+        }
       }
-      if (!st.stream) {
-        KVFERRY_ASSIGN_OR_RETURN(st.stream, dev->CreateStream());
-      }
-      if (!st.buffer) {
-        KVFERRY_ASSIGN_OR_RETURN(st.buffer, dev->AllocatePinned(kStageBytes));
-      }
-      st.serial = 0;  // nothing valid until the copy has ended
-      const std::uint64_t len = std::min<std::uint64_t>(kStageBytes, r.body[i].iov_len - skip);
-      const auto src =
-          reinterpret_cast<device::DeviceAddress>(static_cast<std::byte*>(r.body[i].iov_base)) +
-          skip;
-      Status copy = st.stream->CopyDeviceToHost(st.buffer->data(), src, len);
-      Result<std::unique_ptr<device::Event>> event =
-          copy.ok() ? st.stream->RecordEvent() : Result<std::unique_ptr<device::Event>>(copy);
-      if (!event.ok()) return event.status();
-      if (Status w = (*event)->Wait(DeadlineAfter(kCopyWait)); !w.ok()) {
-        st.stream.reset();  // a copy may still run into the buffer: never reuse either
-        (void)st.buffer.release();
-        return w;
-      }
-      st.serial = r.serial;
-      st.entry = i;
-      st.from = skip;
-      st.len = len;
     }
-    *avail = st.from + st.len - skip;
-    return st.buffer->data() + (skip - st.from);
+    device::Device* dev = r.body_dev[i];
+    if (st.dev != dev) {
+      st.buffer.reset();
+      st.stream.reset();
+      st.dev = dev;
+    }
+    if (!st.stream) {
+      KVFERRY_ASSIGN_OR_RETURN(st.stream, dev->CreateStream());
+    }
+    if (!st.buffer) {
+      KVFERRY_ASSIGN_OR_RETURN(st.buffer, dev->AllocatePinned(kStageBytes));
+    }
+    st.serial = 0;  // nothing valid until the copies have ended
+    st.pieces.clear();
+    st.total = 0;
+    Status copy;
+    for (std::size_t j = i; j < r.body.size() && st.total < kStageBytes && copy.ok(); ++j) {
+      if (r.body_dev[j] != dev) break;
+      const std::uint64_t from = j == i ? skip : 0;
+      const std::uint64_t len =
+          std::min<std::uint64_t>(kStageBytes - st.total, r.body[j].iov_len - from);
+      const auto src =
+          reinterpret_cast<device::DeviceAddress>(static_cast<std::byte*>(r.body[j].iov_base)) +
+          from;
+      copy = st.stream->CopyDeviceToHost(st.buffer->data() + st.total, src, len);
+      if (!copy.ok()) break;
+      st.pieces.push_back({j, from, len, st.total});
+      st.total += len;
+      if (from + len < r.body[j].iov_len) break;  // the buffer is full
+    }
+    // Recorded even after a failed copy, so that the copies issued are waited for.
+    Result<std::unique_ptr<device::Event>> event = st.stream->RecordEvent();
+    Status wait = event.ok() ? (*event)->Wait(DeadlineAfter(kCopyWait)) : event.status();
+    if (!wait.ok()) {
+      st.stream.reset();  // a copy may still run into the buffer: never reuse either
+      (void)st.buffer.release();
+      return wait;
+    }
+    if (!copy.ok()) return copy;
+    st.serial = r.serial;
+    *avail = st.total;
+    return st.buffer->data();
   }
 
   bool Flush(Connection& c) {
