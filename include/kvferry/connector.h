@@ -240,8 +240,12 @@ class Worker {
 
   /// Rule 6: registers every part of every layer. `bases[layer][part]` are the parts' base
   /// addresses, each spec.PartBytes(part) long; checked as CacheAddresses does. Call once, before
-  /// the first StartLoadKv.
-  Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases);
+  /// the first StartLoadKv. `memory` says where the caches are: host memory, or a device
+  /// ("sim:0", "cuda:1"; docs/device.md), whose memory the worker never touches itself: the
+  /// transport moves it (over tcp, staged through pinned host buffers at both ends; with
+  /// backend auto, a peer on the same host is then read over tcp too).
+  Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
+                          MemoryKind memory = MemoryKind::Host());
 
   /// Starts the step's loads (decode) and registers its holds (prefill) without blocking.
   void StartLoadKv(const ConnectorMetadata& metadata);

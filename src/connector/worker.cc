@@ -62,7 +62,8 @@ class WorkerImpl {
   ~WorkerImpl();
 
   Status Init();
-  Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases);
+  Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
+                          const MemoryKind& memory);
   void StartLoadKv(const ConnectorMetadata& metadata);
   FinishedRequests GetFinished();
   std::vector<LoadError> TakeLoadErrors();
@@ -153,8 +154,8 @@ Result<std::unique_ptr<Worker>> Worker::Create(WorkerConfig config) {
 Worker::Worker(std::unique_ptr<WorkerImpl> impl) : impl_(std::move(impl)) {}
 Worker::~Worker() = default;
 Status Worker::RegisterKvCaches(const CacheSpec& spec,
-                                std::vector<std::vector<std::uint64_t>> bases) {
-  return impl_->RegisterKvCaches(spec, std::move(bases));
+                                std::vector<std::vector<std::uint64_t>> bases, MemoryKind memory) {
+  return impl_->RegisterKvCaches(spec, std::move(bases), memory);
 }
 void Worker::StartLoadKv(const ConnectorMetadata& metadata) { impl_->StartLoadKv(metadata); }
 FinishedRequests Worker::GetFinished() { return impl_->GetFinished(); }
@@ -258,7 +259,8 @@ WorkerImpl::~WorkerImpl() {
 }
 
 Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
-                                    std::vector<std::vector<std::uint64_t>> bases) {
+                                    std::vector<std::vector<std::uint64_t>> bases,
+                                    const MemoryKind& memory) {
   if (spec.tp_size() != cfg_.tp_size || spec.tp_rank() != cfg_.tp_rank) {
     return Status::InvalidArgument(
         "the cache spec is for TP rank " + std::to_string(spec.tp_rank()) + " of " +
@@ -280,7 +282,7 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
       KVFERRY_RETURN_IF_ERROR(transport_->RegisterMemory(
           static_cast<RegionId>(region.id),
           reinterpret_cast<void*>(addresses.Base(l, p)),  // NOLINT(performance-no-int-to-ptr)
-          static_cast<std::size_t>(RegionBytes(spec, p))));
+          static_cast<std::size_t>(RegionBytes(spec, p)), memory));
     }
   }
   KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> descriptor, transport_->Descriptor());
@@ -293,10 +295,10 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
                                   spec,
                                   spec.Hash()};
   Log().info(
-      "kvferry {} worker {} tp {}/{}: registered {} layers x {} parts, {} bytes; listening "
-      "on {}",
+      "kvferry {} worker {} tp {}/{}: registered {} layers x {} parts, {} bytes of {} memory; "
+      "listening on {}",
       RoleName(cfg_.role), cfg_.engine_id, cfg_.tp_rank, cfg_.tp_size, spec.num_layers(),
-      spec.num_parts(), spec.TotalBytes(), listener_->endpoint());
+      spec.num_parts(), spec.TotalBytes(), memory.ToString(), listener_->endpoint());
   return Status::Ok();
 }
 

@@ -19,6 +19,7 @@
 #include "common/clock.h"
 #include "common/ports.h"
 #include "common/subprocess.h"
+#include "device/device.h"
 #include "kv_test_cache.h"
 #include "sidechannel/client.h"
 #include "tests/test_timing.h"
@@ -159,12 +160,31 @@ class DecodeInstance {
   DecodeInstance(const std::string& kind, int tp, const std::string& secret = "",
                  milliseconds transfer_timeout = milliseconds(5000),
                  milliseconds handshake_timeout = milliseconds(2000),
-                 const std::function<void(WorkerConfig&)>& configure = nullptr)
+                 const std::function<void(WorkerConfig&)>& configure = nullptr,
+                 const std::string& memory = "host")
       : tp_(tp) {
     const int base = FreeBasePort(tp);
     for (int r = 0; r < tp; ++r) {
       CacheSpec spec = *testing::TestSpec(kind, tp, r);
       caches_.push_back(std::make_unique<testing::TestCache>(spec));
+      std::vector<std::vector<std::uint64_t>> bases = caches_.back()->Bases();
+      MemoryKind mem_kind;
+      if (memory != "host") {
+        // The cache lives in device memory; caches_ is its host mirror, filled by
+        // SyncFromDevice for the checks.
+        mem_kind = *ParseMemoryKind(memory);
+        Result<device::Device*> dev = device::ProcessDevice(memory);
+        EXPECT_TRUE(dev.ok()) << dev.status().ToString();
+        device_ = *dev;
+        for (int l = 0; l < spec.num_layers(); ++l) {
+          for (int p = 0; p < spec.num_parts(); ++p) {
+            auto alloc = device_->Allocate(static_cast<std::uint64_t>(spec.PartBytes(p)));
+            EXPECT_TRUE(alloc.ok()) << alloc.status().ToString();
+            bases[static_cast<std::size_t>(l)][static_cast<std::size_t>(p)] = (*alloc)->address();
+            device_parts_.push_back({r, l, p, std::move(alloc).value()});
+          }
+        }
+      }
       WorkerConfig c;
       c.role = Role::kDecode;
       c.engine_id = "decode-0";
@@ -178,7 +198,7 @@ class DecodeInstance {
       if (configure) configure(c);
       Result<std::unique_ptr<Worker>> w = Worker::Create(c);
       EXPECT_TRUE(w.ok()) << w.status().ToString();
-      EXPECT_TRUE((*w)->RegisterKvCaches(spec, caches_.back()->Bases()).ok());
+      EXPECT_TRUE((*w)->RegisterKvCaches(spec, bases, mem_kind).ok());
       workers_.push_back(std::move(w).value());
     }
     for (std::int64_t b = 0; b < caches_[0]->spec().num_blocks(); ++b) free_.insert(b);
@@ -223,6 +243,24 @@ class DecodeInstance {
     }
     for (int r : ranks) workers_[static_cast<std::size_t>(r)]->StartLoadKv(*meta);
     return Status::Ok();
+  }
+
+  // Device memory: copies every part back into the host mirror that Mismatches checks.
+  void SyncFromDevice() {
+    auto stream = device_->CreateStream();
+    ASSERT_TRUE(stream.ok());
+    for (const DevicePart& d : device_parts_) {
+      testing::TestCache& cache = *caches_[static_cast<std::size_t>(d.rank)];
+      auto* host = reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
+          cache.Bases()[static_cast<std::size_t>(d.layer)][static_cast<std::size_t>(d.part)]);
+      ASSERT_TRUE((*stream)
+                      ->CopyDeviceToHost(host, d.alloc->address(),
+                                         static_cast<std::uint64_t>(cache.spec().PartBytes(d.part)))
+                      .ok());
+    }
+    auto event = (*stream)->RecordEvent();
+    ASSERT_TRUE(event.ok());
+    ASSERT_TRUE((*event)->Wait(DeadlineAfter(milliseconds(10000))).ok());
   }
 
   // Waits until each of `ranks` reports `req` as received; collects load errors.
@@ -286,6 +324,12 @@ class DecodeInstance {
  private:
   int tp_;
   std::vector<std::unique_ptr<testing::TestCache>> caches_;
+  struct DevicePart {
+    int rank, layer, part;
+    std::unique_ptr<device::DeviceAllocation> alloc;
+  };
+  device::Device* device_ = nullptr;
+  std::vector<DevicePart> device_parts_;  // declared before workers_: freed after they stop
   std::vector<std::unique_ptr<Worker>> workers_;
   std::unique_ptr<Scheduler> scheduler_;
   std::set<std::int64_t> free_;
@@ -502,6 +546,28 @@ TEST(ConnectorTest, PrefillRestartedOnTheSamePortsServesItsNewLoadsAndRefusesThe
   EXPECT_EQ(decode.worker(0).Stats().handshakes, 2u);
   old.reset();
   ExpectNothingLeft(fresh, decode);
+}
+
+// Issue 14: a decode instance whose KV caches are device memory (the sim device, whose
+// addresses fault when host code touches them) loads from a prefill instance in host memory in
+// another process: the worker reads over tcp (auto passes over shm, which reads host memory
+// only), staged into the device; every byte checked after copying the caches back.
+TEST(ConnectorDeviceTest, DecodeCachesInDeviceMemoryLoadEveryByte) {
+  PrefillProcess prefill("mha", 2, "prefill-0", 60000);
+  DecodeInstance decode("mha", 2, "", milliseconds(10000), milliseconds(5000), nullptr, "sim:0");
+  for (const char* req : {"req-a", "req-b"}) {
+    const Params p = prefill.Hold(req, req[4] == 'a' ? 6 : 3);
+    ASSERT_TRUE(decode.Load(req, prefill, p).ok());
+    ASSERT_TRUE(decode.WaitReceived(req, {}, milliseconds(15000)));
+    EXPECT_TRUE(decode.Errors(req).empty()) << decode.Errors(req).front().status.ToString();
+    EXPECT_TRUE(prefill.WaitLine(std::string("FREED ") + req, milliseconds(5000)));
+  }
+  decode.SyncFromDevice();
+  for (const char* req : {"req-a", "req-b"}) {
+    EXPECT_EQ(decode.Mismatches(req), 0) << req;
+    decode.Free(req);
+  }
+  ExpectNothingLeft(prefill, decode);
 }
 
 TEST(ConnectorTest, HoldEndsOnLeaseExpiryWhenNoReaderComes) {
