@@ -46,6 +46,7 @@ struct PipelineArgs {
   int concurrency = 16;
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
+  std::string memory = "host";
   bool progress = true;
   /// Share of requests the client abandons: at the prefill instance, between prefill and decode,
   /// or at the decode instance (a third each), at a random moment.
@@ -181,6 +182,8 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                      std::to_string(a.hold_lease_ms),
                                      "--compute-us-per-token",
                                      std::to_string(a.compute_us_per_token),
+                                     "--memory",
+                                     a.memory,
                                      "--exit-on-stdin-eof"};
     if (a.shm_permit_any_tracer) argv.emplace_back("--shm-permit-any-tracer");
     for (const std::string& s : TransportOptArgv(a.transport_opts)) argv.push_back(s);
@@ -541,6 +544,10 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
       ->capture_default_str();
   cmd.add_option("--compute-us-per-token", p.compute_us_per_token,
                  "Simulated prefill compute per token");
+  cmd.add_option("--memory", p.memory,
+                 "Where both instances keep their KV caches: host, or a device (sim:0, cuda:0); "
+                 "every byte is verified by copying it back")
+      ->capture_default_str();
   cmd.add_option("--prefill-control", p.prefill_control,
                  "Control endpoint of a running prefill instance (with --decode-control: drive "
                  "those instead of starting two here)");

@@ -42,6 +42,7 @@ struct ServeArgs {
   ModelArgs model;
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
+  std::string memory = "host";
   bool exit_on_stdin_eof = false;
   std::string metrics_host = "127.0.0.1";
   int metrics_port = -1;  // -1: no metrics endpoint
@@ -120,6 +121,7 @@ int RunServe(const ServeArgs& a) {
   c.model = *model;
   c.hold_lease = std::chrono::milliseconds(a.hold_lease_ms);
   c.compute_per_token = std::chrono::microseconds(a.compute_us_per_token);
+  c.memory = a.memory;
   if (!a.rank_table.empty()) {
     Result<RankTable> t = RankTable::Load(a.rank_table);
     if (!t.ok()) {
@@ -375,6 +377,11 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   serve->add_option("--compute-us-per-token", a->compute_us_per_token,
                     "Simulated prefill compute time per token");
+  serve
+      ->add_option("--memory", a->memory,
+                   "Where the KV caches are: host, or a device such as sim:0 or cuda:0 "
+                   "(docs/device.md)")
+      ->capture_default_str();
   serve->add_flag("--exit-on-stdin-eof", a->exit_on_stdin_eof,
                   "Exit when stdin closes (for instances started by another process)");
   serve

@@ -129,11 +129,29 @@ Status Instance::Init() {
     }
     std::vector<std::vector<std::uint64_t>> regions;
     std::vector<std::vector<std::uint64_t>> bases(static_cast<std::size_t>(spec.num_layers()));
+    MemoryKind kind;
+    if (c.memory != "host") {
+      // "sim" is short for "sim:0".
+      const std::string name = c.memory.find(':') == std::string::npos ? c.memory + ":0" : c.memory;
+      KVFERRY_ASSIGN_OR_RETURN(kind, ParseMemoryKind(name));
+      if (device_ == nullptr) {
+        KVFERRY_ASSIGN_OR_RETURN(device_, device::ProcessDevice(name));
+        KVFERRY_ASSIGN_OR_RETURN(stream_, device_->CreateStream());
+      }
+      device_memory_.emplace_back();
+    }
     for (int l = 0; l < spec.num_layers(); ++l) {
       for (int p = 0; p < spec.num_parts(); ++p) {
         regions.emplace_back(static_cast<std::size_t>((spec.PartBytes(p) + 7) / 8), 0);
-        bases[static_cast<std::size_t>(l)].push_back(
-            reinterpret_cast<std::uint64_t>(regions.back().data()));
+        std::uint64_t base = reinterpret_cast<std::uint64_t>(regions.back().data());
+        if (device_ != nullptr) {
+          KVFERRY_ASSIGN_OR_RETURN(
+              std::unique_ptr<device::DeviceAllocation> a,
+              device_->Allocate(static_cast<std::uint64_t>(spec.PartBytes(p))));
+          base = a->address();
+          device_memory_.back().push_back(std::move(a));
+        }
+        bases[static_cast<std::size_t>(l)].push_back(base);
       }
     }
     WorkerConfig w;
@@ -153,7 +171,7 @@ Status Instance::Init() {
     w.transport.shm_permit_any_tracer = c.shm_permit_any_tracer;
     w.hold_lease = c.hold_lease;
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));
-    KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(spec, bases));
+    KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(spec, bases, kind));
     specs_.push_back(spec);
     memory_.push_back(std::move(regions));
     workers_.push_back(std::move(worker));
@@ -270,7 +288,7 @@ bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t cou
 }
 
 // Writes the KV of the prompt's tokens in blocks [first, first + count) on every rank.
-void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
+Status Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
   ForEachRow(r, first, count, [](const KvRow& row) {
     for (std::int64_t d = 0; d < row.dim; ++d) {
       const std::uint64_t v = RowValue(row.seed, d);
@@ -278,6 +296,31 @@ void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count)
     }
     return true;
   });
+  return device_ == nullptr ? Status::Ok() : CopyBlocks(r, first, count, /*up=*/true);
+}
+
+Status Instance::CopyBlocks(const Running& r, std::int64_t first, std::int64_t count, bool up) {
+  for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
+    const CacheSpec& spec = specs_[rank];
+    for (std::int64_t bi = first; bi < first + count; ++bi) {
+      const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
+      for (int l = 0; l < spec.num_layers(); ++l) {
+        for (int p = 0; p < spec.num_parts(); ++p) {
+          const auto i = static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
+                         static_cast<std::size_t>(p);
+          const auto offset = static_cast<std::uint64_t>(block * spec.BlockBytes(p));
+          const auto bytes = static_cast<std::uint64_t>(spec.BlockBytes(p));
+          auto* host = reinterpret_cast<std::byte*>(memory_[rank][i].data()) + offset;
+          const device::DeviceAddress dev = device_memory_[rank][i]->address() + offset;
+          KVFERRY_RETURN_IF_ERROR(up ? stream_->CopyHostToDevice(dev, host, bytes)
+                                     : stream_->CopyDeviceToHost(host, dev, bytes));
+        }
+      }
+    }
+  }
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> done, stream_->RecordEvent());
+  return done->Wait(DeadlineAfter(std::chrono::seconds(30)))
+      .WithContext(std::string("copying KV blocks ") + (up ? "to " : "from ") + device_->name());
 }
 
 // Checks blocks [first, first + count) on every rank against what Compute wrote; returns the
@@ -285,6 +328,13 @@ void Instance::Compute(const Running& r, std::int64_t first, std::int64_t count)
 std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_t count,
                                Status* status) {
   std::uint64_t bytes = 0;
+  if (device_ != nullptr) {
+    // What the device holds is what is checked: copied down over the host mirror first.
+    if (Status s = CopyBlocks(r, first, count, /*up=*/false); !s.ok()) {
+      *status = s;
+      return 0;
+    }
+  }
   ForEachRow(r, first, count, [&](const KvRow& row) {
     if (row.past_prompt) return true;  // slots past the prompt are never read
     for (std::int64_t d = 0; d < row.dim; ++d) {
@@ -404,7 +454,14 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
     if (!blocks.ok()) break;  // wait for holds to end
     r.scheduled = Clock::now();
     r.blocks = std::move(blocks).value();
-    Compute(r, 0, static_cast<std::int64_t>(need));
+    if (Status s = Compute(r, 0, static_cast<std::int64_t>(need)); !s.ok()) {
+      r.result.status = s;
+      FreeBlocks(r.blocks);
+      ++failed_;
+      out.push_back(r.result);
+      waiting_.pop_front();
+      continue;
+    }
     if (config_.compute_per_token.count() > 0) {
       std::this_thread::sleep_for(config_.compute_per_token * r.request.prompt.size());
     }
@@ -531,7 +588,9 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
         // Recompute policy: the engine computes the blocks the load could not deliver.
         Log().warn("request {}: load failed ({}); recomputing {} blocks", id,
                    err->second.ToString(), r.result.loaded_blocks);
-        Compute(r, r.prefix_hit, r.result.loaded_blocks);
+        if (Status s = Compute(r, r.prefix_hit, r.result.loaded_blocks); !s.ok()) {
+          Log().error("request {}: recomputing failed: {}", id, s.ToString());
+        }
         r.result.recomputed_blocks = r.result.loaded_blocks;
         load_errors_.erase(err);
       }

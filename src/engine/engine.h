@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "device/device.h"
 #include "kvferry/connector.h"
 #include "kvferry/metrics.h"
 
@@ -60,6 +61,10 @@ struct InstanceConfig {
   CacheSpecOptions model;
   std::chrono::milliseconds hold_lease{30000};
   std::chrono::microseconds compute_per_token{0};  ///< simulated prefill compute
+  /// Where the KV caches are: "host", or a device of this process ("sim:0", "cuda:0"; "sim" is
+  /// "sim:0"; docs/device.md) holding every rank's caches. With a device the engine computes into a
+  /// host mirror and copies the blocks up, and copies them back down to verify them.
+  std::string memory = "host";
 };
 
 /// A request as the proxy sends it.
@@ -148,7 +153,10 @@ class Instance {
   };
   template <typename Fn>
   bool ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Fn&& fn);
-  void Compute(const Running& r, std::int64_t first_block_index, std::int64_t count);
+  Status Compute(const Running& r, std::int64_t first_block_index, std::int64_t count);
+  // Device memory: blocks [first, first + count) of `r` on every rank, host mirror -> device
+  // (`up`) or back; waits for the copies.
+  Status CopyBlocks(const Running& r, std::int64_t first, std::int64_t count, bool up);
   std::uint64_t Verify(const Running& r, std::int64_t first_block_index, std::int64_t count,
                        Status* status);
   void FreeBlocks(const std::vector<std::int64_t>& blocks);
@@ -159,6 +167,11 @@ class Instance {
   InstanceConfig config_;
   std::vector<CacheSpec> specs_;
   std::vector<std::vector<std::vector<std::uint64_t>>> memory_;  // [rank][layer*parts+part]
+  // config_.memory a device: the caches themselves, memory_ their host mirror. Before workers_,
+  // so they are freed after the workers stop reading them.
+  device::Device* device_ = nullptr;
+  std::unique_ptr<device::Stream> stream_;
+  std::vector<std::vector<std::unique_ptr<device::DeviceAllocation>>> device_memory_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<BlockAllocator> allocator_;

@@ -33,8 +33,10 @@ CacheSpecOptions Model(std::int64_t num_blocks) {
 }
 
 std::unique_ptr<Instance> MakeInstance(Role role, std::int64_t num_blocks, int tp,
-                                       std::chrono::milliseconds lease = milliseconds(30000)) {
+                                       std::chrono::milliseconds lease = milliseconds(30000),
+                                       const std::string& memory = "host") {
   InstanceConfig c;
+  c.memory = memory;
   c.role = role;
   c.engine_id = std::string(RoleName(role)) + "-" + std::to_string(FreeLoopbackPorts(1));
   c.tp_size = tp;
@@ -58,9 +60,11 @@ std::vector<std::int32_t> Prompt(std::size_t len, std::int32_t salt,
 class Pair {
  public:
   Pair(std::int64_t prefill_blocks, std::int64_t decode_blocks, int tp = 1,
-       std::chrono::milliseconds lease = milliseconds(30000))
-      : prefill_(MakeInstance(Role::kPrefill, prefill_blocks, tp, lease)),
-        decode_(MakeInstance(Role::kDecode, decode_blocks, tp)) {}
+       std::chrono::milliseconds lease = milliseconds(30000),
+       const std::string& prefill_memory = "host", const std::string& decode_memory = "host")
+      : prefill_(MakeInstance(Role::kPrefill, prefill_blocks, tp, lease, prefill_memory)),
+        decode_(
+            MakeInstance(Role::kDecode, decode_blocks, tp, milliseconds(30000), decode_memory)) {}
   bool ok() const { return prefill_ != nullptr && decode_ != nullptr; }
 
   void SubmitPrefill(const std::string& id, std::vector<std::int32_t> prompt) {
@@ -136,6 +140,25 @@ TEST(EngineTest, EvictionUnderPressureKeepsThePrefixHitsOfTheRequest) {
   }
   EXPECT_EQ(pair.decode_results().at("d").prefix_hit_blocks, 4);
   EXPECT_GT(pair.decode().Stats().cached_blocks, 0);
+  EXPECT_TRUE(pair.RunUntil([&] { return pair.AllReleased(); }));
+}
+
+// Issue 14: both instances keep their caches in device memory (two sim devices: addresses that
+// fault if host code touches them), TP 2, with decode prefix hits; every byte is verified by
+// copying the blocks back from the device.
+TEST(EngineTest, DeviceMemoryOnBothSidesVerifiesEveryByte) {
+  Pair pair(64, 64, /*tp=*/2, milliseconds(30000), "sim:0", "sim:1");
+  ASSERT_TRUE(pair.ok());
+  const std::vector<std::int32_t> shared = Prompt(64, 3);
+  for (const auto& [id, prompt] : std::vector<std::pair<std::string, std::vector<std::int32_t>>>{
+           {"a", Prompt(100, 1, shared)}, {"b", Prompt(130, 2, shared)}, {"c", Prompt(40, 5)}}) {
+    pair.SubmitPrefill(id, prompt);
+    ASSERT_TRUE(pair.RunUntil([&] { return pair.decode_results().count(id) == 1; })) << id;
+    const EngineResult& r = pair.decode_results().at(id);
+    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.ToString();
+    EXPECT_GT(r.verified_bytes, 0u);
+  }
+  EXPECT_EQ(pair.decode_results().at("b").prefix_hit_blocks, 4);
   EXPECT_TRUE(pair.RunUntil([&] { return pair.AllReleased(); }));
 }
 
