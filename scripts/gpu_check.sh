@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check (docs/device.md, "Running the GPU check"): build the device targets, then
 # `make test-gpu` (the device tests with the cuda device, including the two-process same-GPU IPC
-# test). Meant for a machine with one NVIDIA GPU and the driver; takes well under 5 minutes there.
+# test and tcp reads into and out of GPU memory), `kvferry demo --memory cuda` (the whole pipeline
+# on GPU memory, every byte verified) and `kvferry bench transport --memory cuda --json` (staged
+# tcp on GPU memory against host-memory tcp). Meant for a machine with one NVIDIA GPU and the
+# driver; takes well under 5 minutes there.
 #
 # Exit status: 0 all passed; 77 "no CUDA driver/device" (nothing was tested); 1 a failure, or no
 # GPU while KVFERRY_REQUIRE_GPU=1.
@@ -19,7 +22,7 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo || exit 1
 fi
 cmake --build "$BUILD" -j "$JOBS" --target device_ipc_peer device_test cuda_header_check_test \
-  cuda_gpu_test || exit 1
+  cuda_gpu_test device_transport_test kvferry_cli || exit 1
 
 echo "== gpu_check: probe"
 "$BUILD/tests/device_ipc_peer" probe
@@ -37,6 +40,14 @@ fi
 echo "== gpu_check: make test-gpu"
 make --no-print-directory test-gpu BUILD="$BUILD" JOBS="$JOBS" || {
   echo "gpu_check: FAILED (make test-gpu)"
+  exit 1
+}
+echo "== gpu_check: kvferry demo --memory cuda"
+"$BUILD/kvferry" demo --memory cuda --requests 60 --max-prompt 1024 --num-blocks 1024 --layers 4 \
+  --no-progress || { echo "gpu_check: FAILED (demo --memory cuda)"; exit 1; }
+echo "== gpu_check: kvferry bench transport --memory cuda --json"
+"$BUILD/kvferry" bench transport --memory cuda --sizes 65536,1048576 --pool-mib 256 --json || {
+  echo "gpu_check: FAILED (bench transport --memory cuda)"
   exit 1
 }
 echo "gpu_check: passed in $(( $(date +%s) - start )) s"

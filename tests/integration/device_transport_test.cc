@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -87,9 +88,24 @@ struct Kinds {
 };
 void PrintTo(const Kinds& k, std::ostream* os) { *os << k.remote << " -> " << k.local; }
 
+bool RequireGpu() {
+  const char* v = std::getenv("KVFERRY_REQUIRE_GPU");  // NOLINT(concurrency-mt-unsafe)
+  return v != nullptr && std::string(v) == "1";
+}
+
 class DeviceTransportTest : public ::testing::TestWithParam<Kinds> {
  protected:
   void SetUp() override {
+    // The cuda instances run on a GPU (make test-gpu); elsewhere they SKIP saying why, or FAIL
+    // under KVFERRY_REQUIRE_GPU=1.
+    for (const std::string& kind : {GetParam().remote, GetParam().local}) {
+      if (kind.rfind("cuda", 0) != 0) continue;
+      Result<device::Device*> dev = device::ProcessDevice(kind);
+      if (!dev.ok()) {
+        if (RequireGpu()) FAIL() << "KVFERRY_REQUIRE_GPU=1: " << dev.status().ToString();
+        GTEST_SKIP() << "no CUDA driver/device: " << dev.status().ToString();
+      }
+    }
     remote_ = std::make_unique<Memory>(GetParam().remote, true);
     local_ = std::make_unique<Memory>(GetParam().local, false);
     server_ = MakeTransport(true);
@@ -220,6 +236,16 @@ TEST(DeviceAutoTest, AutoOnOneHostCarriesDeviceMemoryOverTcp) {
     EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, 4096), -1);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(CudaKinds, DeviceTransportTest,
+                         ::testing::Values(Kinds{"host", "cuda:0"}, Kinds{"cuda:0", "host"},
+                                           Kinds{"cuda:0", "cuda:0"}),
+                         [](const auto& param_info) {
+                           std::string n =
+                               param_info.param.remote + "_to_" + param_info.param.local;
+                           for (char& c : n) c = c == ':' ? '_' : c;
+                           return n;
+                         });
 
 TEST(DeviceRegistrationTest, MemoryNotOfTheNamedDeviceIsRefused) {
   std::unique_ptr<Transport> t = MakeTransport(false);
