@@ -5,6 +5,7 @@
 // while reads stage, and registrations that name the wrong kind refused.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <cstdlib>
 #include <memory>
@@ -13,7 +14,9 @@
 #include <vector>
 
 #include "common/clock.h"
+#include "common/digest.h"
 #include "common/pattern.h"
+#include "common/subprocess.h"
 #include "device/device.h"
 #include "kvferry/transport.h"
 #include "tests/unit/device/device_test_util.h"
@@ -71,9 +74,9 @@ class Memory {
   std::unique_ptr<device::Stream> stream_;
 };
 
-std::unique_ptr<Transport> MakeTransport(bool serve) {
+std::unique_ptr<Transport> MakeTransport(bool serve, const std::string& backend = "tcp") {
   TransportOptions o;
-  o.backend = "tcp";
+  o.backend = backend;
   o.serve = serve;
   o.tcp_connections_per_peer = 2;
   o.max_request_bytes = 1u << 20;  // several requests per batch
@@ -85,8 +88,17 @@ std::unique_ptr<Transport> MakeTransport(bool serve) {
 struct Kinds {
   std::string remote;
   std::string local;
+  std::string backend = "tcp";
 };
-void PrintTo(const Kinds& k, std::ostream* os) { *os << k.remote << " -> " << k.local; }
+void PrintTo(const Kinds& k, std::ostream* os) {
+  *os << k.remote << " -> " << k.local << " over " << k.backend;
+}
+std::string KindsName(const ::testing::TestParamInfo<Kinds>& param_info) {
+  std::string n =
+      param_info.param.remote + "_to_" + param_info.param.local + "_" + param_info.param.backend;
+  for (char& c : n) c = c == ':' ? '_' : c;
+  return n;
+}
 
 bool RequireGpu() {
   const char* v = std::getenv("KVFERRY_REQUIRE_GPU");  // NOLINT(concurrency-mt-unsafe)
@@ -108,8 +120,8 @@ class DeviceTransportTest : public ::testing::TestWithParam<Kinds> {
     }
     remote_ = std::make_unique<Memory>(GetParam().remote, true);
     local_ = std::make_unique<Memory>(GetParam().local, false);
-    server_ = MakeTransport(true);
-    client_ = MakeTransport(false);
+    server_ = MakeTransport(true, GetParam().backend);
+    client_ = MakeTransport(false, GetParam().backend);
     ASSERT_TRUE(server_ && client_);
     ASSERT_TRUE(
         server_->RegisterMemory(kRemoteRegion, remote_->base(), kBytes, remote_->kind()).ok());
@@ -199,18 +211,22 @@ TEST_P(DeviceTransportTest, CancelWhileStagingEndsTheBatchAndNothingLandsAfter) 
 INSTANTIATE_TEST_SUITE_P(Kinds, DeviceTransportTest,
                          ::testing::Values(Kinds{"host", "sim:1"}, Kinds{"sim:0", "host"},
                                            Kinds{"sim:0", "sim:1"}, Kinds{"sim:0", "sim:0"},
-                                           Kinds{"host", "host"}),
-                         [](const auto& param_info) {
-                           std::string n =
-                               param_info.param.remote + "_to_" + param_info.param.local;
-                           for (char& c : n) c = c == ':' ? '_' : c;
-                           return n;
-                         });
+                                           Kinds{"host", "host"}, Kinds{"sim:0", "host", "shm"},
+                                           Kinds{"sim:0", "sim:0", "shm"}),
+                         KindsName);
 
-// With backend auto on one host, shm (which reads host memory only) is passed over for a peer
-// whose regions are device memory, or when this side's are: tcp's staging carries them.
-TEST(DeviceAutoTest, AutoOnOneHostCarriesDeviceMemoryOverTcp) {
-  for (const Kinds& k : {Kinds{"sim:0", "host"}, Kinds{"host", "sim:1"}}) {
+INSTANTIATE_TEST_SUITE_P(CudaKinds, DeviceTransportTest,
+                         ::testing::Values(Kinds{"host", "cuda:0"}, Kinds{"cuda:0", "host"},
+                                           Kinds{"cuda:0", "cuda:0"}),
+                         KindsName);
+
+// With backend auto on one host, a backend that cannot read the peer's kinds into ours is passed
+// over.
+TEST(DeviceAutoTest, AutoOnOneHostPicksABackendThatReadsTheKinds) {
+  // shm opens the peer's device memory through IPC into host memory or the same device; it
+  // cannot read host memory into a device, or one device's memory into another's: tcp does.
+  for (const Kinds& k : {Kinds{"sim:0", "host", "shm"}, Kinds{"sim:0", "sim:0", "shm"},
+                         Kinds{"host", "sim:1", "tcp"}, Kinds{"sim:0", "sim:1", "tcp"}}) {
     SCOPED_TRACE(k.remote + " -> " + k.local);
     Memory remote(k.remote, true);
     Memory local(k.local, false);
@@ -226,7 +242,7 @@ TEST(DeviceAutoTest, AutoOnOneHostCarriesDeviceMemoryOverTcp) {
     Result<PeerId> p =
         (*client)->Connect(*(*server)->Descriptor(), DeadlineAfter(milliseconds(5000)));
     ASSERT_TRUE(p.ok()) << p.status().ToString();
-    EXPECT_EQ(*(*client)->PeerBackend(*p), "tcp");
+    EXPECT_EQ(*(*client)->PeerBackend(*p), k.backend);
     Result<BatchId> b = (*client)->SubmitReads(*p, {{local.base(), kRemoteRegion, 4096, 1u << 20}},
                                                DeadlineAfter(milliseconds(10000)));
     ASSERT_TRUE(b.ok()) << b.status().ToString();
@@ -237,15 +253,60 @@ TEST(DeviceAutoTest, AutoOnOneHostCarriesDeviceMemoryOverTcp) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(CudaKinds, DeviceTransportTest,
-                         ::testing::Values(Kinds{"host", "cuda:0"}, Kinds{"cuda:0", "host"},
-                                           Kinds{"cuda:0", "cuda:0"}),
-                         [](const auto& param_info) {
-                           std::string n =
-                               param_info.param.remote + "_to_" + param_info.param.local;
-                           for (char& c : n) c = c == ':' ? '_' : c;
-                           return n;
-                         });
+// The IPC path between processes: a peer process (kvferry bench peer) serves sim memory; this
+// process reads it over shm (IPC) into host memory and into its own sim memory, every byte
+// checked; once the peer is killed, the next batch fails PeerDisconnected at once.
+TEST(DeviceIpcTest, ReadsAnotherProcesssDeviceMemoryAndNoticesItsDeath) {
+  constexpr std::uint64_t kPeerBytes = 16u << 20;
+  constexpr std::uint64_t kPeerSeed = 0x6b76666572727900ull;  // bench peer's default
+  Result<Subprocess> peer =
+      Subprocess::Spawn({KVFERRY_CLI_PATH, "bench", "peer", "--backend", "auto", "--bytes",
+                         std::to_string(kPeerBytes), "--memory", "sim:0"});
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  Result<std::string> line = peer->ReadLine(std::chrono::seconds(30));
+  ASSERT_TRUE(line.ok() && line->rfind("READY ", 0) == 0) << line.status().ToString();
+  Result<std::vector<std::uint8_t>> descriptor = FromHex(line->substr(6));
+  ASSERT_TRUE(descriptor.ok());
+  for (const std::string local_kind : {"host", "sim:0"}) {
+    SCOPED_TRACE(local_kind);
+    Memory local(local_kind, false);
+    std::unique_ptr<Transport> client = MakeTransport(false, "auto");
+    ASSERT_TRUE(client->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
+    Result<PeerId> p = client->Connect(*descriptor, DeadlineAfter(milliseconds(5000)));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ(*client->PeerBackend(*p), "shm");
+    std::mt19937_64 rng(7);
+    std::vector<ReadOp> reads;
+    std::vector<std::uint64_t> remote;
+    for (std::uint64_t k = 0; k < 64; ++k) {  // 64 blocks of 64 KiB, scattered
+      remote.push_back((rng() % (kPeerBytes / 65536)) * 65536);
+      reads.push_back({local.base() + k * 65536, 0, remote.back(), 65536});
+    }
+    Result<BatchId> b = client->SubmitReads(*p, reads, DeadlineAfter(milliseconds(10000)));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    const BatchResult r = client->Wait(*b, DeadlineAfter(milliseconds(15000)));
+    ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+    client->Release(*b);
+    const std::vector<std::byte> got = local.Contents();
+    for (std::uint64_t k = 0; k < remote.size(); ++k) {
+      ASSERT_EQ(FirstPatternMismatch(got.data() + k * 65536, 65536, kPeerSeed, 0, remote[k]), -1)
+          << "block " << k;
+    }
+    if (local_kind == "sim:0") {
+      peer->Signal(SIGKILL);
+      (void)peer->CloseAndWait(milliseconds(5000));
+      const auto killed = Clock::now();
+      Result<BatchId> after =
+          client->SubmitReads(*p, {reads[0]}, DeadlineAfter(milliseconds(10000)));
+      ASSERT_TRUE(after.ok());
+      const BatchResult dead = client->Wait(*after, DeadlineAfter(milliseconds(15000)));
+      EXPECT_EQ(dead.state, BatchState::kFailed);
+      EXPECT_EQ(dead.status.code(), StatusCode::kPeerDisconnected) << dead.status.ToString();
+      EXPECT_LT(Clock::now() - killed, milliseconds(2000));
+      client->Release(*after);
+    }
+  }
+}
 
 TEST(DeviceRegistrationTest, MemoryNotOfTheNamedDeviceIsRefused) {
   std::unique_ptr<Transport> t = MakeTransport(false);

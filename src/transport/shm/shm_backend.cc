@@ -14,10 +14,12 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
 
+#include "common/clock.h"
 #include "common/errno_text.h"
 #include "common/log.h"
 
@@ -193,14 +195,112 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
   return Status::Ok();
 }
 
+// A peer's device region opened through its IPC handle: copies read it on `device`'s streams.
+struct ImportedRegion {
+  device::Device* device = nullptr;
+  std::shared_ptr<device::ImportedMemory> memory;  // shared by the regions of one allocation
+  std::uint64_t offset = 0;                        // of the region's first byte in `memory`
+};
+
+// Streams of one device, reused by the units of one peer (a stream is used by one unit at a
+// time).
+class StreamPool {
+ public:
+  explicit StreamPool(device::Device* device) : device_(device) {}
+  Result<std::unique_ptr<device::Stream>> Take() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        auto s = std::move(idle_.back());
+        idle_.pop_back();
+        return s;
+      }
+    }
+    return device_->CreateStream();
+  }
+  void Give(std::unique_ptr<device::Stream> s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.push_back(std::move(s));
+  }
+
+ private:
+  device::Device* device_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<device::Stream>> idle_;  // guarded by mu_
+};
+
+struct DevicePiece {
+  std::byte* local;  // host pointer, or a device address of the same device
+  bool local_host;
+  device::DeviceAddress remote;
+  std::uint64_t length;
+};
+
+constexpr std::chrono::seconds kCopyWait(10);  // issued copies a cancelled unit waits for
+
+// Copies every piece on one stream and waits for them: in slices, so that a batch that stops
+// (cancel, deadline, another unit's failure) is seen; it then waits for the copies already
+// issued (at most kCopyWait) so that none writes after the unit ends.
+Status CopyPieces(const ShmPeerState& peer, const Batch& batch, StreamPool& streams,
+                  const std::vector<DevicePiece>& pieces, std::uint64_t* bytes) {
+  if (!peer.Alive()) return PeerGone(peer.pid());
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Stream> stream, streams.Take());
+  Status issued;
+  std::uint64_t total = 0;
+  for (const DevicePiece& p : pieces) {
+    issued = p.local_host
+                 ? stream->CopyDeviceToHost(p.local, p.remote, p.length)
+                 : stream->CopyDeviceToDevice(reinterpret_cast<device::DeviceAddress>(p.local),
+                                              p.remote, p.length);
+    if (!issued.ok()) break;
+    total += p.length;
+  }
+  Result<std::unique_ptr<device::Event>> event = stream->RecordEvent();
+  if (!event.ok()) return event.status();  // the stream is dropped with its copies
+  Status waited = Status::Timeout("");
+  while (waited.code() == StatusCode::kTimeout && !batch.ShouldStop() &&
+         Clock::now() < batch.deadline()) {
+    waited =
+        (*event)->Wait(std::min(batch.deadline(), DeadlineAfter(std::chrono::milliseconds(20))));
+  }
+  if (waited.code() == StatusCode::kTimeout) {
+    // Stopped or past the deadline: the copies issued cannot be recalled; wait them out.
+    waited = (*event)->Wait(DeadlineAfter(kCopyWait));
+    if (!waited.ok()) {
+      return Status::Internal("device copies still ran " + std::to_string(kCopyWait.count()) +
+                              " s after their batch stopped: " + waited.ToString());
+    }
+    streams.Give(std::move(stream));
+    return batch.ShouldStop() ? batch.StopStatus()
+                              : Status::Timeout("the batch's deadline passed during device copies");
+  }
+  if (!waited.ok()) return waited;  // a failed copy: the stream is unusable, dropped
+  streams.Give(std::move(stream));
+  if (!issued.ok()) return issued;
+  // The exporter may have freed its memory as it exited: bytes copied then are not trusted.
+  if (!peer.Alive()) return PeerGone(peer.pid());
+  *bytes += total;
+  return Status::Ok();
+}
+
 class ShmPeer final : public BackendPeer {
  public:
   ShmPeer(std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions,
-          std::shared_ptr<WorkQueue> pool)
-      : state_(std::move(state)), regions_(std::move(regions)), pool_(std::move(pool)) {}
+          std::shared_ptr<WorkQueue> pool, std::map<RegionId, ImportedRegion> imported)
+      : state_(std::move(state)),
+        regions_(std::move(regions)),
+        pool_(std::move(pool)),
+        imported_(std::move(imported)) {
+    for (const auto& [id, r] : imported_) {
+      if (streams_.count(r.device) == 0) {
+        streams_[r.device] = std::make_shared<StreamPool>(r.device);
+      }
+    }
+  }
   ~ShmPeer() override { Shutdown(); }
 
   void Start(const std::shared_ptr<Batch>& batch, std::vector<ReadOp> ops) override {
+    if (!imported_.empty()) StartDevice(batch, ops);
     std::vector<Piece> unit;
     std::uint64_t unit_bytes = 0;
     auto flush = [&] {
@@ -220,6 +320,7 @@ class ShmPeer final : public BackendPeer {
       unit_bytes = 0;
     };
     for (const ReadOp& op : ops) {
+      if (imported_.count(op.remote_region) != 0) continue;  // StartDevice's
       const std::uint64_t base = regions_.at(op.remote_region).addr + op.remote_offset;
       for (std::uint64_t off = 0; off < op.length;) {
         const std::uint64_t len = std::min(op.length - off, kMaxUnitBytes - unit_bytes);
@@ -235,9 +336,55 @@ class ShmPeer final : public BackendPeer {
   void Shutdown() override { state_->Shutdown(); }
 
  private:
+  // The ops that read the peer's device regions: units of at most kMaxUnitBytes, each copied on
+  // one stream of the importing device.
+  void StartDevice(const std::shared_ptr<Batch>& batch, const std::vector<ReadOp>& ops) {
+    std::vector<DevicePiece> unit;
+    std::uint64_t unit_bytes = 0;
+    device::Device* unit_device = nullptr;
+    auto flush = [&] {
+      if (unit.empty()) return;
+      batch->AddUnit();
+      pool_->Post([state = state_, batch, streams = streams_.at(unit_device), imported = imported_,
+                   pieces = std::move(unit)]() mutable {
+        std::uint64_t bytes = 0;
+        if (!state->Enter()) {
+          batch->UnitDone(Status::Cancelled("the shm peer was disconnected"), 0);
+          return;
+        }
+        Status s = CopyPieces(*state, *batch, *streams, pieces, &bytes);
+        state->Leave();
+        batch->UnitDone(s, bytes);
+      });
+      unit = {};
+      unit_bytes = 0;
+    };
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const ReadOp& op = ops[i];
+      auto it = imported_.find(op.remote_region);
+      if (it == imported_.end()) continue;
+      const ImportedRegion& r = it->second;
+      if (unit_device != r.device) flush();
+      unit_device = r.device;
+      const bool local_host = batch->local_kind(i).is_host();
+      for (std::uint64_t off = 0; off < op.length;) {
+        const std::uint64_t len = std::min(op.length - off, kMaxUnitBytes - unit_bytes);
+        unit.push_back({op.local + off, local_host,
+                        r.memory->address(r.offset + op.remote_offset + off), len});
+        unit_bytes += len;
+        off += len;
+        if (unit_bytes >= kMaxUnitBytes) flush();
+      }
+    }
+    flush();
+  }
+
   std::shared_ptr<ShmPeerState> state_;
   RemoteRegionTable regions_;
   std::shared_ptr<WorkQueue> pool_;
+  // Captured by value in units: the imports stay mapped while a unit copies from them.
+  std::map<RegionId, ImportedRegion> imported_;
+  std::map<device::Device*, std::shared_ptr<StreamPool>> streams_;
 };
 
 // Proves that the process behind `peer` (a pidfd opened before this call) is the one that wrote
@@ -299,10 +446,12 @@ bool ServingPermitsAnyTracer(const TransportOptions& options) {
   return o.ok() && o->permit_any_tracer;
 }
 
-ShmBackend::ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer)
+ShmBackend::ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer,
+                       RegionRegistry* regions)
     : self_(std::move(self)),
       proof_(proof),
       permitted_any_tracer_(permitted_any_tracer),
+      regions_(regions),
       pool_(std::make_shared<WorkQueue>(threads, "kvferry-shm")) {}
 
 BackendFactory ShmBackend::Factory() {
@@ -318,13 +467,29 @@ BackendFactory ShmBackend::Factory() {
     const bool permit = ctx.options.serve && o.permit_any_tracer;
     if (permit) PermitAnyTracer();
     return std::unique_ptr<Backend>(
-        std::make_unique<ShmBackend>(std::move(self), proof, o.threads, permit));
+        std::make_unique<ShmBackend>(std::move(self), proof, o.threads, permit, ctx.regions));
   };
   return f;
 }
 
 std::vector<std::uint8_t> ShmBackend::DescriptorSection() {
-  return EncodeShmSection(ShmSection{self_, proof_});
+  ShmSection section{self_, proof_, {}};
+  // Device regions: exported for same-host readers. One that cannot be exported (a VMM
+  // allocation, say) is left out; such a peer is then read over tcp (CanReach says why).
+  for (const RegionInfo& r : regions_ != nullptr ? regions_->List() : std::vector<RegionInfo>{}) {
+    if (r.kind.is_host()) continue;
+    Result<device::Device*> dev = device::ProcessDevice(r.kind.ToString());
+    Result<device::IpcHandle> h =
+        dev.ok() ? (*dev)->ExportIpc(reinterpret_cast<device::DeviceAddress>(r.addr))
+                 : Result<device::IpcHandle>(dev.status());
+    if (!h.ok()) {
+      Log().info("shm: region {} ({} memory) is not offered for IPC: {}", r.id, r.kind.ToString(),
+                 h.status().ToString());
+      continue;
+    }
+    section.ipc.push_back({r.id, h->Encode()});
+  }
+  return EncodeShmSection(section);
 }
 
 Status ShmBackend::CanReach(const PeerView& peer) {
@@ -340,6 +505,18 @@ Status ShmBackend::CanReach(const PeerView& peer) {
         "shm needs the peer on this kernel and PID namespace; the peer has boot id " +
         s->host.boot_id + " and PID namespace " + std::to_string(s->host.pid_namespace) +
         ", this process " + self_.boot_id + " and " + std::to_string(self_.pid_namespace));
+  }
+  for (const RemoteRegion& r : peer.regions) {
+    // Kinds this build has no device for are refused per read (CanRead), not here.
+    if (r.kind.is_host() || !device::KnownDeviceType(r.kind.type)) continue;
+    const bool offered = std::any_of(s->ipc.begin(), s->ipc.end(),
+                                     [&](const ShmIpcRegion& e) { return e.region == r.id; });
+    if (!offered) {
+      return Status::Unavailable("the peer's region " + std::to_string(r.id) + " is " +
+                                 r.kind.ToString() +
+                                 " memory it did not export for IPC (not exportable), so shm "
+                                 "cannot read it");
+    }
   }
   return Status::Ok();
 }
@@ -395,25 +572,59 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
   // Before the first read of a region: prove that the process is the one that wrote the
   // descriptor, so a reused pid is never read as the peer.
   KVFERRY_RETURN_IF_ERROR(ProveInstance(*state, section.proof));
-  // Probe one byte of a region, so that unmapped memory is found now, not mid-transfer.
-  if (!peer.regions.empty()) {
+  // Probe one byte of a host region, so that unmapped memory is found now, not mid-transfer.
+  const auto host_region = std::find_if(peer.regions.begin(), peer.regions.end(),
+                                        [](const RemoteRegion& r) { return r.kind.is_host(); });
+  if (host_region != peer.regions.end()) {
     std::byte probe{};
     iovec local{&probe, 1};
     // An address in the peer's address space, never dereferenced here.
-    iovec remote{
-        reinterpret_cast<void*>(peer.regions.front().addr),  // NOLINT(performance-no-int-to-ptr)
-        1};
+    iovec remote{reinterpret_cast<void*>(host_region->addr),  // NOLINT(performance-no-int-to-ptr)
+                 1};
     if (process_vm_readv(pid, &local, 1, &remote, 1, 0) != 1) {
       const int err = errno;
       if (err == EPERM) return Status::Unavailable(RefusedReadText(pid));
       return Status::Unavailable("process_vm_readv of the peer's region " +
-                                 std::to_string(peer.regions.front().id) + " in process " +
+                                 std::to_string(host_region->id) + " in process " +
                                  std::to_string(pid) + " failed (" + ErrnoText(err) +
                                  "); use the tcp transport");
     }
   }
+  // Device regions: each allocation's handle opened once, in this process's instance of the
+  // device the region names. A handle that does not open makes shm unusable for this peer.
+  std::map<RegionId, ImportedRegion> imported;
+  std::map<std::vector<std::uint8_t>, std::shared_ptr<device::ImportedMemory>> opened;
+  const RemoteRegionTable table = IndexRegions(peer.regions);
+  for (const ShmIpcRegion& e : section.ipc) {
+    auto region = table.find(e.region);
+    if (region == table.end() || region->second.kind.is_host()) continue;
+    KVFERRY_ASSIGN_OR_RETURN(device::IpcHandle h, device::IpcHandle::Decode(e.handle));
+    const std::string name = h.kind + ":" + std::to_string(h.device_index);
+    if (name != region->second.kind.ToString()) {
+      return Status::InvalidArgument("the peer's IPC handle of region " + std::to_string(e.region) +
+                                     " is for " + name + ", but the region is " +
+                                     region->second.kind.ToString() + " memory");
+    }
+    Result<device::Device*> dev = device::ProcessDevice(name);
+    if (!dev.ok())
+      return Status::Unavailable("shm cannot open " + name + ": " + dev.status().ToString());
+    std::shared_ptr<device::ImportedMemory>& mem = opened[e.handle];
+    if (!mem) {
+      Result<std::unique_ptr<device::ImportedMemory>> m = (*dev)->ImportIpc(h);
+      if (!m.ok()) {
+        return Status::Unavailable("opening the peer's IPC handle of region " +
+                                   std::to_string(e.region) + " failed: " + m.status().ToString());
+      }
+      mem = std::move(m).value();
+    }
+    if (h.offset + region->second.length > mem->size()) {
+      return Status::InvalidArgument("the peer's region " + std::to_string(e.region) +
+                                     " runs past the allocation its IPC handle opens");
+    }
+    imported[e.region] = ImportedRegion{*dev, mem, h.offset};
+  }
   return std::unique_ptr<BackendPeer>(
-      std::make_unique<ShmPeer>(std::move(state), IndexRegions(peer.regions), pool_));
+      std::make_unique<ShmPeer>(std::move(state), table, pool_, std::move(imported)));
 }
 
 }  // namespace kvferry

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/work_queue.h"
+#include "device/device.h"
 #include "transport/backend.h"
 #include "transport/shm/shm_section.h"
 
@@ -33,8 +34,11 @@ bool ServingPermitsAnyTracer(const TransportOptions& options);
 
 class ShmBackend final : public Backend {
  public:
-  /// `self` and `proof` are this process's (LocalHostIdentity, LocalProof).
-  ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer = false);
+  /// `self` and `proof` are this process's (LocalHostIdentity, LocalProof). `regions` (may be
+  /// null: no device region is then published) are the transport's, whose device regions the
+  /// section exports for IPC.
+  ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer = false,
+             RegionRegistry* regions = nullptr);
   /// The registry's entry: name "shm".
   static BackendFactory Factory();
 
@@ -48,9 +52,12 @@ class ShmBackend final : public Backend {
   /// equals the section's; otherwise PeerDisconnected (the process is gone or was replaced)
   /// or Unavailable (another host, no shm section, or the kernel refused the read).
   Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
-  /// Host memory into host memory only: process_vm_readv cannot reach device memory.
+  /// Host memory into host memory (process_vm_readv); a peer's device memory, opened through
+  /// its IPC handle, into host memory or memory of the same device (copies on that device's
+  /// stream; docs/device.md, "The IPC path").
   bool CanRead(const MemoryKind& remote, const MemoryKind& local) const override {
-    return remote.is_host() && local.is_host();
+    if (remote.is_host()) return local.is_host();
+    return device::KnownDeviceType(remote.type) && (local.is_host() || local == remote);
   }
 
   /// Whether this backend called prctl(PR_SET_PTRACER_ANY) when it was created.
@@ -72,6 +79,7 @@ class ShmBackend final : public Backend {
   HostIdentity self_;
   ShmProof proof_;
   bool permitted_any_tracer_;
+  RegionRegistry* regions_;
   std::shared_ptr<WorkQueue> pool_;
 };
 

@@ -13,7 +13,7 @@ namespace kvferry {
 std::vector<std::uint8_t> EncodeShmSection(const ShmSection& s) {
   msgpack::sbuffer buffer;
   msgpack::packer<msgpack::sbuffer> pk(buffer);
-  pk.pack_map(7);
+  pk.pack_map(s.ipc.empty() ? 7 : 8);
   pk.pack(std::string("v"));
   pk.pack_uint32(kShmSectionVersion);
   pk.pack(std::string("boot_id"));
@@ -28,12 +28,23 @@ std::vector<std::uint8_t> EncodeShmSection(const ShmSection& s) {
   pk.pack_uint64(s.proof.nonce_addr);
   pk.pack(std::string("nonce"));
   pk.pack_uint64(s.proof.nonce);
+  if (!s.ipc.empty()) {
+    pk.pack(std::string("ipc"));
+    pk.pack_array(static_cast<std::uint32_t>(s.ipc.size()));
+    for (const ShmIpcRegion& r : s.ipc) {
+      pk.pack_array(2);
+      pk.pack_uint32(r.region);
+      pk.pack_bin(static_cast<std::uint32_t>(r.handle.size()));
+      pk.pack_bin_body(reinterpret_cast<const char*>(r.handle.data()),
+                       static_cast<std::uint32_t>(r.handle.size()));
+    }
+  }
   const auto* p = reinterpret_cast<const std::uint8_t*>(buffer.data());
   return {p, p + buffer.size()};
 }
 
 Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes) {
-  KVFERRY_ASSIGN_OR_RETURN(msgpack::object_handle handle, wire::SafeUnpack(bytes, {16, 16, 2}));
+  KVFERRY_ASSIGN_OR_RETURN(msgpack::object_handle handle, wire::SafeUnpack(bytes, {65536, 16, 3}));
   KVFERRY_ASSIGN_OR_RETURN(wire::MapView m, wire::MapView::Of(handle.get(), "descriptor.shm"));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t version, m.Uint("v", 255));
   if (version != kShmSectionVersion) {
@@ -65,6 +76,28 @@ Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes) {
   if (s.proof.nonce_addr == 0) {
     return Status::InvalidArgument(m.At("nonce_at") +
                                    ": expected a non-zero address of the instance nonce");
+  }
+  if (const msgpack::object* ipc = m.Find("ipc"); ipc != nullptr) {
+    const std::string path = m.At("ipc");
+    if (ipc->type != msgpack::type::ARRAY) {
+      return Status::InvalidArgument(path + ": expected an array, found " +
+                                     wire::ObjectTypeName(*ipc));
+    }
+    for (std::uint32_t i = 0; i < ipc->via.array.size; ++i) {
+      const msgpack::object& e = ipc->via.array.ptr[i];
+      const bool shaped = e.type == msgpack::type::ARRAY && e.via.array.size == 2 &&
+                          e.via.array.ptr[0].type == msgpack::type::POSITIVE_INTEGER &&
+                          e.via.array.ptr[0].via.u64 <= std::numeric_limits<std::uint32_t>::max() &&
+                          e.via.array.ptr[1].type == msgpack::type::BIN &&
+                          e.via.array.ptr[1].via.bin.size <= 4096 + 64;
+      if (!shaped) {
+        return Status::InvalidArgument(path + "[" + std::to_string(i) +
+                                       "]: expected [region id, handle bytes (at most 4 KiB)]");
+      }
+      const msgpack::object_bin& bin = e.via.array.ptr[1].via.bin;
+      const auto* b = reinterpret_cast<const std::uint8_t*>(bin.ptr);
+      s.ipc.push_back({static_cast<std::uint32_t>(e.via.array.ptr[0].via.u64), {b, b + bin.size}});
+    }
   }
   return s;
 }

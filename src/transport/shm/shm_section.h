@@ -36,9 +36,19 @@ struct ShmProof {
   friend bool operator==(const ShmProof&, const ShmProof&) = default;
 };
 
+/// A registered device region exported for same-host readers: an encoded device::IpcHandle.
+struct ShmIpcRegion {
+  std::uint32_t region = 0;
+  std::vector<std::uint8_t> handle;
+
+  friend bool operator==(const ShmIpcRegion&, const ShmIpcRegion&) = default;
+};
+
 struct ShmSection {
   HostIdentity host;
   ShmProof proof;
+  /// Optional ("ipc"; absent when empty): the device regions a same-host reader may open.
+  std::vector<ShmIpcRegion> ipc;
 
   friend bool operator==(const ShmSection&, const ShmSection&) = default;
 };
@@ -47,7 +57,8 @@ inline constexpr std::uint32_t kShmSectionVersion = 1;
 
 std::vector<std::uint8_t> EncodeShmSection(const ShmSection& section);
 /// Never trusts its input: malformed bytes, another version (NotSupported), a pid that is not
-/// positive and a zero nonce address are refused.
+/// positive, a zero nonce address and an "ipc" entry that is not [region id, handle bytes of at
+/// most 4 KiB] are refused.
 Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes);
 
 /// This process's identity: /proc/sys/kernel/random/boot_id, the inode of /proc/self/ns/pid, and

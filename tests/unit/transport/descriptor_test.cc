@@ -15,7 +15,8 @@ namespace {
 using ::testing::HasSubstr;
 
 const ShmSection kShm{{"87d27ef8-ec29-4dbb-b1ee-24fd9ed0171c", 4026531836u, 4242},
-                      {123456789, 0x55d0c0de1000ull, 0x0123456789abcdefull}};
+                      {123456789, 0x55d0c0de1000ull, 0x0123456789abcdefull},
+                      {}};
 const TcpEndpoint kTcp{"127.0.0.1", 40001, 0xfedcba9876543210ull};
 
 PeerDescriptor Sample() {
@@ -80,6 +81,18 @@ TEST(ShmSectionTest, RoundTrips) {
 }
 
 // Issue 11: pid 0 names no process a reader could prove; it was accepted and handed to shm.
+TEST(ShmSectionTest, RoundTripsIpcHandlesAndRefusesMalformedOnes) {
+  ShmSection s = kShm;
+  s.ipc = {{3, {1, 2, 3}}, {7, std::vector<std::uint8_t>(200, 9)}};
+  Result<ShmSection> back = DecodeShmSection(EncodeShmSection(s));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, s);
+  s.ipc = {{3, std::vector<std::uint8_t>(8192, 1)}};  // larger than any handle
+  Result<ShmSection> big = DecodeShmSection(EncodeShmSection(s));
+  ASSERT_FALSE(big.ok());
+  EXPECT_THAT(big.status().message(), HasSubstr("ipc[0]: expected [region id, handle bytes"));
+}
+
 TEST(ShmSectionTest, RefusesPidZeroAndNegativePids) {
   ShmSection s = kShm;
   s.host.pid = 0;
