@@ -254,6 +254,36 @@ double MemcpyGather(const Buffer& src, const Buffer& dst, std::uint64_t block, d
   return static_cast<double>(bytes) / Seconds(start, now) / 1e9;
 }
 
+// Device-to-device copies of the same scattered gather inside one process, on one stream with
+// one event per batch: what shm's IPC path (device memory on both sides) is compared against.
+Result<double> DeviceCopyGather(const std::string& memory, std::uint64_t pool, std::uint64_t block,
+                                double min_seconds, std::uint64_t per_batch, std::mt19937_64& rng) {
+  KVFERRY_ASSIGN_OR_RETURN(device::Device * dev, device::ProcessDevice(memory));
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::DeviceAllocation> src, dev->Allocate(pool));
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::DeviceAllocation> dst, dev->Allocate(pool));
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Stream> stream, dev->CreateStream());
+  // Touched once before timing: fresh device memory may fault its pages in on first use (the
+  // sim's memfd does), which the pools the transport reads were spared by their filling.
+  KVFERRY_RETURN_IF_ERROR(stream->CopyDeviceToDevice(dst->address(), src->address(), pool));
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> warm, stream->RecordEvent());
+  KVFERRY_RETURN_IF_ERROR(warm->Wait(DeadlineAfter(std::chrono::seconds(60))));
+  const std::uint64_t blocks = pool / block;
+  std::uint64_t bytes = 0;
+  const auto start = Clock::now();
+  auto now = start;
+  do {
+    for (const auto& [r, l] : ScatterPlan(blocks, per_batch, rng)) {
+      KVFERRY_RETURN_IF_ERROR(stream->CopyDeviceToDevice(dst->address() + l * block,
+                                                         src->address() + r * block, block));
+    }
+    KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> e, stream->RecordEvent());
+    KVFERRY_RETURN_IF_ERROR(e->Wait(DeadlineAfter(std::chrono::seconds(60))));
+    bytes += per_batch * block;
+    now = Clock::now();
+  } while (Seconds(start, now) < min_seconds);
+  return static_cast<double>(bytes) / Seconds(start, now) / 1e9;
+}
+
 // One plain TCP stream over loopback between two threads: what tcp is compared against.
 double PlainTcpStream(double min_seconds) {
   int listener = socket(AF_INET, SOCK_STREAM, 0);
@@ -334,7 +364,7 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend, const std:
   // The memcpy baseline's source and destination (host memory only).
   std::unique_ptr<Buffer> source;
   std::unique_ptr<Buffer> dest;
-  if (baseline_name.empty() && backend == "shm") {
+  if (baseline_name.empty() && backend == "shm" && memory == "host") {
     source = std::make_unique<Buffer>(pool);
     dest = std::make_unique<Buffer>(pool);
     if (source->data() == nullptr || dest->data() == nullptr) {
@@ -342,6 +372,8 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend, const std:
     }
     FillPattern(source->data(), pool, kPatternSeed, 0, 0);
   }
+  // The local pool's pages faulted in before timing, as the peer's were by their filling.
+  KVFERRY_RETURN_IF_ERROR(local_mem->FillPattern(kPatternSeed + 1, pool));
   std::byte* const local_base = local_mem->base();
   KVFERRY_RETURN_IF_ERROR(t->RegisterMemory(0, local_base, pool, local_mem->kind()));
   KVFERRY_ASSIGN_OR_RETURN(PeerId p,
@@ -409,7 +441,11 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend, const std:
       while (!inflight.empty()) KVFERRY_RETURN_IF_ERROR(finish_oldest());
       now = Clock::now();
       ours.push_back(static_cast<double>(bytes) / Seconds(start, now) / 1e9);
-      if (baseline_name.empty()) {
+      if (baseline_name.empty() && backend == "shm" && memory != "host") {
+        KVFERRY_ASSIGN_OR_RETURN(
+            double gbps, DeviceCopyGather(memory, pool, block, a.min_seconds, per_batch, rng));
+        base.push_back(gbps);
+      } else if (baseline_name.empty()) {
         base.push_back(backend == "shm"
                            ? MemcpyGather(*source, *dest, block, a.min_seconds, per_batch, rng)
                            : PlainTcpStream(a.min_seconds));
@@ -421,9 +457,10 @@ Status MeasureBackend(const BenchArgs& a, const std::string& backend, const std:
                                                                            : 0.0);
     }
     out->push_back({backend + (memory == "host" ? "" : "@" + memory), block, Median(ours),
-                    !baseline_name.empty() ? baseline_name
-                    : backend == "shm"     ? "memcpy_gather"
-                                           : "tcp_stream",
+                    !baseline_name.empty()                 ? baseline_name
+                    : backend == "shm" && memory != "host" ? "device_copy_gather"
+                    : backend == "shm"                     ? "memcpy_gather"
+                                                           : "tcp_stream",
                     Median(base)});
   }
   t->Disconnect(p);
@@ -440,7 +477,8 @@ int RunBench(const BenchArgs& a) {
   std::vector<Measurement> results;
   if (a.memory != "host") {
     // Device memory on both sides over tcp (staged through pinned buffers at both ends),
-    // against host-memory tcp measured just before in this run with the same blocks.
+    // against host-memory tcp measured just before in this run with the same blocks; then over
+    // shm (IPC, device to device) against device copies inside one process.
     if (a.memory != "sim" && a.memory != "cuda") {
       std::cerr << "kvferry bench transport: --memory expects host, sim or cuda; found " << a.memory
                 << "\n";
@@ -453,6 +491,8 @@ int RunBench(const BenchArgs& a) {
     if (s.ok()) {
       s = MeasureBackend(a, "tcp", a.memory + ":0", "tcp_host_memory", &host_gbps, &results);
     }
+    // The same-host IPC path: device to device, against device copies inside one process.
+    if (s.ok()) s = MeasureBackend(a, "shm", a.memory + ":0", "", nullptr, &results);
     if (!s.ok()) {
       std::cerr << "kvferry bench transport (tcp, " << a.memory << "): " << s.ToString() << "\n";
       return 1;
