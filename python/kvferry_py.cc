@@ -394,15 +394,17 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("transport_options") = std::map<std::string, std::string>{})
       .def(
           "register_kv_caches",
-          [](Worker& w, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases) {
+          [](Worker& w, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
+             const std::string& memory) {
+            const MemoryKind kind = Unwrap(ParseMemoryKind(memory));
             Status s;
             {
               py::gil_scoped_release release;
-              s = w.RegisterKvCaches(spec, std::move(bases));
+              s = w.RegisterKvCaches(spec, std::move(bases), kind);
             }
             ThrowIfError(s);
           },
-          py::arg("spec"), py::arg("bases"))
+          py::arg("spec"), py::arg("bases"), py::arg("memory") = "host")
       .def("start_load_kv",
            [](Worker& w, const py::bytes& metadata) {
              const std::string b = metadata;

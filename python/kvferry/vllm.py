@@ -435,7 +435,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             s.transfer_timeout_ms, s.hold_lease_ms, s.failure_policy,
             shm_permit_any_tracer=s.shm_permit_any_tracer,
             transport_options=s.transport_options)
-        worker.register_kv_caches(spec, reg.bases)
+        worker.register_kv_caches(spec, reg.bases, reg.memory)
         self._worker = worker
         self._spec = spec
         self._registration = reg

@@ -91,20 +91,32 @@ class Registration:
     fields: tuple[int, ...] = ()  # mla_fused: (kv_lora_rank, qk_rope_head_dim)
     block_strides: tuple[int, ...] = ()  # bytes between blocks of a part; () when packed
     kernel_blocks_per_block: int = 1  # kernel (tensor) blocks in one logical block
+    memory: str = "host"  # where the tensors are: "host" or "cuda:N" (memory_kind)
 
 
 def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
     return CacheLayoutError(f"layer {name}: {info.describe()}: {why}")
 
 
-def _check_device(name: str, info: TensorInfo) -> None:
-    if not info.device.startswith("cpu"):
-        raise _refuse(name, info, (
-            f"the cache is in {info.device} memory, which kvferry cannot move directly "
-            "(transfers would fail later with misleading errors); set kv_buffer_device \"cpu\" "
-            "in vLLM's KVTransferConfig (host-buffer mode: kvferry moves host mirrors of the "
-            "cache and vLLM's copy ops move blocks between them and the device), or run vLLM "
-            "with its CPU backend"))
+# Device types whose memory kvferry moves itself (docs/device.md): the tensor's device type and
+# index name the memory kind ("cuda:1").
+_DEVICE_TYPES = ("cuda",)
+
+
+def memory_kind(name: str, info: TensorInfo) -> str:
+    """The kvferry memory kind of a tensor: "host" for CPU tensors, "cuda:N" for CUDA ones;
+    other devices are refused naming the type and the way out."""
+    if info.device.startswith("cpu"):
+        return "host"
+    kind, _, index = info.device.partition(":")
+    if kind in _DEVICE_TYPES:
+        return f"{kind}:{index or 0}"
+    raise _refuse(name, info, (
+        f"the cache is in {info.device} memory; kvferry moves host and "
+        f"{', '.join(_DEVICE_TYPES)} memory itself, not {kind} (transfers would fail later "
+        "with misleading errors); set kv_buffer_device \"cpu\" in vLLM's KVTransferConfig "
+        "(host-buffer mode: kvferry moves host mirrors of the cache and vLLM's copy ops move "
+        "blocks between them and the device), or run vLLM with its CPU backend"))
 
 
 def _dtype(name: str, info: TensorInfo) -> tuple[str, str]:
@@ -251,6 +263,7 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
     if not kv_caches:
         raise _kvferry.InvalidArgumentError("register_kv_caches got no layers")
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    memories: dict[str, str] = {}  # memory kind -> the first layer in it
     geometry = None
     bases: list[list[int]] = []
     names: list[str] = []
@@ -258,7 +271,8 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
         tensors = list(cache) if isinstance(cache, (tuple, list)) else [cache]
         infos = [tensor_info(t) for t in tensors]
         for info in infos:
-            _check_device(name, info)
+            kind = memory_kind(name, info)
+            memories.setdefault(kind, name)
         key = (infos[0].address, infos[0].shape)
         if key in seen:  # a layer sharing another's tensor: registered once
             continue
@@ -274,10 +288,15 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
         bases.append(layer_bases)
         names.append(name)
     assert geometry is not None
+    if len(memories) > 1:
+        raise _kvferry.InvalidArgumentError(
+            "the caches are in more than one memory (" +
+            ", ".join(f"{m}: layer {n}" for m, n in memories.items()) +
+            "); kvferry registers one worker's caches in one memory")
     kind, layout, dtype, parts, num_blocks, local_heads, strides, ratio = geometry
     fields = tuple(mla_split) if kind == "mla_fused" and mla_split else ()
     return Registration(kind, layout, dtype, list(parts), num_blocks, block_size, local_heads,
-                        bases, names, fields, tuple(strides), ratio)
+                        bases, names, fields, tuple(strides), ratio, next(iter(memories)))
 
 
 def _read_layer(name: str, infos: list[TensorInfo], block_size: int,

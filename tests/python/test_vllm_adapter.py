@@ -12,6 +12,7 @@ import pytest
 
 import kvferry
 import kvferry.vllm
+import kvferry.vllm_layout
 from kvferry.vllm_layout import CacheLayoutError
 from common import free_port
 
@@ -339,6 +340,11 @@ class DeviceTensor:
         return 2
 
 
+def host_cache_like_device():
+    """A CPU cache with DeviceTensor's geometry."""
+    return np.zeros(DeviceTensor.shape, dtype=np.float16)
+
+
 class Float8Tensor:
     """A CPU torch float8 tensor as the adapter sees one (Debian's torch 1.13 has no float8):
     1-byte elements over a numpy buffer, torch's dtype name."""
@@ -368,11 +374,25 @@ def test_float8_dtypes_are_one_byte_and_told_apart_by_the_hash():
     assert specs["torch.float8_e4m3fn"] != specs["torch.float8_e5m2"]
 
 
-def test_device_tensors_are_refused_at_registration():
+def test_cuda_tensors_register_as_cuda_memory_and_other_devices_are_refused():
+    # A CUDA tensor is registered as cuda:0 memory (docs/device.md). Here there is no driver
+    # (UnavailableError "no CUDA driver"); on a GPU machine this fake's address is no allocation
+    # (InvalidArgumentError): either way the error names the memory kind.
     w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
-    with pytest.raises(kvferry.NotSupportedError, match="cuda:0 memory") as e:
+    with pytest.raises((kvferry.UnavailableError, kvferry.InvalidArgumentError)) as e:
         w.register_kv_caches({"l0": DeviceTensor()})
-    assert 'kv_buffer_device "cpu"' in str(e.value)  # the way out
+    assert "cuda:0" in str(e.value) or "no CUDA" in str(e.value), str(e.value)
+    # Another device type: refused before anything is registered, naming it and the way out.
+    xpu = DeviceTensor()
+    xpu.device = "xpu:0"
+    w2 = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+    with pytest.raises(kvferry.NotSupportedError, match="xpu:0 memory") as e2:
+        w2.register_kv_caches({"l0": xpu})
+    assert 'kv_buffer_device "cpu"' in str(e2.value)  # the way out
+    # Layers in two memories at once are refused.
+    with pytest.raises(kvferry.InvalidArgumentError, match="more than one memory"):
+        kvferry.vllm_layout.read_caches({"l0": DeviceTensor(), "l1": host_cache_like_device()},
+                                        BS, None, 1, False)
 
 
 def test_replicated_heads_and_head_count_checked_against_the_model():
