@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -20,6 +21,8 @@
 #include "device/device.h"
 #include "kvferry/transport.h"
 #include "tests/unit/device/device_test_util.h"
+#include "transport/descriptor.h"
+#include "transport/shm/shm_section.h"
 
 namespace kvferry {
 namespace {
@@ -306,6 +309,108 @@ TEST(DeviceIpcTest, ReadsAnotherProcesssDeviceMemoryAndNoticesItsDeath) {
       client->Release(*after);
     }
   }
+}
+
+// An IPC handle that does not open (here: the peer's handle altered to name a descriptor that is
+// not its memfd) makes shm unusable for that peer; auto falls back to tcp's staging, and the
+// reads still deliver every byte.
+TEST(DeviceIpcTest, AHandleThatDoesNotOpenFallsBackToStagedTcp) {
+  Memory remote("sim:0", true);
+  Memory local("host", false);
+  TransportOptions o;
+  o.backend = "auto";
+  Result<std::unique_ptr<Transport>> server = CreateTransport(o);
+  o.serve = false;
+  Result<std::unique_ptr<Transport>> client = CreateTransport(o);
+  ASSERT_TRUE(server.ok() && client.ok());
+  ASSERT_TRUE((*server)->RegisterMemory(kRemoteRegion, remote.base(), kBytes, remote.kind()).ok());
+  ASSERT_TRUE((*client)->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
+  Result<PeerDescriptor> d = DecodeDescriptor(*(*server)->Descriptor());
+  ASSERT_TRUE(d.ok());
+  Result<ShmSection> shm = DecodeShmSection(d->Section("shm"));
+  ASSERT_TRUE(shm.ok());
+  ASSERT_EQ(shm->ipc.size(), 1u);
+  Result<device::IpcHandle> h = device::IpcHandle::Decode(shm->ipc[0].handle);
+  ASSERT_TRUE(h.ok());
+  // The sim handle's opaque bytes start with the exporter's pid and the memfd's descriptor
+  // number (docs/device.md): point it at descriptor 0, which is no memfd of that allocation.
+  ASSERT_GE(h->opaque.size(), 8u);
+  std::memset(h->opaque.data() + 4, 0, 4);
+  shm->ipc[0].handle = h->Encode();
+  d->sections["shm"] = EncodeShmSection(*shm);
+  Result<PeerId> p = (*client)->Connect(EncodeDescriptor(*d), DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(*(*client)->PeerBackend(*p), "tcp");
+  Result<BatchId> b = (*client)->SubmitReads(*p, {{local.base(), kRemoteRegion, 8192, 1u << 20}},
+                                             DeadlineAfter(milliseconds(10000)));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ((*client)->Wait(*b, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
+  (*client)->Release(*b);
+  const std::vector<std::byte> got = local.Contents();
+  EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, 8192), -1);
+  // A forced shm transport says why it cannot read the peer.
+  TransportOptions forced;
+  forced.backend = "shm";
+  forced.serve = false;
+  Result<std::unique_ptr<Transport>> shm_only = CreateTransport(forced);
+  ASSERT_TRUE(shm_only.ok());
+  Result<PeerId> refused =
+      (*shm_only)->Connect(EncodeDescriptor(*d), DeadlineAfter(milliseconds(5000)));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("IPC handle of region"));
+}
+
+// A peer serving device memory over tcp killed in the middle of a large batch into device
+// memory: the batch fails PeerDisconnected well before its deadline, and nothing is written into
+// the local device memory after it ended.
+TEST(DeviceTcpTest, PeerKilledMidBatchFailsAndNothingLandsAfter) {
+  constexpr std::uint64_t kPeerBytes = 64u << 20;
+  Result<Subprocess> peer =
+      Subprocess::Spawn({KVFERRY_CLI_PATH, "bench", "peer", "--backend", "tcp", "--bytes",
+                         std::to_string(kPeerBytes), "--memory", "sim:0"});
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  Result<std::string> line = peer->ReadLine(std::chrono::seconds(30));
+  ASSERT_TRUE(line.ok() && line->rfind("READY ", 0) == 0) << line.status().ToString();
+  Result<std::vector<std::uint8_t>> descriptor = FromHex(line->substr(6));
+  ASSERT_TRUE(descriptor.ok());
+  Memory local("sim:1", false);
+  std::unique_ptr<Transport> client = MakeTransport(false, "tcp");
+  ASSERT_TRUE(client->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
+  Result<PeerId> p = client->Connect(*descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  // Many batches over the whole local pool, until one is caught running when the peer dies.
+  std::vector<ReadOp> reads;
+  for (std::uint64_t off = 0; off < kBytes; off += 64u << 10) {
+    reads.push_back({local.base() + off, 0, (off * 3) % kPeerBytes, 64u << 10});
+  }
+  std::vector<BatchId> batches;
+  for (int i = 0; i < 32; ++i) {  // 512 MiB: far more than goes by before the kill lands
+    Result<BatchId> b = client->SubmitReads(*p, reads, DeadlineAfter(milliseconds(30000)));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    batches.push_back(*b);
+  }
+  peer->Signal(SIGKILL);
+  const auto killed = Clock::now();
+  bool failed = false;
+  for (BatchId b : batches) {
+    const BatchResult r = client->Wait(b, DeadlineAfter(milliseconds(30000)));
+    ASSERT_NE(r.state, BatchState::kInProgress);
+    if (r.state == BatchState::kFailed) {
+      failed = true;
+      EXPECT_EQ(r.status.code(), StatusCode::kPeerDisconnected) << r.status.ToString();
+    }
+  }
+  EXPECT_LT(Clock::now() - killed, milliseconds(5000)) << "the death was not noticed";
+  const std::vector<std::byte> ended = local.Contents();
+  for (BatchId b : batches) client->Release(b);
+  // After every batch ended: nothing lands any more.
+  Result<BatchId> probe = client->SubmitReads(*p, {}, DeadlineAfter(milliseconds(1000)));
+  ASSERT_TRUE(probe.ok());
+  client->Wait(*probe, DeadlineAfter(milliseconds(2000)));
+  client->Release(*probe);
+  EXPECT_TRUE(local.Contents() == ended) << "bytes landed after the batches ended";
+  EXPECT_TRUE(failed) << "all 512 MiB arrived before the kill landed: the death was not seen";
+  (void)peer->CloseAndWait(milliseconds(5000));
 }
 
 TEST(DeviceRegistrationTest, MemoryNotOfTheNamedDeviceIsRefused) {
