@@ -35,7 +35,8 @@ test: build
 # without a driver or GPU it prints "no CUDA driver/device: ..." and the recipe exits 77 (make
 # itself then exits 2; scripts/gpu_check.sh exits 77), or 1 when KVFERRY_REQUIRE_GPU=1. With a GPU,
 # the device tests run with KVFERRY_REQUIRE_GPU=1, so a GPU test cannot skip.
-DEVICE_TARGETS = device_ipc_peer device_test cuda_header_check_test cuda_gpu_test
+DEVICE_TARGETS = device_ipc_peer device_test cuda_header_check_test cuda_gpu_test device_transport_test \
+  kvferry_cli
 test-gpu: configure
 	cmake --build $(BUILD) -j $(JOBS) --target $(DEVICE_TARGETS)
 	@$(BUILD)/tests/device_ipc_peer probe; rc=$$?; \
