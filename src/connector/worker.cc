@@ -8,6 +8,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/work_queue.h"
+#include "connector/agent_cache.h"
 #include "connector/hold_table.h"
 #include "kvferry/connector.h"
 #include "layout/block_runs.h"
@@ -20,12 +21,7 @@ namespace kvferry {
 
 namespace {
 
-constexpr const char* kTransportKind = "kvferry";
-
-std::string Endpoint(const std::string& host, int port) {
-  const bool v6 = host.find(':') != std::string::npos;
-  return "tcp://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
+std::string Endpoint(const std::string& host, int port) { return SideChannelEndpoint(host, port); }
 
 // Remote input decides how many ranks a load talks to and their ports: bounded before any loop.
 Status CheckRemoteRanks(int remote_tp_size, int remote_port) {
@@ -76,21 +72,6 @@ class WorkerImpl {
   const std::string& endpoint() const { return listener_->endpoint(); }
 
  private:
-  struct Agent {
-    std::mutex mu;
-    std::condition_variable cv;
-    enum class State { kConnecting, kReady, kFailed } state = State::kConnecting;
-    Status status;
-    std::optional<wire::AgentMetadata> metadata;
-    PeerId peer = 0;
-    std::string engine_id;        // the engine the first load named; set before it is shared
-    Clock::time_point last_used;  // guarded by the worker's mu_; for LRU eviction
-
-    bool Failed() {  // lock order: the worker's mu_, then this mu
-      std::lock_guard<std::mutex> lock(mu);
-      return state == State::kFailed;
-    }
-  };
   struct LoadState {
     LoadSpec spec;
     std::vector<std::string> endpoints;  // prefill ranks whose leases this load renews
@@ -108,10 +89,6 @@ class WorkerImpl {
   Status DoLoad(const LoadSpec& load);
   std::vector<std::string> NoticeEndpoints(const LoadSpec& load,
                                            const std::vector<TpSource>& sources) const;
-  Result<std::shared_ptr<Agent>> GetAgent(const LoadSpec& load, int rank, Deadline deadline);
-  Status Handshake(Agent& agent, const std::string& endpoint, const LoadSpec& load, int rank,
-                   Deadline deadline);
-  void InvalidateAgent(const std::string& endpoint, const std::shared_ptr<Agent>& agent);
   // Cancelled with the engine's reason when the load was aborted; Ok otherwise.
   Status AbortedLocked(const std::string& request_id) const;
   void SendAborts(const LoadSpec& load, const std::string& reason);
@@ -124,6 +101,7 @@ class WorkerImpl {
   wire::AgentIdentity identity_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<sidechannel::Client> client_;
+  std::unique_ptr<AgentCache> agents_;  // decode: the prefill ranks loads read from
   std::unique_ptr<sidechannel::FinishedNotifier> notifier_;
   std::unique_ptr<WorkQueue> transfers_;
   std::unique_ptr<WorkQueue> background_;
@@ -132,17 +110,16 @@ class WorkerImpl {
 
   mutable std::mutex mu_;
   std::condition_variable stop_cv_;
-  bool stopping_ = false;                                 // guarded by mu_
-  std::optional<CacheSpec> spec_;                         // guarded by mu_
-  std::optional<CacheAddresses> addresses_;               // guarded by mu_
-  std::optional<wire::AgentMetadata> metadata_;           // guarded by mu_
-  HoldTable holds_;                                       // guarded by mu_
-  std::map<std::string, LoadState> loads_;                // guarded by mu_
-  std::vector<std::string> finished_receiving_;           // guarded by mu_
-  std::vector<LoadError> load_errors_;                    // guarded by mu_
-  std::map<std::string, std::shared_ptr<Agent>> agents_;  // by endpoint; guarded by mu_
-  WorkerStats stats_;                                     // guarded by mu_
-  Clock::time_point last_stats_log_ = Clock::now();       // guarded by mu_
+  bool stopping_ = false;                            // guarded by mu_
+  std::optional<CacheSpec> spec_;                    // guarded by mu_
+  std::optional<CacheAddresses> addresses_;          // guarded by mu_
+  std::optional<wire::AgentMetadata> metadata_;      // guarded by mu_
+  HoldTable holds_;                                  // guarded by mu_
+  std::map<std::string, LoadState> loads_;           // guarded by mu_
+  std::vector<std::string> finished_receiving_;      // guarded by mu_
+  std::vector<LoadError> load_errors_;               // guarded by mu_
+  WorkerStats stats_;                                // guarded by mu_
+  Clock::time_point last_stats_log_ = Clock::now();  // guarded by mu_
 };
 
 Result<std::unique_ptr<Worker>> Worker::Create(WorkerConfig config) {
@@ -210,6 +187,7 @@ Status WorkerImpl::Init() {
   co.secret = cfg_.secret;
   co.attempt_timeout = std::min(cfg_.handshake_timeout, cfg_.notice_timeout);
   client_ = std::make_unique<sidechannel::Client>(co);
+  agents_ = std::make_unique<AgentCache>(*client_, *transport_, self_, cfg_.max_agents);
   transfers_ =
       std::make_unique<WorkQueue>(cfg_.transfer_threads, "kvferry-load", cfg_.max_queued_loads);
   // Best-effort notices (aborts, lease renewals): bounded, and dropped at shutdown rather than
@@ -255,6 +233,7 @@ WorkerImpl::~WorkerImpl() {
   transfers_.reset();  // queued loads see stopping_ and fail fast
   notifier_.reset();
   background_.reset();
+  agents_.reset();  // uses client_ and transport_
   transport_.reset();
 }
 
@@ -286,6 +265,7 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
     }
   }
   KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> descriptor, transport_->Descriptor());
+  agents_->SetLocalCache(spec);
   std::lock_guard<std::mutex> lock(mu_);
   spec_ = spec;
   addresses_ = std::move(addresses);
@@ -430,9 +410,13 @@ Status WorkerImpl::AbortedLocked(const std::string& request_id) const {
 WorkerStats WorkerImpl::Stats() const {
   // The transport's counters are its own (thread-safe); read outside mu_.
   const TransportStats transport = transport_ != nullptr ? transport_->Stats() : TransportStats{};
+  const AgentCacheStats agents = agents_ != nullptr ? agents_->Stats() : AgentCacheStats{};
   std::lock_guard<std::mutex> lock(mu_);
   WorkerStats s = stats_;
   s.transport = transport;
+  s.handshakes = agents.handshakes;
+  s.agents_evicted = agents.evicted;
+  s.handshake_latency = agents.handshake_latency;
   s.holds_outstanding = holds_.holds();
   s.holds_released_by_readers = holds_.released_by_readers();
   s.holds_released_by_abort = holds_.released_by_abort();
@@ -533,7 +517,7 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
     struct Submitted {
       BatchId batch;
       std::string endpoint;
-      std::shared_ptr<Agent> agent;
+      std::shared_ptr<RemoteAgent> agent;
     };
     std::vector<Submitted> batches;
     Status failure;
@@ -542,7 +526,10 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
     std::uint64_t runs_total = 0;
     for (const TpSource& source : sources) {
       const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
-      Result<std::shared_ptr<Agent>> agent = GetAgent(load, source.prefill_rank, hs_deadline);
+      Result<std::shared_ptr<RemoteAgent>> agent =
+          agents_->Get({Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
+                        load.remote_engine_id, source.prefill_rank, load.remote_tp_size},
+                       hs_deadline);
       if (!agent.ok()) {
         failure = agent.status();
         break;
@@ -594,8 +581,8 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
       if (!b.ok()) {
         failure = b.status();
         if (PeerFault(failure))
-          InvalidateAgent(Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
-                          *agent);
+          agents_->Invalidate(Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
+                              *agent);
         break;
       }
       batches.push_back(
@@ -618,7 +605,7 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
         if (r.state != BatchState::kDone) {
           failure = r.status.WithContext("reading from " + s.endpoint);
           // Rule 12: a dead or restarted peer is dropped and re-handshaken on next use.
-          if (PeerFault(r.status)) InvalidateAgent(s.endpoint, s.agent);
+          if (PeerFault(r.status)) agents_->Invalidate(s.endpoint, s.agent);
         }
       }
       {
@@ -641,152 +628,6 @@ Status WorkerImpl::DoLoad(const LoadSpec& load) {
     notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout));
   }
   return Status::Ok();
-}
-
-Result<std::shared_ptr<WorkerImpl::Agent>> WorkerImpl::GetAgent(const LoadSpec& load, int rank,
-                                                                Deadline deadline) {
-  const std::string endpoint = Endpoint(load.remote_host, load.remote_port + rank);
-  // At most two passes: the second runs only when the first found an agent made for another
-  // engine at this endpoint (a prefill instance restarted on the same ports).
-  for (int pass = 0;; ++pass) {
-    std::shared_ptr<Agent> agent;
-    std::shared_ptr<Agent> evicted;
-    bool owner = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = agents_.find(endpoint);
-      if (it != agents_.end() && it->second->Failed()) {
-        agents_.erase(it);  // its owner is about to drop it: not cached
-        it = agents_.end();
-      }
-      if (it == agents_.end()) {
-        if (agents_.size() >= static_cast<std::size_t>(cfg_.max_agents)) {
-          // Rule 14: the cache of peer agents is bounded; the least recently used one that no
-          // load is using makes room. Its data-plane connections close with it.
-          auto lru = agents_.end();
-          for (auto a = agents_.begin(); a != agents_.end(); ++a) {
-            if (a->second.use_count() != 1) continue;  // a load or a handshake holds it
-            if (lru == agents_.end() || a->second->last_used < lru->second->last_used) lru = a;
-          }
-          if (lru == agents_.end()) {
-            return Status::ResourceExhausted(
-                "this worker talks to " + std::to_string(agents_.size()) +
-                " prefill ranks at once, its cap (max_agents); " + endpoint +
-                " must wait until a load from another one ends");
-          }
-          evicted = std::move(lru->second);
-          agents_.erase(lru);
-          ++stats_.agents_evicted;
-        }
-        auto fresh = std::make_shared<Agent>();
-        fresh->engine_id = load.remote_engine_id;
-        it = agents_.emplace(endpoint, std::move(fresh)).first;
-        owner = true;
-      }
-      it->second->last_used = Clock::now();
-      agent = it->second;
-    }
-    if (evicted) transport_->Disconnect(evicted->peer);
-    if (owner) {
-      // Rule 9: one handshake per remote agent at a time; concurrent loads wait for this one.
-      const Clock::time_point start = Clock::now();
-      Status s = Handshake(*agent, endpoint, load, rank, deadline);
-      {
-        std::lock_guard<std::mutex> lock(agent->mu);
-        agent->state = s.ok() ? Agent::State::kReady : Agent::State::kFailed;
-        agent->status = s;
-      }
-      agent->cv.notify_all();
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.handshakes;
-      stats_.handshake_latency.Add(
-          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
-      if (!s.ok()) {
-        // A failed handshake is not cached: the next load tries again.
-        auto it = agents_.find(endpoint);
-        if (it != agents_.end() && it->second == agent) agents_.erase(it);
-        return s;
-      }
-      return agent;
-    }
-    std::unique_lock<std::mutex> lock(agent->mu);
-    if (!agent->cv.wait_until(lock, deadline,
-                              [&] { return agent->state != Agent::State::kConnecting; })) {
-      return Status::Timeout("waiting for the handshake with " + endpoint + " timed out");
-    }
-    const bool same_engine = agent->engine_id == load.remote_engine_id;
-    if (agent->state == Agent::State::kFailed) {
-      // A handshake for another engine failed (it named the engine that was here before a
-      // restart, say): that says nothing about this load's engine; handshake for it.
-      if (!same_engine && pass == 0) continue;
-      return agent->status;
-    }
-    if (same_engine || pass > 0) return agent;  // RunLoad refuses an engine mismatch clearly
-    lock.unlock();
-    // The agent was made for another engine. When this endpoint now answers as the engine this
-    // load names, the prefill instance restarted: the cached agent is stale (its engine and its
-    // blocks are gone), so it is dropped and a fresh handshake made. Otherwise the load names
-    // an engine that is gone, and RunLoad refuses it without disturbing the cached agent.
-    Result<wire::Message> reply = client_->Call(endpoint, wire::MetadataRequest{self_}, deadline);
-    const auto* md = reply.ok() ? std::get_if<wire::AgentMetadata>(&*reply) : nullptr;
-    if (md == nullptr || md->agent.peer.engine_id != load.remote_engine_id) return agent;
-    Log().info("{} is now engine {} (was {}): dropping the cached agent", endpoint,
-               load.remote_engine_id, agent->engine_id);
-    InvalidateAgent(endpoint, agent);
-  }
-}
-
-Status WorkerImpl::Handshake(Agent& agent, const std::string& endpoint, const LoadSpec& load,
-                             int rank, Deadline deadline) {
-  KVFERRY_ASSIGN_OR_RETURN(wire::Message reply,
-                           client_->Call(endpoint, wire::MetadataRequest{self_}, deadline));
-  auto* md = std::get_if<wire::AgentMetadata>(&reply);
-  if (md == nullptr) {
-    return Status::Internal("peer " + endpoint + " answered a metadata request with '" +
-                            wire::MessageTypeName(reply) + "'");
-  }
-  if (md->agent.peer.engine_id != load.remote_engine_id ||
-      static_cast<int>(md->agent.peer.tp_rank) != rank ||
-      static_cast<int>(md->agent.tp_size) != load.remote_tp_size) {
-    return Status::InvalidArgument(
-        "peer " + endpoint + " is engine " + md->agent.peer.engine_id + " TP rank " +
-        std::to_string(md->agent.peer.tp_rank) + " of " + std::to_string(md->agent.tp_size) +
-        ", but the request names engine " + load.remote_engine_id + " TP rank " +
-        std::to_string(rank) + " of " + std::to_string(load.remote_tp_size) +
-        "; check remote_host, remote_port and the instances' base ports");
-  }
-  CompatibilityHash ours{};
-  std::string our_text;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ours = spec_->Hash();
-    our_text = spec_->CanonicalText();
-  }
-  if (md->cache_hash != ours) {
-    return Status::NotSupported(
-        "the KV cache layouts differ, so no byte may move: this worker has " + our_text +
-        ", peer " + endpoint + " has " + md->cache.CanonicalText());
-  }
-  const wire::TransportDescriptor* desc = nullptr;
-  for (const auto& t : md->transports) {
-    if (t.kind == kTransportKind) desc = &t;
-  }
-  if (desc == nullptr) {
-    return Status::NotSupported("peer " + endpoint + " offers no kvferry data plane");
-  }
-  KVFERRY_ASSIGN_OR_RETURN(agent.peer, transport_->Connect(desc->blob, deadline));
-  agent.metadata = *md;
-  return Status::Ok();
-}
-
-void WorkerImpl::InvalidateAgent(const std::string& endpoint, const std::shared_ptr<Agent>& agent) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = agents_.find(endpoint);
-    if (it == agents_.end() || it->second != agent) return;  // already replaced
-    agents_.erase(it);
-  }
-  transport_->Disconnect(agent->peer);
 }
 
 void WorkerImpl::SendAborts(const LoadSpec& load, const std::string& reason) {
