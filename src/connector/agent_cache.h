@@ -63,8 +63,7 @@ struct AgentCacheStats {
 class AgentCache {
  public:
   /// At most `max_agents` cached agents (>= 1). `self` is this worker's identity in requests.
-  AgentCache(sidechannel::Client& client, Transport& transport, wire::PeerRef self,
-             int max_agents)
+  AgentCache(sidechannel::Client& client, Transport& transport, wire::PeerRef self, int max_agents)
       : client_(client), transport_(transport), self_(std::move(self)), max_agents_(max_agents) {}
   AgentCache(const AgentCache&) = delete;
   AgentCache& operator=(const AgentCache&) = delete;

@@ -141,6 +141,7 @@ class PrefillProcess {
     process_->Signal(SIGKILL);
     (void)process_->CloseAndWait(milliseconds(5000));
   }
+  void Signal(int sig) { process_->Signal(sig); }
   int base_port() const { return base_port_; }
   const std::string& engine() const { return engine_; }
 
@@ -872,6 +873,40 @@ TEST(ConnectorHardeningTest, EarlyNoticesAreCapped) {
 // Finding 6: the cache of peer agents (a handshake and data-plane connections each) grew with
 // every prefill rank ever named. With max_agents 1, a second prefill instance evicts the first's
 // idle agent, and the first is handshaken again when used again.
+// Lease renewals to a frozen prefill instance fill the bounded notice queue: the renewals past
+// it are dropped and counted, and the worker stays responsive. Before the fix the lease thread
+// held the worker's lock while posting, and posting a notice the full queue refused took that
+// lock again: the worker deadlocked (GetFinished never returned).
+TEST(ConnectorHardeningTest, AFullNoticeQueueDropsLeaseRenewalsWithoutStoppingTheWorker) {
+  // A short lease: the abort notices sent while it is frozen may be dropped too, and its holds
+  // then end by lease once it runs again.
+  PrefillProcess prefill("mha", 1, "prefill-0", 2000);
+  DecodeInstance decode("mha", 1, "", /*transfer_timeout=*/milliseconds(3000), milliseconds(2000),
+                        [](WorkerConfig& c) {
+                          c.transport.backend = "tcp";       // shm would read a frozen process
+                          c.hold_lease = milliseconds(200);  // renewals every 50 ms
+                          c.notice_timeout = milliseconds(1000);
+                          c.max_queued_notices = 1;
+                        });
+  std::vector<Params> params;
+  for (int i = 0; i < 4; ++i) params.push_back(prefill.Hold("req-" + std::to_string(i), 2));
+  prefill.Signal(SIGSTOP);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(
+        decode.Load("req-" + std::to_string(i), prefill, params[static_cast<std::size_t>(i)]).ok());
+  }
+  // The loads time out against the frozen peer; meanwhile renewals pile up and are dropped.
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(decode.WaitReceived("req-" + std::to_string(i), {}, milliseconds(15000)))
+        << "the worker stopped reporting loads";
+    EXPECT_EQ(decode.Errors("req-" + std::to_string(i)).size(), 1u);
+  }
+  EXPECT_GT(decode.worker(0).Stats().notices_dropped, 0u);
+  prefill.Signal(SIGCONT);
+  for (int i = 0; i < 4; ++i) decode.Free("req-" + std::to_string(i));
+  ExpectNothingLeft(prefill, decode);
+}
+
 TEST(ConnectorHardeningTest, TheAgentCacheIsBoundedLeastRecentlyUsedFirst) {
   PrefillProcess first("mha", 1, "prefill-a", 60000);
   PrefillProcess second("mha", 1, "prefill-b", 60000);

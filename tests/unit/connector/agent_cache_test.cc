@@ -32,9 +32,9 @@ class FakePrefillRank {
     sidechannel::ListenerOptions o;
     o.base_port = FreeLoopbackPorts(1);
     listener_ = std::move(sidechannel::Listener::Start(o, [this](const wire::Message&) {
-                            handled_.fetch_add(1);
-                            return Metadata();
-                          })).value();
+                  handled_.fetch_add(1);
+                  return Metadata();
+                })).value();
   }
   const std::string& endpoint() const { return listener_->endpoint(); }
   void set_engine(const std::string& e) {

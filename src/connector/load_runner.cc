@@ -1,0 +1,409 @@
+#include "connector/load_runner.h"
+
+#include <algorithm>
+#include <set>
+
+#include "common/clock.h"
+#include "common/log.h"
+
+namespace kvferry {
+namespace {
+
+// Remote input decides how many ranks a load talks to and their ports: bounded before any loop.
+Status CheckRemoteRanks(int remote_tp_size, int remote_port) {
+  if (remote_tp_size < 1 || remote_tp_size > kMaxTpSize) {
+    return Status::InvalidArgument("remote_tp_size " + std::to_string(remote_tp_size) +
+                                   " is outside 1.." + std::to_string(kMaxTpSize));
+  }
+  if (remote_port < 1 || remote_port + remote_tp_size - 1 > 65535) {
+    return Status::InvalidArgument("remote_port " + std::to_string(remote_port) + " with " +
+                                   std::to_string(remote_tp_size) +
+                                   " ranks reaches past port 65535");
+  }
+  return Status::Ok();
+}
+
+// Only liveness failures take a peer down (rule 14): its connection is lost, its process is gone,
+// or it refused us. A slow batch (Timeout) or a refused read fails its own load alone.
+bool PeerFault(const Status& s) {
+  return s.code() == StatusCode::kPeerDisconnected || s.code() == StatusCode::kUnavailable;
+}
+
+std::string Endpoint(const std::string& host, int port) { return SideChannelEndpoint(host, port); }
+
+}  // namespace
+
+LoadRunner::LoadRunner(const LoadRunnerContext& context)
+    : cfg_(context.config),
+      self_(context.self),
+      transport_(context.transport),
+      client_(context.client),
+      agents_(context.agents) {
+  notifier_ = std::make_unique<sidechannel::FinishedNotifier>(
+      &client_, self_, static_cast<std::uint32_t>(cfg_.tp_size), sidechannel::NotifierOptions{},
+      [](const std::string& endpoint, const std::vector<std::string>& ids, const Status& s) {
+        if (!s.ok()) {
+          Log().warn(
+              "finished notice for {} request(s) to {} failed: {}; the prefill side frees them "
+              "when their lease expires",
+              ids.size(), endpoint, s.ToString());
+        }
+      });
+  // Best-effort notices (aborts, lease renewals): bounded, and dropped at shutdown rather than
+  // delaying it by their timeouts.
+  background_ = std::make_unique<WorkQueue>(2, "kvferry-bg", cfg_.max_queued_notices,
+                                            WorkQueue::OnStop::kDrop);
+  transfers_ =
+      std::make_unique<WorkQueue>(cfg_.transfer_threads, "kvferry-load", cfg_.max_queued_loads);
+  lease_thread_ = std::thread([this] { RenewLeases(); });
+}
+
+LoadRunner::~LoadRunner() {
+  Stop();
+  // In this order, before any member goes: queued loads run (and fail fast, posting abort
+  // notices), then the notifier flushes, then queued notices are dropped.
+  transfers_.reset();
+  notifier_.reset();
+  background_.reset();
+}
+
+void LoadRunner::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  stop_cv_.notify_all();
+  if (lease_thread_.joinable()) lease_thread_.join();
+}
+
+void LoadRunner::SetCaches(const CacheSpec& spec, const CacheAddresses& addresses) {
+  std::lock_guard<std::mutex> lock(mu_);
+  spec_ = spec;
+  addresses_ = addresses;
+}
+
+void LoadRunner::Start(const std::vector<LoadSpec>& loads) {
+  std::vector<LoadSpec> to_start;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const LoadSpec& load : loads) {
+      if (loads_.count(load.request_id) != 0) continue;  // already loading
+      loads_[load.request_id] = LoadState{load, {}, {}, std::nullopt};
+      to_start.push_back(load);
+    }
+  }
+  for (LoadSpec& load : to_start) {
+    const std::string id = load.request_id;
+    const std::vector<std::int64_t> blocks = load.local_block_ids;
+    Status queued = transfers_->TryPost([this, load = std::move(load)] { Run(load); });
+    if (!queued.ok()) {
+      // Every load ends (rule 11): one that cannot even queue fails now, its blocks recomputed.
+      Status s = queued.WithContext("queueing the load of request " + id);
+      Log().warn("{}", s.ToString());
+      std::lock_guard<std::mutex> lock(mu_);
+      EndLocked(id, blocks, s, /*recompute=*/true);
+    }
+  }
+}
+
+std::vector<std::string> LoadRunner::TakeFinished() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  out.swap(finished_);
+  return out;
+}
+
+std::vector<LoadError> LoadRunner::TakeErrors() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<LoadError> out;
+  out.swap(errors_);
+  return out;
+}
+
+LoadRunnerStats LoadRunner::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  LoadRunnerStats s = stats_;
+  s.loads_outstanding = loads_.size();
+  return s;
+}
+
+Status LoadRunner::Abort(const std::string& request_id, const std::string& reason) {
+  std::vector<BatchId> running;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = loads_.find(request_id);
+    if (it == loads_.end()) {
+      return Status::NotFound("no load of request " + request_id +
+                              " is running on this worker (it ended, or never started)");
+    }
+    if (it->second.aborted) return Status::Ok();
+    it->second.aborted = reason;  // DoLoad submits nothing more for it from now on
+    running = it->second.batches;
+  }
+  // Cancelled outside mu_ (rule 14: no wait on I/O under a lock other requests need). DoLoad
+  // drops a batch from the list only after it ended, so every batch that may still write into the
+  // request's blocks is in `running`; Cancel returns once no read of it runs, after which the
+  // engine may reuse the blocks. A batch released meanwhile had ended: Cancel ignores it.
+  for (BatchId b : running) transport_.Cancel(b);
+  return Status::Ok();
+}
+
+Status LoadRunner::AbortedLocked(const std::string& request_id) const {
+  auto it = loads_.find(request_id);
+  if (it == loads_.end() || !it->second.aborted) return Status::Ok();
+  return Status::Cancelled("the engine aborted the load: " + *it->second.aborted);
+}
+
+void LoadRunner::Run(const LoadSpec& load) {
+  const Clock::time_point start = Clock::now();
+  Status s = DoLoad(load);
+  bool aborted_by_engine = false;
+  if (!s.ok()) {
+    // A load the engine aborted reports that, whatever else went wrong on the way.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
+      s = aborted;
+      aborted_by_engine = true;
+    }
+  }
+  if (!s.ok()) {
+    Log().warn("request {}: load of {} blocks from {} failed: {}", load.request_id,
+               load.local_block_ids.size(), load.remote_engine_id, s.ToString());
+    SendAborts(load, std::string(s.message()));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (s.ok()) {
+    stats_.transfer_latency.Add(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
+  }
+  // A load the engine aborted has nothing to recompute: the engine has dropped the request.
+  EndLocked(load.request_id, load.local_block_ids, s, !aborted_by_engine);
+}
+
+void LoadRunner::EndLocked(const std::string& id, const std::vector<std::int64_t>& blocks,
+                               const Status& s, bool recompute) {
+  // Every started load ends here, exactly once: reported done or failed to GetFinished.
+  loads_.erase(id);
+  finished_.push_back(id);
+  if (s.ok()) {
+    ++stats_.loads_done;
+    return;
+  }
+  ++stats_.loads_failed;
+  ++stats_.failures[StatusCodeName(s.code())];
+  errors_.push_back(
+      {id, blocks, s, recompute && cfg_.failure_policy == LoadFailurePolicy::kRecompute});
+}
+
+std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
+                                                     const std::vector<TpSource>& sources) const {
+  std::set<int> ranks;
+  for (const TpSource& s : sources) ranks.insert(s.prefill_rank);
+  // Prefill ranks nobody reads (decode TP smaller) are told by one decode rank each.
+  for (int q = 0; q < load.remote_tp_size; ++q) {
+    Result<int> readers = ExpectedReaders(spec, load.remote_tp_size, cfg_.tp_size, q);
+    if (readers.ok() && *readers == 0 && q % cfg_.tp_size == cfg_.tp_rank) ranks.insert(q);
+  }
+  std::vector<std::string> out;
+  out.reserve(ranks.size());
+  for (int q : ranks) out.push_back(Endpoint(load.remote_host, load.remote_port + q));
+  return out;
+}
+
+Status LoadRunner::DoLoad(const LoadSpec& load) {
+  const Deadline deadline = DeadlineAfter(cfg_.transfer_timeout);
+  std::optional<CacheSpec> spec;
+  std::optional<CacheAddresses> addresses;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Cancelled("the worker is shutting down");
+    spec = spec_;
+    addresses = addresses_;
+  }
+  if (!spec) {
+    return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
+  }
+  KVFERRY_RETURN_IF_ERROR(CheckRemoteRanks(load.remote_tp_size, load.remote_port));
+  // Rule 8: which prefill ranks, which bytes; the tail rule for decode-side prefix hits.
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
+                           PlanTpSources(*spec, load.remote_tp_size, cfg_.tp_size, cfg_.tp_rank));
+  KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
+                           TailOfRemote(load.remote_block_ids, load.local_block_ids));
+  const std::vector<std::string> endpoints = NoticeEndpoints(load, *spec, sources);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    KVFERRY_RETURN_IF_ERROR(AbortedLocked(load.request_id));  // aborted while queued
+    auto it = loads_.find(load.request_id);
+    if (it != loads_.end()) it->second.endpoints = endpoints;
+  }
+
+  if (!load.local_block_ids.empty()) {
+    struct Submitted {
+      BatchId batch;
+      std::string endpoint;
+      std::shared_ptr<RemoteAgent> agent;
+    };
+    std::vector<Submitted> batches;
+    Status failure;
+    std::uint64_t bytes = 0;
+    std::uint64_t reads = 0;
+    std::uint64_t runs_total = 0;
+    for (const TpSource& source : sources) {
+      const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
+      Result<std::shared_ptr<RemoteAgent>> agent =
+          agents_.Get({Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
+                        load.remote_engine_id, source.prefill_rank, load.remote_tp_size},
+                       hs_deadline);
+      if (!agent.ok()) {
+        failure = agent.status();
+        break;
+      }
+      // A restarted prefill instance answers on the same endpoint under a new engine id; its
+      // blocks are not this request's.
+      if ((*agent)->metadata->agent.peer.engine_id != load.remote_engine_id) {
+        failure = Status::Unavailable(
+            "the prefill instance at " +
+            Endpoint(load.remote_host, load.remote_port + source.prefill_rank) + " is now engine " +
+            (*agent)->metadata->agent.peer.engine_id + ", but request " + load.request_id +
+            " was held by engine " + load.remote_engine_id + ", which is gone");
+        break;
+      }
+      const CacheSpec& remote = (*agent)->metadata->cache;
+      Result<std::vector<BlockRun>> runs =
+          MergeBlockRuns(remote_ids, load.local_block_ids, remote.num_blocks(), spec->num_blocks());
+      if (!runs.ok()) {
+        failure = runs.status();
+        break;
+      }
+      if (Status layout = CheckRegionLayout(remote); !layout.ok()) {
+        failure = layout;
+        break;
+      }
+      std::vector<ReadOp> ops;
+      for (const ByteRange& r :
+           RunByteRanges(*runs, spec->num_layers(), PartBlockGeometryOf(remote, *spec), source)) {
+        const PartRegion region = RegionOfPart(remote, r.layer, r.part);
+        ops.push_back(
+            {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
+                 addresses->Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
+             static_cast<RegionId>(region.id),
+             static_cast<std::uint64_t>(region.offset + r.remote_offset),
+             static_cast<std::uint64_t>(r.length)});
+        bytes += static_cast<std::uint64_t>(r.length);
+      }
+      reads += ops.size();
+      runs_total += runs->size();
+      std::unique_lock<std::mutex> lock(mu_);
+      if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
+        failure = aborted;
+        break;
+      }
+      // Submitted under mu_ so an AbortLoad either sees this batch or ran before the check above.
+      Result<BatchId> b = transport_.SubmitReads((*agent)->peer, std::move(ops), deadline);
+      if (b.ok()) loads_.at(load.request_id).batches.push_back(*b);
+      lock.unlock();
+      if (!b.ok()) {
+        failure = b.status();
+        if (PeerFault(failure))
+          agents_.Invalidate(Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
+                              *agent);
+        break;
+      }
+      batches.push_back(
+          {*b, Endpoint(load.remote_host, load.remote_port + source.prefill_rank), *agent});
+    }
+    for (const Submitted& s : batches) {
+      if (!failure.ok()) {
+        transport_.Cancel(s.batch);
+      } else {
+        BatchResult r = transport_.Wait(s.batch, deadline + std::chrono::seconds(1));
+        if (r.state == BatchState::kInProgress) {
+          transport_.Cancel(s.batch);
+          r = {BatchState::kFailed, Status::Timeout("the read did not finish in time")};
+        }
+        if (r.state == BatchState::kCancelled) {
+          // Not cancelled by this load (an engine abort is reported as such below): another
+          // load found the peer dead and dropped it.
+          r.status = Status::PeerDisconnected("the read was stopped because its peer was dropped");
+        }
+        if (r.state != BatchState::kDone) {
+          failure = r.status.WithContext("reading from " + s.endpoint);
+          // Rule 12: a dead or restarted peer is dropped and re-handshaken on next use.
+          if (PeerFault(r.status)) agents_.Invalidate(s.endpoint, s.agent);
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::vector<BatchId>& mine = loads_.at(load.request_id).batches;
+        mine.erase(std::remove(mine.begin(), mine.end(), s.batch), mine.end());
+        if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) failure = aborted;
+      }
+      transport_.Release(s.batch);
+    }
+    if (!failure.ok()) return failure;
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_read += bytes;
+    stats_.reads += reads;
+    stats_.merged_runs += runs_total;
+  }
+  // Rule 10: every prefill rank read from (and the unread ones this rank covers) is told, also
+  // when there was nothing to read.
+  for (const std::string& endpoint : endpoints) {
+    notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout));
+  }
+  return Status::Ok();
+}
+
+void LoadRunner::SendAborts(const LoadSpec& load, const std::string& reason) {
+  // Every prefill rank of the request may hold it; tell them all, best effort.
+  for (int q = 0; q < load.remote_tp_size; ++q) {
+    const std::string endpoint = Endpoint(load.remote_host, load.remote_port + q);
+    PostBackground([this, endpoint, id = load.remote_request_id, reason] {
+      Result<wire::Message> r = client_.Call(endpoint, wire::AbortNotice{self_, {id}, reason},
+                                              DeadlineAfter(cfg_.notice_timeout));
+      if (!r.ok()) {
+        Log().info("abort notice for {} to {} failed: {}", id, endpoint, r.status().ToString());
+      }
+    });
+  }
+}
+
+void LoadRunner::PostBackground(std::function<void()> task) {
+  Status s = background_->TryPost(std::move(task));
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (++stats_.notices_dropped % 1000 == 1) {
+      Log().warn("dropped a best-effort notice ({} so far): {}; holds it concerned end by lease",
+                 stats_.notices_dropped, s.ToString());
+    }
+  }
+}
+
+void LoadRunner::RenewLeases() {
+  const auto interval =
+      std::max<std::chrono::milliseconds>(cfg_.hold_lease / 4, std::chrono::milliseconds(20));
+  for (;;) {
+    std::map<std::string, std::vector<std::string>> by_endpoint;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      stop_cv_.wait_for(lock, interval, [&] { return stopping_; });
+      if (stopping_) return;
+      for (const auto& [id, state] : loads_) {
+        for (const std::string& e : state.endpoints) {
+          by_endpoint[e].push_back(state.spec.remote_request_id);
+        }
+      }
+    }
+    // Posted without mu_: PostBackground takes it to count a notice the full queue dropped.
+    for (auto& [endpoint, ids] : by_endpoint) {
+      PostBackground([this, endpoint = endpoint, ids = std::move(ids)] {
+        (void)client_.Call(
+            endpoint,
+            wire::LeaseRenewal{self_, ids, static_cast<std::uint32_t>(cfg_.hold_lease.count())},
+            DeadlineAfter(cfg_.notice_timeout));
+      });
+    }
+  }
+}
+
+}  // namespace kvferry
