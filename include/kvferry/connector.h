@@ -1,6 +1,7 @@
 // kvferry: the connector a serving engine calls, shaped like vLLM's KV connector: a Scheduler on
-// the engine's scheduler side and a Worker in every TP worker process. DESIGN.md's behaviour
-// contract (rules 1-13) is its specification.
+// the engine's scheduler side and a Worker in every TP worker process. Each method states its
+// contract here; the rule numbers in parentheses point to DESIGN.md's behaviour contract, where
+// the tests that pin each rule are listed.
 #pragma once
 
 #include <chrono>
@@ -101,30 +102,41 @@ class Scheduler {
  public:
   explicit Scheduler(SchedulerConfig config) : config_(std::move(config)) {}
 
-  /// Rule 1: for a request whose params ask for remote prefill, the tokens to load are
-  /// max(prompt - computed, 0) and the load is asynchronous when that is > 0; otherwise (0, false).
+  /// For a request whose params ask for remote prefill (do_remote_prefill), the number of prompt
+  /// tokens the decode side will load instead of computing, max(prompt - computed, 0), and
+  /// whether that load is asynchronous (true when the count is > 0: the engine must wait for the
+  /// load before scheduling the request). For any other request (0, false). Never fails; reads
+  /// nothing but its arguments (rule 1).
   std::pair<std::int64_t, bool> GetNumNewMatchedTokens(const KvTransferParams& params,
                                                        std::int64_t num_prompt_tokens,
                                                        std::int64_t num_computed_tokens) const;
 
-  /// Rule 2: queues a remote-prefill request for loading into `new_block_ids` (its newly
-  /// allocated, unhashed blocks; possibly none) and clears params.do_remote_prefill so it is not
-  /// loaded twice. Incomplete params are InvalidArgument naming the missing fields; the flag is
-  /// cleared then too, and nothing is queued. Requests without do_remote_prefill are ignored.
+  /// After the engine allocated blocks for a remote-prefill request: queues its load into
+  /// `new_block_ids` (its newly allocated, unhashed blocks; none when the decode side's prefix
+  /// cache covered the prompt, and the load then only tells the prefill side to free its hold)
+  /// and clears params.do_remote_prefill, so it is never loaded twice. Incomplete params
+  /// (remote_block_ids, remote_engine_id, remote_host, remote_port, remote_tp_size) are
+  /// InvalidArgument naming the missing fields: nothing is queued, the flag is cleared too, and
+  /// the engine should fail the request. Requests without do_remote_prefill are ignored (OK). The
+  /// scheduler keeps no reference to the span (rule 2).
   Status UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
                                std::span<const std::int64_t> new_block_ids);
 
-  /// Rule 3: the loads and holds queued since the last call; clears them.
+  /// The loads and holds queued since the last call, for this step's workers (every TP rank
+  /// gets the same metadata); clears them. Call once per engine step (rule 3).
   ConnectorMetadata BuildConnectorMeta();
 
   struct FinishedResult {
     bool delay_free = false;  ///< the engine must not free the blocks until GetFinished says so
     std::optional<KvTransferParams> params;  ///< to return to the proxy for the decode side
   };
-  /// Rule 4: a prefill request that asked for remote decode and stopped on its length cap has its
-  /// blocks held and gets params telling the decode side where to read them. On the decode side,
-  /// a request that ends while its params still ask for remote prefill (aborted before it was
-  /// scheduled) queues a load of no blocks, whose finished notices free the prefill hold at once.
+  /// When a request ends. Prefill side: a request that asked for remote decode and stopped on its
+  /// length cap gets delay_free (the engine must keep `block_ids` allocated until GetFinished
+  /// reports the request in `sending`) and params telling the decode side where to read them; a
+  /// hold for it is queued for the next metadata. Any other prefill request: no hold, no params.
+  /// Decode side: a request that ends while its params still ask for remote prefill (aborted
+  /// before it was scheduled) queues a load of no blocks, whose finished notices free the prefill
+  /// hold at once; no delay_free. The scheduler keeps no reference to the span (rule 4).
   FinishedResult RequestFinished(const std::string& request_id, const KvTransferParams& params,
                                  FinishReason reason, std::span<const std::int64_t> block_ids);
 
@@ -177,6 +189,13 @@ struct WorkerConfig {
   LoadFailurePolicy failure_policy = LoadFailurePolicy::kRecompute;
 };
 
+/// One part of one layer of a KV cache, as RegisterKvCaches takes it.
+struct KvCachePart {
+  std::uint64_t address = 0;  ///< first byte: a host pointer, or a device address
+  std::uint64_t bytes = 0;    ///< must be CacheSpec::PartBytes(part)
+  MemoryKind memory;          ///< host, or the device the memory is on
+};
+
 /// Requests that finished since the last GetFinished (like vLLM's get_finished).
 struct FinishedRequests {
   std::vector<std::string> sending;    ///< prefill side: holds ended; free these blocks now
@@ -187,7 +206,9 @@ struct LoadError {
   std::string request_id;
   std::vector<std::int64_t> local_block_ids;
   Status status;
-  /// From WorkerConfig::failure_policy: true means recompute these blocks, false fail the request.
+  /// True: the engine should recompute these blocks (policy kRecompute); their contents are
+  /// undefined, since a read may have written part of them. False: fail the request (policy
+  /// kFail), or the engine aborted the load itself (status Cancelled) and has nothing to redo.
   bool recompute = true;
 };
 
@@ -231,25 +252,48 @@ struct WorkerMetrics {
 
 class WorkerImpl;
 
-/// The worker side: one per TP worker process. Thread-safe.
+/// The worker side: one per TP worker process. Thread-safe: any method from any thread. No
+/// method waits on the network while holding a lock another method needs.
 class Worker {
  public:
-  /// Rule 5 (role, rank-table entry) and rule 7 (listener at base_port + dp * tp + tp_rank).
+  /// Starts the worker: its identity (from the rank table's entry for this server, visible
+  /// devices and TP rank when a table is given: rule 5), its data plane (CreateTransport, or
+  /// config.make_transport) and its side-channel listener at base_port + dp_rank * tp_size +
+  /// tp_rank (rule 7). InvalidArgument for a config that names no engine, an invalid TP rank or
+  /// size, or no matching rank-table entry; Unavailable for a busy port (the message names it).
   static Result<std::unique_ptr<Worker>> Create(WorkerConfig config);
+  /// Stops the listener, ends every load (queued ones fail fast; running ones are cancelled and
+  /// waited for, so no read writes into the caches after it returns), drops queued best-effort
+  /// notices, and closes the data plane. Holds end with the process: the prefill side's peers
+  /// see their reads fail.
   ~Worker();
 
-  /// Rule 6: registers every part of every layer. `bases[layer][part]` are the parts' base
-  /// addresses, each spec.PartBytes(part) long; checked as CacheAddresses does. Call once, before
-  /// the first StartLoadKv. `memory` says where the caches are: host memory, or a device
-  /// ("sim:0", "cuda:1"; docs/device.md), whose memory the worker never touches itself: the
-  /// transport moves it (over tcp, staged through pinned host buffers at both ends; with
-  /// backend auto, a peer on the same host is then read over tcp too).
+  /// Registers every part of every layer with the data plane (rule 6). `parts[layer][part]`
+  /// names each part's memory: its address, its size, which must be spec.PartBytes(part), and
+  /// its memory kind, host or a device ("sim:0", "cuda:1"; docs/device.md), the same for every
+  /// part. The worker never touches the memory itself: the transport moves it (device memory
+  /// over IPC on one host or staged tcp). The memory is the engine's: it must stay allocated
+  /// and in place until the worker is destroyed, since peers read it for as long as holds last.
+  /// The spec's TP rank and size must be this worker's. InvalidArgument (nothing registered) for
+  /// a wrong count of layers or parts, a size that is not the part's, mixed memory kinds,
+  /// overlapping parts or a second call; the data plane's error for memory it cannot register.
+  /// Call once, before the first StartLoadKv.
+  Status RegisterKvCaches(const CacheSpec& spec,
+                          const std::vector<std::vector<KvCachePart>>& parts);
+  /// The same with bare base addresses, `bases[layer][part]`, each spec.PartBytes(part) long,
+  /// all in `memory`.
   Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
                           MemoryKind memory = MemoryKind::Host());
 
-  /// Starts the step's loads (decode) and registers its holds (prefill) without blocking.
+  /// Registers the step's holds (prefill: each request's blocks stay allocated until every
+  /// decode rank that reads them has reported, it is aborted, or its lease passes without
+  /// renewal) and queues its loads (decode: each runs on a transfer thread). Never blocks and
+  /// never fails: a load that cannot even be queued ends failed, and is reported like any other.
+  /// A load already running for the same request id is not started twice.
   void StartLoadKv(const ConnectorMetadata& metadata);
-  /// Rule 11: every started load is reported exactly once in `receiving`, done or failed.
+  /// What ended since the last call: `sending` (prefill) the requests whose holds ended, whose
+  /// blocks the engine may now free; `receiving` (decode) the loads that ended, done or failed,
+  /// each reported exactly once (rule 11). Expired holds are swept by this call.
   FinishedRequests GetFinished();
   /// Failed loads with their local block ids, since the last call. Call it after GetFinished:
   /// a load's error is recorded before the load is reported finished, so every failed load in

@@ -181,7 +181,7 @@ void LoadRunner::Run(const LoadSpec& load) {
 }
 
 void LoadRunner::EndLocked(const std::string& id, const std::vector<std::int64_t>& blocks,
-                               const Status& s, bool recompute) {
+                           const Status& s, bool recompute) {
   // Every started load ends here, exactly once: reported done or failed to GetFinished.
   loads_.erase(id);
   finished_.push_back(id);
@@ -252,8 +252,8 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
       const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
       Result<std::shared_ptr<RemoteAgent>> agent =
           agents_.Get({Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
-                        load.remote_engine_id, source.prefill_rank, load.remote_tp_size},
-                       hs_deadline);
+                       load.remote_engine_id, source.prefill_rank, load.remote_tp_size},
+                      hs_deadline);
       if (!agent.ok()) {
         failure = agent.status();
         break;
@@ -306,7 +306,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
         failure = b.status();
         if (PeerFault(failure))
           agents_.Invalidate(Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
-                              *agent);
+                             *agent);
         break;
       }
       batches.push_back(
@@ -360,7 +360,7 @@ void LoadRunner::SendAborts(const LoadSpec& load, const std::string& reason) {
     const std::string endpoint = Endpoint(load.remote_host, load.remote_port + q);
     PostBackground([this, endpoint, id = load.remote_request_id, reason] {
       Result<wire::Message> r = client_.Call(endpoint, wire::AbortNotice{self_, {id}, reason},
-                                              DeadlineAfter(cfg_.notice_timeout));
+                                             DeadlineAfter(cfg_.notice_timeout));
       if (!r.ok()) {
         Log().info("abort notice for {} to {} failed: {}", id, endpoint, r.status().ToString());
       }

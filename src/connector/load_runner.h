@@ -108,14 +108,14 @@ class LoadRunner {
 
   mutable std::mutex mu_;
   std::condition_variable stop_cv_;
-  bool stopping_ = false;                        // guarded by mu_
-  std::optional<CacheSpec> spec_;                // guarded by mu_
-  std::optional<CacheAddresses> addresses_;      // guarded by mu_
-  std::map<std::string, LoadState> loads_;       // guarded by mu_
-  std::vector<std::string> finished_;            // guarded by mu_
-  std::vector<LoadError> errors_;                // guarded by mu_
-  LoadRunnerStats stats_;                        // guarded by mu_
-  std::thread lease_thread_;                     // last: it uses the rest
+  bool stopping_ = false;                    // guarded by mu_
+  std::optional<CacheSpec> spec_;            // guarded by mu_
+  std::optional<CacheAddresses> addresses_;  // guarded by mu_
+  std::map<std::string, LoadState> loads_;   // guarded by mu_
+  std::vector<std::string> finished_;        // guarded by mu_
+  std::vector<LoadError> errors_;            // guarded by mu_
+  LoadRunnerStats stats_;                    // guarded by mu_
+  std::thread lease_thread_;                 // last: it uses the rest
 };
 
 }  // namespace kvferry

@@ -84,6 +84,31 @@ Status Worker::RegisterKvCaches(const CacheSpec& spec,
                                 std::vector<std::vector<std::uint64_t>> bases, MemoryKind memory) {
   return impl_->RegisterKvCaches(spec, std::move(bases), memory);
 }
+Status Worker::RegisterKvCaches(const CacheSpec& spec,
+                                const std::vector<std::vector<KvCachePart>>& parts) {
+  std::vector<std::vector<std::uint64_t>> bases(parts.size());
+  const MemoryKind memory =
+      !parts.empty() && !parts[0].empty() ? parts[0][0].memory : MemoryKind::Host();
+  for (std::size_t l = 0; l < parts.size(); ++l) {
+    for (std::size_t p = 0; p < parts[l].size(); ++p) {
+      const KvCachePart& part = parts[l][p];
+      const std::string where = "layer " + std::to_string(l) + " part " + std::to_string(p);
+      if (p < static_cast<std::size_t>(spec.num_parts()) &&
+          part.bytes != static_cast<std::uint64_t>(spec.PartBytes(static_cast<int>(p)))) {
+        return Status::InvalidArgument(where + " is " + std::to_string(part.bytes) +
+                                       " bytes, but the cache spec makes it " +
+                                       std::to_string(spec.PartBytes(static_cast<int>(p))));
+      }
+      if (!(part.memory == memory)) {
+        return Status::InvalidArgument(where + " is " + part.memory.ToString() +
+                                       " memory, layer 0 part 0 " + memory.ToString() +
+                                       "; a worker's caches are in one memory");
+      }
+      bases[l].push_back(part.address);
+    }
+  }
+  return impl_->RegisterKvCaches(spec, std::move(bases), memory);
+}
 void Worker::StartLoadKv(const ConnectorMetadata& metadata) { impl_->StartLoadKv(metadata); }
 FinishedRequests Worker::GetFinished() { return impl_->GetFinished(); }
 std::vector<LoadError> Worker::TakeLoadErrors() { return impl_->TakeLoadErrors(); }

@@ -571,6 +571,40 @@ TEST(ConnectorDeviceTest, DecodeCachesInDeviceMemoryLoadEveryByte) {
   ExpectNothingLeft(prefill, decode);
 }
 
+// Typed cache parts: each part's size is checked against the spec, and one worker's parts are
+// in one memory; nothing is registered on a refusal, so a correct call afterwards works.
+TEST(ConnectorTest, TypedCachePartsAreCheckedBeforeAnythingIsRegistered) {
+  CacheSpec spec = *testing::TestSpec("mha", 1, 0);
+  testing::TestCache cache(spec);
+  WorkerConfig c;
+  c.role = Role::kDecode;
+  c.engine_id = "decode-typed";
+  c.base_port = FreeBasePort(1);
+  Result<std::unique_ptr<Worker>> w = Worker::Create(c);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  std::vector<std::vector<KvCachePart>> parts;
+  const std::vector<std::vector<std::uint64_t>> bases = cache.Bases();
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    parts.emplace_back();
+    for (int p = 0; p < spec.num_parts(); ++p) {
+      parts.back().push_back({bases[static_cast<std::size_t>(l)][static_cast<std::size_t>(p)],
+                              static_cast<std::uint64_t>(spec.PartBytes(p)), MemoryKind::Host()});
+    }
+  }
+  auto short_part = parts;
+  short_part[1][0].bytes -= 1;
+  Status s = (*w)->RegisterKvCaches(spec, short_part);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("layer 1 part 0 is"));
+  auto mixed = parts;
+  mixed[0][1].memory = MemoryKind{"sim", 0};
+  s = (*w)->RegisterKvCaches(spec, mixed);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("in one memory"));
+  EXPECT_TRUE((*w)->RegisterKvCaches(spec, parts).ok());
+  EXPECT_EQ((*w)->RegisterKvCaches(spec, parts).code(), StatusCode::kInvalidArgument);  // twice
+}
+
 TEST(ConnectorTest, HoldEndsOnLeaseExpiryWhenNoReaderComes) {
   PrefillProcess prefill("mha", 2, "prefill-0", /*lease_ms=*/400);
   DecodeInstance decode("mha", 2);
