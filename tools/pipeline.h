@@ -1,0 +1,75 @@
+// The proxy of kvferry demo and kvferry bench e2e: a prefill and a decode instance (kvferry serve)
+// started here or already running, requests sent to prefill, its kv_transfer_params forwarded to
+// decode, every byte verified by the decode instance, and nothing left held at the end.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "kvferry/status.h"
+#include "tools/commands.h"
+
+namespace kvferry::cli {
+
+struct PipelineArgs {
+  int prefill_tp = 2;
+  int decode_tp = 2;
+  ModelArgs model;
+  std::string transport = "auto";
+  std::vector<std::string> transport_opts;
+  bool shm_permit_any_tracer = false;
+  int concurrency = 16;
+  int hold_lease_ms = 30000;
+  int compute_us_per_token = 0;
+  std::string memory = "host";
+  bool progress = true;
+  /// Share of requests the client abandons: at the prefill instance, between prefill and decode,
+  /// or at the decode instance (a third each), at a random moment.
+  double abort_rate = 0;
+  /// A request with no answer from an instance in this long fails (a dead instance).
+  int request_timeout_ms = 60000;
+  std::uint32_t seed = 7;
+  /// Drive instances that already run (kvferry serve) instead of starting two here.
+  std::string prefill_control;
+  std::string decode_control;
+};
+
+struct RequestTiming {
+  double prefill_ms = 0;  // proxy sent to prefill -> prefill answered
+  double decode_ms = 0;   // proxy sent to decode -> decode answered (load and verify)
+  double load_ms = 0;     // decode side: load started -> finished
+  double ttft_ms = 0;     // proxy sent to prefill -> decode answered
+  std::uint64_t loaded_bytes = 0;
+};
+
+struct PipelineResult {
+  int done = 0;
+  int failed = 0;
+  int aborted_at_prefill = 0;     // the prefill instance ended it as aborted
+  int aborted_after_prefill = 0;  // the client left after prefill: the hold ends by lease
+  int aborted_at_decode = 0;      // the decode instance ended it as aborted (load stopped)
+  int aborts_too_late = 0;        // abort sent, the request had already ended: done
+  int aborted() const { return aborted_at_prefill + aborted_after_prefill + aborted_at_decode; }
+  std::vector<std::string> errors;
+  std::vector<RequestTiming> timings;
+  std::uint64_t bytes_moved = 0;
+  std::uint64_t bytes_verified = 0;
+  std::int64_t prefix_hit_blocks = 0;
+  std::int64_t recomputed_blocks = 0;
+  double wall_s = 0;
+  nlohmann::json prefill_end;
+  nlohmann::json decode_end;
+  bool leaked = false;
+};
+
+/// Runs every prompt through the pipeline; an error only when the instances cannot be started or
+/// asked for their stats (failed requests are counted in the result, with their errors).
+Result<PipelineResult> RunPipeline(const PipelineArgs& args,
+                                   const std::vector<std::vector<std::int32_t>>& prompts);
+
+/// Bytes one block occupies across all layers, parts and TP ranks of an instance.
+Result<std::uint64_t> BytesPerBlock(const ModelArgs& model, int tp);
+
+}  // namespace kvferry::cli
