@@ -72,17 +72,14 @@ class Deployment {
     gen.prefill_count = a.prefill_tp;
     gen.decode_count = a.decode_tp;
     KVFERRY_ASSIGN_OR_RETURN(RankTable table, GenerateRankTable(gen));
-    d->dir_ =
-        std::filesystem::temp_directory_path() / ("kvferry-demo-" + std::to_string(getpid()));
+    d->dir_ = std::filesystem::temp_directory_path() / ("kvferry-demo-" + std::to_string(getpid()));
     std::filesystem::create_directories(d->dir_);
     const std::string table_path = (d->dir_ / "ranktable.json").string();
     std::ofstream(table_path) << table.ToJson();
-    KVFERRY_ASSIGN_OR_RETURN(
-        d->prefill_proc_,
-        Spawn(a, "prefill", a.prefill_tp, prefill_base, prefill_control, table_path, secret));
-    KVFERRY_ASSIGN_OR_RETURN(
-        d->decode_proc_,
-        Spawn(a, "decode", a.decode_tp, decode_base, decode_control, table_path, secret));
+    KVFERRY_ASSIGN_OR_RETURN(d->prefill_proc_, Spawn(a, "prefill", a.prefill_tp, prefill_base,
+                                                     prefill_control, table_path, secret));
+    KVFERRY_ASSIGN_OR_RETURN(d->decode_proc_, Spawn(a, "decode", a.decode_tp, decode_base,
+                                                    decode_control, table_path, secret));
     d->prefill_ = std::make_unique<ControlClient>(
         "tcp://127.0.0.1:" + std::to_string(prefill_control), secret);
     d->decode_ = std::make_unique<ControlClient>(
@@ -157,8 +154,8 @@ class Deployment {
 // random moments; a request with no answer within the timeout fails.
 class Proxy {
  public:
-  Proxy(const PipelineArgs& a, const std::vector<std::vector<std::int32_t>>& prompts,
-        Deployment& d, std::uint64_t block_bytes)
+  Proxy(const PipelineArgs& a, const std::vector<std::vector<std::int32_t>>& prompts, Deployment& d,
+        std::uint64_t block_bytes)
       : a_(a),
         prompts_(prompts),
         prefill_(d.prefill()),

@@ -6,46 +6,13 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "engine/engine_internal.h"
 
 namespace kvferry::engine {
 namespace {
 
-std::uint64_t Mix(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  return x ^ (x >> 33);
-}
-
 double Ms(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-// The model-wide heads of `part` that `spec`'s TP rank holds, written from the definition rather
-// than taken from CacheSpec::FirstLocalHead / SplitHeads: the verifier checks what the transfer
-// plans (built on those) moved, so it must not share their mistakes. An MHA part's heads are dealt
-// out in equal runs of consecutive heads (head h on rank h / (heads / tp)); with fewer heads than
-// ranks each head is on tp / heads consecutive ranks. MLA parts are whole on every rank.
-struct HeldHeads {
-  std::int64_t first = 0;
-  std::int64_t count = 0;
-};
-HeldHeads HeadsHeldBy(const CacheSpec& spec, int part) {
-  const std::int64_t heads = spec.parts()[static_cast<std::size_t>(part)].num_heads;
-  if (spec.kind() != CacheKind::kMha) return {0, heads};
-  const std::int64_t tp = spec.tp_size();
-  const std::int64_t rank = spec.tp_rank();
-  HeldHeads out{-1, 0};
-  for (std::int64_t h = 0; h < heads; ++h) {
-    const bool held = tp <= heads ? h / (heads / tp) == rank
-                                  : h * (tp / heads) <= rank && rank < (h + 1) * (tp / heads);
-    if (!held) continue;
-    if (out.first < 0) out.first = h;
-    ++out.count;
-  }
-  if (out.first < 0) out.first = 0;
-  return out;
 }
 
 }  // namespace
@@ -86,17 +53,6 @@ bool BlockAllocator::Unref(std::int64_t block) {
   }
   return false;
 }
-
-struct Instance::Running {
-  EngineRequest request;
-  std::vector<std::uint64_t> hashes;
-  std::vector<std::int64_t> blocks;  // all blocks of the prompt, prefix hits first
-  std::int64_t prefix_hit = 0;
-  Clock::time_point submitted = Clock::now();
-  Clock::time_point scheduled{};
-  EngineResult result;
-  bool aborted = false;
-};
 
 Result<std::unique_ptr<Instance>> Instance::Create(InstanceConfig config) {
   std::unique_ptr<Instance> i(new Instance(std::move(config)));
@@ -227,131 +183,6 @@ void Instance::Abort(const std::string& request_id) {
 
 bool Instance::Idle() const {
   return waiting_.empty() && running_.empty() && held_.empty() && aborted_now_.empty();
-}
-
-// The value of element d of a row whose seed is `seed`.
-inline std::uint64_t RowValue(std::uint64_t seed, std::int64_t d) {
-  return seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
-}
-
-// Visits every (rank, layer, part, block, token slot, head) row of blocks [first, first + count)
-// of a request: `dim` elements of `esize` bytes whose values derive from the token prefix at
-// that slot, the layer, the part and the model-wide head. `fn` returns false to stop.
-template <typename Fn>
-bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Fn&& fn) {
-  const std::int64_t tpb = config_.model.tokens_per_block;
-  for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
-    const CacheSpec& spec = specs_[rank];
-    KvRow row;
-    row.rank = rank;
-    row.esize = DTypeSize(spec.dtype());
-    for (std::int64_t bi = first; bi < first + count; ++bi) {
-      row.block_index = bi;
-      const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
-      for (int l = 0; l < spec.num_layers(); ++l) {
-        for (int p = 0; p < spec.num_parts(); ++p) {
-          row.layer = l;
-          row.part = p;
-          std::uint8_t* base = reinterpret_cast<std::uint8_t*>(
-                                   memory_[rank][static_cast<std::size_t>(l) *
-                                                     static_cast<std::size_t>(spec.num_parts()) +
-                                                 static_cast<std::size_t>(p)]
-                                       .data()) +
-                               block * spec.BlockBytes(p);
-          const HeldHeads held = HeadsHeldBy(spec, p);
-          const std::int64_t heads = held.count;
-          const std::int64_t first_head = held.first;
-          row.dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
-          for (std::int64_t s = 0; s < tpb; ++s) {
-            const std::int64_t t = bi * tpb + s;
-            row.slot = s;
-            row.past_prompt = t >= static_cast<std::int64_t>(r.hashes.size());
-            // The unfilled tail of the last block gets values too, from a fixed token.
-            const std::uint64_t token = row.past_prompt ? 0 : r.hashes[static_cast<std::size_t>(t)];
-            for (std::int64_t h = 0; h < heads; ++h) {
-              row.head = first_head + h;
-              row.seed =
-                  Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
-                      (static_cast<std::uint64_t>(p) << 40) ^ static_cast<std::uint64_t>(row.head));
-              const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
-                                           ? (s * heads + h) * row.dim
-                                           : (h * tpb + s) * row.dim;
-              row.data = base + idx * row.esize;
-              if (!fn(row)) return false;
-            }
-          }
-        }
-      }
-    }
-  }
-  return true;
-}
-
-// Writes the KV of the prompt's tokens in blocks [first, first + count) on every rank.
-Status Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
-  ForEachRow(r, first, count, [](const KvRow& row) {
-    for (std::int64_t d = 0; d < row.dim; ++d) {
-      const std::uint64_t v = RowValue(row.seed, d);
-      std::memcpy(row.data + d * row.esize, &v, static_cast<std::size_t>(row.esize));
-    }
-    return true;
-  });
-  return device_ == nullptr ? Status::Ok() : CopyBlocks(r, first, count, /*up=*/true);
-}
-
-Status Instance::CopyBlocks(const Running& r, std::int64_t first, std::int64_t count, bool up) {
-  for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
-    const CacheSpec& spec = specs_[rank];
-    for (std::int64_t bi = first; bi < first + count; ++bi) {
-      const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
-      for (int l = 0; l < spec.num_layers(); ++l) {
-        for (int p = 0; p < spec.num_parts(); ++p) {
-          const auto i = static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
-                         static_cast<std::size_t>(p);
-          const auto offset = static_cast<std::uint64_t>(block * spec.BlockBytes(p));
-          const auto bytes = static_cast<std::uint64_t>(spec.BlockBytes(p));
-          auto* host = reinterpret_cast<std::byte*>(memory_[rank][i].data()) + offset;
-          const device::DeviceAddress dev = device_memory_[rank][i]->address() + offset;
-          KVFERRY_RETURN_IF_ERROR(up ? stream_->CopyHostToDevice(dev, host, bytes)
-                                     : stream_->CopyDeviceToHost(host, dev, bytes));
-        }
-      }
-    }
-  }
-  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> done, stream_->RecordEvent());
-  return done->Wait(DeadlineAfter(std::chrono::seconds(30)))
-      .WithContext(std::string("copying KV blocks ") + (up ? "to " : "from ") + device_->name());
-}
-
-// Checks blocks [first, first + count) on every rank against what Compute wrote; returns the
-// bytes checked and sets *status at the first difference.
-std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_t count,
-                               Status* status) {
-  std::uint64_t bytes = 0;
-  if (device_ != nullptr) {
-    // What the device holds is what is checked: copied down over the host mirror first.
-    if (Status s = CopyBlocks(r, first, count, /*up=*/false); !s.ok()) {
-      *status = s;
-      return 0;
-    }
-  }
-  ForEachRow(r, first, count, [&](const KvRow& row) {
-    if (row.past_prompt) return true;  // slots past the prompt are never read
-    for (std::int64_t d = 0; d < row.dim; ++d) {
-      const std::uint64_t v = RowValue(row.seed, d);
-      if (std::memcmp(row.data + d * row.esize, &v, static_cast<std::size_t>(row.esize)) != 0) {
-        *status = Status::Internal(
-            "request " + r.request.request_id + ": KV byte mismatch at rank " +
-            std::to_string(row.rank) + " layer " + std::to_string(row.layer) + " part " +
-            std::to_string(row.part) + " block index " + std::to_string(row.block_index) +
-            " token " + std::to_string(row.slot) + " head " + std::to_string(row.head));
-        return false;
-      }
-    }
-    bytes += static_cast<std::uint64_t>(row.dim * row.esize);
-    return true;
-  });
-  return bytes;
 }
 
 void Instance::FreeBlocks(const std::vector<std::int64_t>& blocks) {
