@@ -78,9 +78,11 @@ std::vector<std::vector<std::int32_t>> MakePrompts(int n, int min_len, int max_l
 
 int RunDemo(const DemoArgs& a) {
   if (!a.json) {
-    std::cout << "kvferry demo: prefill TP " << a.pipeline.prefill_tp << " -> decode TP "
-              << a.pipeline.decode_tp << ", " << a.requests << " requests, prompts " << a.min_prompt
-              << ".." << a.max_prompt << " tokens, transport " << a.pipeline.transport << ", model "
+    std::cout << "kvferry demo: " << a.pipeline.prefill_instances << " prefill instance(s) of TP "
+              << a.pipeline.prefill_tp << " -> " << a.pipeline.decode_instances
+              << " decode instance(s) of TP " << a.pipeline.decode_tp << ", " << a.requests
+              << " requests, prompts " << a.min_prompt << ".." << a.max_prompt
+              << " tokens, transport " << a.pipeline.transport << ", model "
               << a.pipeline.model.kind << " " << a.pipeline.model.layers << " layers" << std::endl;
   }
   const auto prompts =
@@ -175,6 +177,11 @@ int RunDemo(const DemoArgs& a) {
 }
 
 void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
+  cmd.add_option("--prefill-instances", p.prefill_instances,
+                 "Prefill instances (xPyD); the proxy balances by outstanding requests")
+      ->capture_default_str();
+  cmd.add_option("--decode-instances", p.decode_instances, "Decode instances (xPyD)")
+      ->capture_default_str();
   cmd.add_option("--prefill-tp", p.prefill_tp, "TP size of the prefill instance")
       ->capture_default_str();
   cmd.add_option("--decode-tp", p.decode_tp, "TP size of the decode instance")
@@ -206,10 +213,10 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
                  "every byte is verified by copying it back")
       ->capture_default_str();
   cmd.add_option("--prefill-control", p.prefill_control,
-                 "Control endpoint of a running prefill instance (with --decode-control: drive "
-                 "those instead of starting two here)");
+                 "Control endpoints of running prefill instances, comma-separated (with "
+                 "--decode-control: drive those instead of starting instances here)");
   cmd.add_option("--decode-control", p.decode_control,
-                 "Control endpoint of a running decode instance");
+                 "Control endpoints of running decode instances, comma-separated");
   AddModelOptions(cmd, p.model);
 }
 

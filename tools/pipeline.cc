@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -40,8 +41,9 @@ std::string RandomSecret() {
   return hex;
 }
 
-// The two instances and the proxy's control clients: started here (in a scratch directory with
-// their rank table), or already running (args.prefill_control and decode_control).
+// The instances and the proxy's control clients: started here (in a scratch directory with their
+// rank table: prefill instance i on devices [i * prefill_tp, ...), decode instances after them),
+// or already running (args.prefill_control and decode_control, comma-separated).
 class Deployment {
  public:
   static Result<std::unique_ptr<Deployment>> Start(const PipelineArgs& a) {
@@ -53,46 +55,68 @@ class Deployment {
     std::string secret = env_secret != nullptr ? env_secret : "";
     if (secret.empty() && !d->external_) secret = RandomSecret();
     if (d->external_) {
-      d->prefill_ = std::make_unique<ControlClient>(a.prefill_control, secret);
-      d->decode_ = std::make_unique<ControlClient>(a.decode_control, secret);
+      for (const std::string& e : ParseVisibleDevices(a.prefill_control)) {
+        d->prefill_.push_back(std::make_unique<ControlClient>(e, secret));
+      }
+      for (const std::string& e : ParseVisibleDevices(a.decode_control)) {
+        d->decode_.push_back(std::make_unique<ControlClient>(e, secret));
+      }
       return d;
     }
-    std::vector<int> taken;
-    const int prefill_base = FreeLoopbackPorts(a.prefill_tp, taken);
-    const int decode_base = FreeLoopbackPorts(a.decode_tp, taken);
-    const int prefill_control = FreeLoopbackPorts(1, taken);
-    const int decode_control = FreeLoopbackPorts(1, taken);
-    if (prefill_base == 0 || decode_base == 0 || prefill_control == 0 || decode_control == 0) {
-      return Status::Unavailable("could not find free ports on 127.0.0.1");
+    if (a.prefill_instances < 1 || a.decode_instances < 1 || a.prefill_instances > 16 ||
+        a.decode_instances > 16) {
+      return Status::InvalidArgument("expected 1 to 16 prefill and decode instances, found " +
+                                     std::to_string(a.prefill_instances) + " and " +
+                                     std::to_string(a.decode_instances));
     }
-    // The deployment's rank table: one prefill and one decode instance on this host.
+    // The deployment's rank table: every instance on this host, each on its own devices.
+    const int prefill_devices = a.prefill_instances * a.prefill_tp;
+    const int decode_devices = a.decode_instances * a.decode_tp;
     RankTableGenOptions gen;
     gen.hosts = {"127.0.0.1"};
-    gen.devices_per_host = a.prefill_tp + a.decode_tp;
-    gen.prefill_count = a.prefill_tp;
-    gen.decode_count = a.decode_tp;
+    gen.devices_per_host = prefill_devices + decode_devices;
+    gen.prefill_count = prefill_devices;
+    gen.decode_count = decode_devices;
     KVFERRY_ASSIGN_OR_RETURN(RankTable table, GenerateRankTable(gen));
     d->dir_ = std::filesystem::temp_directory_path() / ("kvferry-demo-" + std::to_string(getpid()));
     std::filesystem::create_directories(d->dir_);
     const std::string table_path = (d->dir_ / "ranktable.json").string();
     std::ofstream(table_path) << table.ToJson();
-    KVFERRY_ASSIGN_OR_RETURN(d->prefill_proc_, Spawn(a, "prefill", a.prefill_tp, prefill_base,
-                                                     prefill_control, table_path, secret));
-    KVFERRY_ASSIGN_OR_RETURN(d->decode_proc_, Spawn(a, "decode", a.decode_tp, decode_base,
-                                                    decode_control, table_path, secret));
-    d->prefill_ = std::make_unique<ControlClient>(
-        "tcp://127.0.0.1:" + std::to_string(prefill_control), secret);
-    d->decode_ = std::make_unique<ControlClient>(
-        "tcp://127.0.0.1:" + std::to_string(decode_control), secret);
+    std::vector<int> taken;
+    for (int role = 0; role < 2; ++role) {
+      const bool prefill = role == 0;
+      const int count = prefill ? a.prefill_instances : a.decode_instances;
+      const int tp = prefill ? a.prefill_tp : a.decode_tp;
+      for (int i = 0; i < count; ++i) {
+        const int base = FreeLoopbackPorts(tp, taken);
+        const int control = FreeLoopbackPorts(1, taken);
+        if (base == 0 || control == 0) {
+          return Status::Unavailable("could not find free ports on 127.0.0.1");
+        }
+        std::string devices;
+        const int first = (prefill ? 0 : prefill_devices) + i * tp;
+        for (int dev = first; dev < first + tp; ++dev) {
+          devices += (devices.empty() ? "" : ",") + std::to_string(dev);
+        }
+        KVFERRY_ASSIGN_OR_RETURN(Subprocess proc, Spawn(a, prefill ? "prefill" : "decode", tp, base,
+                                                        control, table_path, devices, secret));
+        (prefill ? d->prefill_procs_ : d->decode_procs_).push_back(std::move(proc));
+        (prefill ? d->prefill_ : d->decode_)
+            .push_back(std::make_unique<ControlClient>("tcp://127.0.0.1:" + std::to_string(control),
+                                                       secret));
+      }
+    }
     return d;
   }
 
   ~Deployment() {
-    if (!external_ && prefill_proc_ && decode_proc_) {
-      (void)prefill_->Call({{"op", "shutdown"}}, milliseconds(5000));
-      (void)decode_->Call({{"op", "shutdown"}}, milliseconds(5000));
-      (void)prefill_proc_->CloseAndWait(milliseconds(10000));
-      (void)decode_proc_->CloseAndWait(milliseconds(10000));
+    if (!external_) {
+      for (auto* clients : {&prefill_, &decode_}) {
+        for (auto& c : *clients) (void)c->Call({{"op", "shutdown"}}, milliseconds(5000));
+      }
+      for (auto* procs : {&prefill_procs_, &decode_procs_}) {
+        for (Subprocess& p : *procs) (void)p.CloseAndWait(milliseconds(10000));
+      }
     }
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
   }
@@ -100,15 +124,15 @@ class Deployment {
   Deployment& operator=(const Deployment&) = delete;
 
   bool external() const { return external_; }
-  ControlClient& prefill() { return *prefill_; }
-  ControlClient& decode() { return *decode_; }
+  std::vector<std::unique_ptr<ControlClient>>& prefill() { return prefill_; }
+  std::vector<std::unique_ptr<ControlClient>>& decode() { return decode_; }
 
  private:
   Deployment() = default;
 
   static Result<Subprocess> Spawn(const PipelineArgs& a, const char* role, int tp, int base,
                                   int control, const std::string& table_path,
-                                  const std::string& secret) {
+                                  const std::string& devices, const std::string& secret) {
     std::vector<std::string> argv = {SelfExe(),
                                      "serve",
                                      "--role",
@@ -121,6 +145,8 @@ class Deployment {
                                      std::to_string(control),
                                      "--rank-table",
                                      table_path,
+                                     "--visible-devices",
+                                     devices,
                                      "--transport",
                                      a.transport,
                                      "--hold-lease-ms",
@@ -143,15 +169,17 @@ class Deployment {
 
   bool external_ = false;
   std::filesystem::path dir_;
-  std::optional<Subprocess> prefill_proc_;
-  std::optional<Subprocess> decode_proc_;
-  std::unique_ptr<ControlClient> prefill_;  // before the processes end: shutdown goes through it
-  std::unique_ptr<ControlClient> decode_;
+  std::vector<Subprocess> prefill_procs_;
+  std::vector<Subprocess> decode_procs_;
+  // The clients send shutdown before the processes are waited for.
+  std::vector<std::unique_ptr<ControlClient>> prefill_;
+  std::vector<std::unique_ptr<ControlClient>> decode_;
 };
 
 // The proxy's requests: prefill first (asking for remote decode), then decode with the params
-// the prefill instance returned, as disaggregated-serving proxies forward them; client aborts at
-// random moments; a request with no answer within the timeout fails.
+// the prefill instance returned, as disaggregated-serving proxies forward them; each to the
+// instance of its role with the fewest outstanding requests; client aborts at random moments; a
+// request with no answer within the timeout fails.
 class Proxy {
  public:
   Proxy(const PipelineArgs& a, const std::vector<std::vector<std::int32_t>>& prompts, Deployment& d,
@@ -160,6 +188,8 @@ class Proxy {
         prompts_(prompts),
         prefill_(d.prefill()),
         decode_(d.decode()),
+        prefill_load_(d.prefill().size(), 0),
+        decode_load_(d.decode().size(), 0),
         block_bytes_(block_bytes),
         rng_(a.seed),
         request_timeout_(a.request_timeout_ms) {}
@@ -172,11 +202,17 @@ class Proxy {
     while (finished_ < static_cast<int>(prompts_.size()) && Clock::now() < deadline) {
       SubmitUpToConcurrency();
       SendDueAborts();
-      zmq_pollitem_t items[2] = {{prefill_.socket(), 0, ZMQ_POLLIN, 0},
-                                 {decode_.socket(), 0, ZMQ_POLLIN, 0}};
-      zmq_poll(items, 2, 20);
-      while (std::optional<Json> r = prefill_.TryRecv()) OnPrefillAnswer(*r);
-      while (std::optional<Json> r = decode_.TryRecv()) OnDecodeAnswer(*r);
+      std::vector<zmq_pollitem_t> items;
+      for (auto* clients : {&prefill_, &decode_}) {
+        for (auto& c : *clients) items.push_back({c->socket(), 0, ZMQ_POLLIN, 0});
+      }
+      zmq_poll(items.data(), static_cast<int>(items.size()), 20);
+      for (auto& c : prefill_) {
+        while (std::optional<Json> r = c->TryRecv()) OnPrefillAnswer(*r);
+      }
+      for (auto& c : decode_) {
+        while (std::optional<Json> r = c->TryRecv()) OnDecodeAnswer(*r);
+      }
       FailStalled();
       ReportProgress();
     }
@@ -195,6 +231,7 @@ class Proxy {
     Clock::time_point sent;
     Clock::time_point forwarded;  // unset until the prefill answer went on to decode
     AbortAt abort_at = AbortAt::kNone;
+    std::size_t instance = 0;  // of the role the request waits on now
     bool at_decode() const { return forwarded != Clock::time_point{}; }
     // When the answer awaited now was asked for.
     Clock::time_point stage_start() const { return at_decode() ? forwarded : sent; }
@@ -202,13 +239,19 @@ class Proxy {
   struct PendingAbort {
     Clock::time_point due;
     bool decode = false;
+    std::size_t instance = 0;
     std::string id;
   };
   using Iter = std::map<std::string, InFlight>::iterator;
 
   void End(Iter it) {
+    --(it->second.at_decode() ? decode_load_ : prefill_load_)[it->second.instance];
     inflight_.erase(it);
     ++finished_;
+  }
+  // The instance with the fewest outstanding requests; ties go to the lowest index.
+  static std::size_t LeastLoaded(const std::vector<int>& load) {
+    return static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
   }
   std::chrono::microseconds RandomDelay(int max_us) {
     return std::chrono::microseconds(static_cast<std::int64_t>(unit_(rng_) * max_us));
@@ -219,16 +262,18 @@ class Proxy {
       const std::string id = "req-" + std::to_string(next_);
       Json params = ParamsToJson(KvTransferParams{});
       params["do_remote_decode"] = true;
-      (void)prefill_.Send({{"op", "generate"},
-                           {"request_id", id},
-                           {"prompt", prompts_[next_]},
-                           {"kv_transfer_params", params}});
       InFlight f;
+      f.instance = LeastLoaded(prefill_load_);
+      ++prefill_load_[f.instance];
+      (void)prefill_[f.instance]->Send({{"op", "generate"},
+                                        {"request_id", id},
+                                        {"prompt", prompts_[next_]},
+                                        {"kv_transfer_params", params}});
       f.sent = Clock::now();
       if (a_.abort_rate > 0 && unit_(rng_) < a_.abort_rate) {
         f.abort_at = static_cast<AbortAt>(1 + rng_() % 3);
         if (f.abort_at == AbortAt::kPrefill) {
-          aborts_.push_back({Clock::now() + RandomDelay(3000), false, id});
+          aborts_.push_back({Clock::now() + RandomDelay(3000), false, f.instance, id});
         }
       }
       inflight_[id] = f;
@@ -244,7 +289,8 @@ class Proxy {
         ++it;
         continue;
       }
-      (void)(it->decode ? decode_ : prefill_).Send({{"op", "abort"}, {"request_id", it->id}});
+      (void)(it->decode ? decode_ : prefill_)[it->instance]->Send(
+          {{"op", "abort"}, {"request_id", it->id}});
       it = aborts_.erase(it);
     }
   }
@@ -269,15 +315,18 @@ class Proxy {
       End(it);
       return;
     }
+    --prefill_load_[it->second.instance];
     it->second.forwarded = Clock::now();
+    it->second.instance = LeastLoaded(decode_load_);
+    ++decode_load_[it->second.instance];
     if (it->second.abort_at == AbortAt::kDecode) {
-      aborts_.push_back({Clock::now() + RandomDelay(20000), true, id});
+      aborts_.push_back({Clock::now() + RandomDelay(20000), true, it->second.instance, id});
     }
     const auto index = static_cast<std::size_t>(std::stoul(id.substr(4)));
-    (void)decode_.Send({{"op", "generate"},
-                        {"request_id", id},
-                        {"prompt", prompts_[index]},
-                        {"kv_transfer_params", r["kv_transfer_params"]}});
+    (void)decode_[it->second.instance]->Send({{"op", "generate"},
+                                              {"request_id", id},
+                                              {"prompt", prompts_[index]},
+                                              {"kv_transfer_params", r["kv_transfer_params"]}});
   }
 
   void OnDecodeAnswer(const Json& r) {
@@ -337,8 +386,10 @@ class Proxy {
 
   const PipelineArgs& a_;
   const std::vector<std::vector<std::int32_t>>& prompts_;
-  ControlClient& prefill_;
-  ControlClient& decode_;
+  std::vector<std::unique_ptr<ControlClient>>& prefill_;
+  std::vector<std::unique_ptr<ControlClient>>& decode_;
+  std::vector<int> prefill_load_;  // outstanding requests per instance
+  std::vector<int> decode_load_;
   const std::uint64_t block_bytes_;
   std::mt19937 rng_;
   std::uniform_real_distribution<double> unit_{0, 1};
@@ -351,22 +402,47 @@ class Proxy {
   Clock::time_point last_progress_;
 };
 
+// The stats of every instance of a role, numbers summed; the transfer percentiles are the
+// slowest instance's.
+Result<Json> RoleStats(std::vector<std::unique_ptr<ControlClient>>& clients) {
+  Json sum = Json::object();
+  for (auto& c : clients) {
+    KVFERRY_ASSIGN_OR_RETURN(Json s, c->Call({{"op", "stats"}}, milliseconds(5000)));
+    for (auto it = s.begin(); it != s.end(); ++it) {
+      if (!it.value().is_number()) {
+        if (!sum.contains(it.key())) sum[it.key()] = it.value();
+        continue;
+      }
+      const bool slowest = it.key().rfind("transfer_p", 0) == 0 || it.key() == "transfer_max_us";
+      if (!sum.contains(it.key())) {
+        sum[it.key()] = it.value();
+      } else if (slowest) {
+        sum[it.key()] = std::max(sum[it.key()].get<double>(), it.value().get<double>());
+      } else if (it.value().is_number_integer()) {
+        sum[it.key()] = sum[it.key()].get<std::int64_t>() + it.value().get<std::int64_t>();
+      } else {
+        sum[it.key()] = sum[it.key()].get<double>() + it.value().get<double>();
+      }
+    }
+  }
+  return sum;
+}
+
 // Everything must be released: holds end as notices arrive, and those of requests abandoned
 // after prefill when their lease runs out. Fills the end-of-run fields of `out`.
 Status Settle(Deployment& d, const PipelineArgs& a, std::uint64_t bytes_before,
               PipelineResult& out) {
   const Deadline settle = DeadlineAfter(milliseconds(std::max(10000, a.hold_lease_ms + 5000)));
   for (;;) {
-    Result<Json> p = d.prefill().Call({{"op", "stats"}}, milliseconds(5000));
-    Result<Json> dec = d.decode().Call({{"op", "stats"}}, milliseconds(5000));
-    if (!p.ok() || !dec.ok()) return p.ok() ? dec.status() : p.status();
-    out.prefill_end = *p;
-    out.decode_end = *dec;
+    KVFERRY_ASSIGN_OR_RETURN(Json p, RoleStats(d.prefill()));
+    KVFERRY_ASSIGN_OR_RETURN(Json dec, RoleStats(d.decode()));
+    out.prefill_end = p;
+    out.decode_end = dec;
     // A decode instance restarted during the run counts from its own start.
-    const std::uint64_t bytes_end = dec->value("bytes_read", std::uint64_t{0});
+    const std::uint64_t bytes_end = dec.value("bytes_read", std::uint64_t{0});
     out.bytes_moved = bytes_end >= bytes_before ? bytes_end - bytes_before : bytes_end;
-    out.leaked = p->value("holds", 0) != 0 || p->value("used_blocks", 0) != 0 ||
-                 dec->value("used_blocks", 0) != 0 || dec->value("loads_outstanding", 0) != 0;
+    out.leaked = p.value("holds", 0) != 0 || p.value("used_blocks", 0) != 0 ||
+                 dec.value("used_blocks", 0) != 0 || dec.value("loads_outstanding", 0) != 0;
     if (!out.leaked || Clock::now() > settle) return Status::Ok();
     std::this_thread::sleep_for(milliseconds(50));
   }
@@ -396,7 +472,7 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
   // Instances that already ran count from before this run: report this run's bytes only.
   std::uint64_t bytes_before = 0;
   if (d->external()) {
-    Result<Json> s = d->decode().Call({{"op", "stats"}}, milliseconds(5000));
+    Result<Json> s = RoleStats(d->decode());
     if (!s.ok()) return s.status().WithContext("asking " + a.decode_control + " for its stats");
     bytes_before = s->value("bytes_read", std::uint64_t{0});
   }

@@ -16,6 +16,10 @@ namespace kvferry::cli {
 struct PipelineArgs {
   int prefill_tp = 2;
   int decode_tp = 2;
+  /// xPyD: instances of each role, each with its TP ranks and its own devices of the rank table;
+  /// the proxy sends each request to the instance with the fewest outstanding requests.
+  int prefill_instances = 1;
+  int decode_instances = 1;
   ModelArgs model;
   std::string transport = "auto";
   std::vector<std::string> transport_opts;
@@ -31,7 +35,8 @@ struct PipelineArgs {
   /// A request with no answer from an instance in this long fails (a dead instance).
   int request_timeout_ms = 60000;
   std::uint32_t seed = 7;
-  /// Drive instances that already run (kvferry serve) instead of starting two here.
+  /// Drive instances that already run (kvferry serve) instead of starting them here: their
+  /// control endpoints, comma-separated for several.
   std::string prefill_control;
   std::string decode_control;
 };
@@ -59,6 +64,8 @@ struct PipelineResult {
   std::int64_t prefix_hit_blocks = 0;
   std::int64_t recomputed_blocks = 0;
   double wall_s = 0;
+  /// The instances' stats at the end, summed over the instances of each role (the transfer
+  /// percentiles: the slowest decode instance's).
   nlohmann::json prefill_end;
   nlohmann::json decode_end;
   bool leaked = false;

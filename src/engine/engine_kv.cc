@@ -30,7 +30,6 @@ HeldHeads HeadsHeldBy(const CacheSpec& spec, int part) {
   return out;
 }
 
-
 // The value of element d of a row whose seed is `seed`.
 inline std::uint64_t RowValue(std::uint64_t seed, std::int64_t d) {
   return seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
