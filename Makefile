@@ -7,13 +7,14 @@ BUILD       ?= build
 ASAN_BUILD  ?= build-asan
 TSAN_BUILD  ?= build-tsan
 FUZZ_BUILD  ?= build-fuzz
+TSA_BUILD   ?= build-tsa
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS = wire_decode ranktable_parse tcp_frames descriptor_decode
 PREFIX      ?= /usr/local
 CTEST_ARGS  ?=
 SOURCES      = $(shell git ls-files '*.cc' '*.h' 2>/dev/null || find include src tools tests fuzz -name '*.cc' -o -name '*.h')
 
-.PHONY: all deps configure build test test-gpu netns soak asan tsan fuzz format format-check tidy install demo clean
+.PHONY: all deps configure build test test-gpu netns soak asan tsan tsa fuzz format format-check tidy install demo clean
 
 all: build
 
@@ -75,6 +76,16 @@ tsan: deps
 	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$(CURDIR)/tsan.supp" \
 	  ctest --test-dir $(TSAN_BUILD) --output-on-failure -j $(JOBS) -LE "demo|netns|soak" $(CTEST_ARGS)
 
+# Clang's thread-safety analysis (docs/reliability.md, "Checked locking"): the libraries, the CLI
+# and the Python module compiled with clang++ and -Wthread-safety, its findings errors, so a member
+# marked GUARDED_BY read or written without its mutex fails the build. The tests are not built;
+# nothing runs. -Werror=thread-safety is for the Python module, which does not take the project's
+# warning flags (kvferry_warnings, -Werror included, holds for everything else).
+tsa: deps
+	CC=clang CXX=clang++ cmake -S . -B $(TSA_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_BUILD_TESTS=OFF \
+	  -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety"
+	cmake --build $(TSA_BUILD) -j $(JOBS)
+
 # libFuzzer targets built with clang, each run for FUZZ_SECONDS from the committed seeds.
 # A crash leaves its input in $(FUZZ_BUILD)/findings/ and fails the target.
 fuzz: deps
@@ -107,4 +118,4 @@ demo: build
 	$(BUILD)/kvferry demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD) $(TSA_BUILD)

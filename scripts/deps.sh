@@ -5,7 +5,7 @@ set -euo pipefail
 
 PACKAGES=(
   g++ make cmake pkg-config            # toolchain
-  clang libclang-rt-14-dev             # libFuzzer targets (make fuzz)
+  clang libclang-rt-14-dev             # libFuzzer targets (make fuzz), make tsa
   clang-format clang-tidy              # make format-check, make tidy
   libssl-dev                           # SHA-256, HMAC
   libspdlog-dev libfmt-dev             # logging

@@ -18,18 +18,18 @@ WorkQueue::WorkQueue(int threads, const std::string& name, std::size_t capacity,
 WorkQueue::~WorkQueue() {
   std::deque<std::function<void()>> dropped;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
     if (on_stop_ == OnStop::kDrop) dropped.swap(tasks_);
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   for (std::thread& t : threads_) t.join();
   // `dropped` is destroyed here, after the threads, without running.
 }
 
 Status WorkQueue::TryPost(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stopping_) return Status::Cancelled("the work queue is shutting down");
     if (tasks_.size() >= capacity_) {
       return Status::ResourceExhausted(std::to_string(tasks_.size()) +
@@ -37,20 +37,20 @@ Status WorkQueue::TryPost(std::function<void()> task) {
     }
     tasks_.push_back(std::move(task));
   }
-  cv_.notify_one();
+  cv_.Signal();
   return Status::Ok();
 }
 
 void WorkQueue::Post(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     tasks_.push_back(std::move(task));
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 std::size_t WorkQueue::queued() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return tasks_.size();
 }
 
@@ -58,8 +58,8 @@ void WorkQueue::Run() {
   for (;;) {
     std::function<void()> task;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+      MutexLock lock(mu_);
+      while (!stopping_ && tasks_.empty()) cv_.Wait(mu_);
       if (tasks_.empty()) return;  // stopping and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();

@@ -1,15 +1,14 @@
 // A fixed pool of threads running queued tasks in order of submission, with a bounded queue.
 #pragma once
 
-#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "kvferry/status.h"
 
 namespace kvferry {
@@ -33,22 +32,22 @@ class WorkQueue {
 
   /// Queues `task`; ResourceExhausted (and the task is not run) when `capacity` tasks are queued
   /// already, Cancelled once the queue is being destroyed.
-  Status TryPost(std::function<void()> task);
+  Status TryPost(std::function<void()> task) EXCLUDES(mu_);
   /// Queues `task` past the capacity, for callers whose own caps already bound how many tasks
   /// they queue (a batch's units, the listener's pending handlers).
-  void Post(std::function<void()> task);
+  void Post(std::function<void()> task) EXCLUDES(mu_);
 
-  std::size_t queued() const;
+  std::size_t queued() const EXCLUDES(mu_);
 
  private:
-  void Run();
+  void Run() EXCLUDES(mu_);
 
   const std::size_t capacity_;
   const OnStop on_stop_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;  // guarded by mu_
-  bool stopping_ = false;                    // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> tasks_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
 

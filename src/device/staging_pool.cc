@@ -40,10 +40,9 @@ Result<std::unique_ptr<StagingPool>> StagingPool::Create(Device& device, std::ui
 StagingPool::~StagingPool() = default;
 
 Result<StagingLease> StagingPool::Acquire(Deadline deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   while (idle_.empty() && allocated_ >= max_buffers_) {
-    if (returned_.wait_until(lock, deadline) == std::cv_status::timeout && idle_.empty() &&
-        allocated_ >= max_buffers_) {
+    if (returned_.WaitUntil(mu_, deadline) && idle_.empty() && allocated_ >= max_buffers_) {
       return Status::Timeout("staging pool: all " + std::to_string(max_buffers_) + " buffers of " +
                              std::to_string(buffer_bytes_) +
                              " bytes stayed leased until the deadline; raise the bound or the "
@@ -56,28 +55,28 @@ Result<StagingLease> StagingPool::Acquire(Deadline deadline) {
     return StagingLease(this, std::move(buffer));
   }
   ++allocated_;  // reserve the slot, then allocate without holding the lock
-  lock.unlock();
+  lock.Unlock();
   auto buffer = device_.AllocatePinned(buffer_bytes_);
   if (!buffer.ok()) {
-    lock.lock();
+    lock.Lock();
     --allocated_;
-    returned_.notify_one();
+    returned_.Signal();
     return buffer.status().WithContext("staging pool");
   }
   return StagingLease(this, std::move(buffer).value());
 }
 
 std::uint64_t StagingPool::allocated_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return std::uint64_t{allocated_} * buffer_bytes_;
 }
 
 void StagingPool::Return(std::unique_ptr<PinnedBuffer> buffer) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     idle_.push_back(std::move(buffer));
   }
-  returned_.notify_one();
+  returned_.Signal();
 }
 
 }  // namespace kvferry::device

@@ -2,12 +2,11 @@
 // memory (tcp, or IPC that cannot be used).
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "common/mutex.h"
 #include "device/device.h"
 
 namespace kvferry::device {
@@ -50,26 +49,26 @@ class StagingPool {
 
   /// A buffer, waiting until one is returned if all are leased. Timeout when `deadline` passes
   /// first; the device's error when allocating a new buffer fails.
-  Result<StagingLease> Acquire(Deadline deadline);
+  Result<StagingLease> Acquire(Deadline deadline) EXCLUDES(mu_);
 
   std::uint64_t buffer_bytes() const { return buffer_bytes_; }
   std::uint32_t max_buffers() const { return max_buffers_; }
   /// Bytes of pinned memory the pool holds now (leased or idle); never above the bound.
-  std::uint64_t allocated_bytes() const;
+  std::uint64_t allocated_bytes() const EXCLUDES(mu_);
 
  private:
   friend class StagingLease;
   StagingPool(Device& device, std::uint64_t buffer_bytes, std::uint32_t max_buffers)
       : device_(device), buffer_bytes_(buffer_bytes), max_buffers_(max_buffers) {}
-  void Return(std::unique_ptr<PinnedBuffer> buffer);
+  void Return(std::unique_ptr<PinnedBuffer> buffer) EXCLUDES(mu_);
 
   Device& device_;
   const std::uint64_t buffer_bytes_;
   const std::uint32_t max_buffers_;
-  mutable std::mutex mu_;
-  std::condition_variable returned_;
-  std::vector<std::unique_ptr<PinnedBuffer>> idle_;  // guarded by mu_
-  std::uint32_t allocated_ = 0;                      // guarded by mu_: idle + leased
+  mutable Mutex mu_;
+  CondVar returned_;
+  std::vector<std::unique_ptr<PinnedBuffer>> idle_ GUARDED_BY(mu_);
+  std::uint32_t allocated_ GUARDED_BY(mu_) = 0;  // idle + leased
 };
 
 }  // namespace kvferry::device

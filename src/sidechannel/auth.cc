@@ -103,7 +103,7 @@ std::optional<AuthNonce> RequestNonceOf(std::span<const std::uint8_t> header) {
 
 bool ReplayGuard::Accept(const AuthHeader& header) {
   std::pair<std::uint64_t, AuthNonce> key{header.timestamp_ms, header.nonce};
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const std::uint64_t now = UnixMillis();
   const auto window = static_cast<std::uint64_t>(window_.count());
   while (!seen_.empty() && seen_.begin()->first + 2 * window < now) seen_.erase(seen_.begin());
@@ -124,12 +124,12 @@ bool ReplayGuard::Accept(const AuthHeader& header) {
 }
 
 std::size_t ReplayGuard::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return seen_.size();
 }
 
 std::uint64_t ReplayGuard::low_water_ms() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return low_water_ms_;
 }
 

@@ -6,7 +6,6 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <span>
@@ -15,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "kvferry/status.h"
 
 namespace kvferry::sidechannel {
@@ -80,21 +80,21 @@ class ReplayGuard {
       : window_(window), capacity_(capacity > 0 ? capacity : 1) {}
   /// True if the message is new (and records it); false for a replay, or for a message not newer
   /// than the low-water mark.
-  bool Accept(const AuthHeader& header);
+  bool Accept(const AuthHeader& header) EXCLUDES(mu_);
   /// Headers remembered now.
-  std::size_t size() const;
+  std::size_t size() const EXCLUDES(mu_);
   std::size_t capacity() const { return capacity_; }
   /// Messages with timestamps at or below this are refused (0: nothing was forgotten early).
-  std::uint64_t low_water_ms() const;
+  std::uint64_t low_water_ms() const EXCLUDES(mu_);
 
  private:
   std::chrono::milliseconds window_;
   std::size_t capacity_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   // By timestamp, so the oldest is forgotten first. A replay repeats the header exactly (the MAC
   // covers both fields), so the pair identifies it.
-  std::set<std::pair<std::uint64_t, AuthNonce>> seen_;  // guarded by mu_
-  std::uint64_t low_water_ms_ = 0;                      // guarded by mu_
+  std::set<std::pair<std::uint64_t, AuthNonce>> seen_ GUARDED_BY(mu_);
+  std::uint64_t low_water_ms_ GUARDED_BY(mu_) = 0;
 };
 
 std::uint64_t UnixMillis();

@@ -9,7 +9,7 @@ namespace kvferry::sidechannel {
 
 Result<ZmqSocket> Client::Acquire(const std::string& endpoint) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = idle_.find(endpoint);
     if (it != idle_.end() && !it->second.sockets.empty()) {
       ZmqSocket s = std::move(it->second.sockets.back());
@@ -35,7 +35,7 @@ Result<ZmqSocket> Client::Acquire(const std::string& endpoint) {
 
 void Client::Return(const std::string& endpoint, ZmqSocket socket) {
   std::vector<ZmqSocket> closing;  // closed after the lock is released
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = idle_.find(endpoint);
   if (it == idle_.end()) {
     if (options_.max_idle_endpoints == 0) return;
@@ -129,7 +129,7 @@ Result<wire::Message> Client::Call(const std::string& endpoint, const wire::Mess
 
 ClientStats Client::Stats() {
   ClientStats s{calls_.load(), retries_.load(), failures_.load(), 0, 0};
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   s.idle_endpoints = idle_.size();
   for (const auto& [endpoint, pool] : idle_) s.idle_sockets += pool.sockets.size();
   return s;

@@ -5,10 +5,10 @@
 #include <atomic>
 #include <chrono>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "kvferry/transport.h"
 #include "sidechannel/zmq_util.h"
 #include "wire/messages.h"
@@ -48,21 +48,21 @@ class Client {
   /// error reply from the peer becomes that error's Status; no reply by `deadline` is Timeout; a
   /// peer that cannot be reached is Unavailable.
   Result<wire::Message> Call(const std::string& endpoint, const wire::Message& request,
-                             Deadline deadline);
-  ClientStats Stats();
+                             Deadline deadline) EXCLUDES(mu_);
+  ClientStats Stats() EXCLUDES(mu_);
 
  private:
-  Result<ZmqSocket> Acquire(const std::string& endpoint);
-  void Return(const std::string& endpoint, ZmqSocket socket);
+  Result<ZmqSocket> Acquire(const std::string& endpoint) EXCLUDES(mu_);
+  void Return(const std::string& endpoint, ZmqSocket socket) EXCLUDES(mu_);
 
   const ClientOptions options_;
-  std::mutex mu_;
+  Mutex mu_;
   struct Pool {
     std::vector<ZmqSocket> sockets;
     std::uint64_t last_used = 0;  // a tick of use_clock_, for LRU eviction
   };
-  std::map<std::string, Pool> idle_;  // guarded by mu_
-  std::uint64_t use_clock_ = 0;       // guarded by mu_
+  std::map<std::string, Pool> idle_ GUARDED_BY(mu_);
+  std::uint64_t use_clock_ GUARDED_BY(mu_) = 0;
   std::atomic<std::uint64_t> calls_{0};
   std::atomic<std::uint64_t> retries_{0};
   std::atomic<std::uint64_t> failures_{0};

@@ -102,7 +102,7 @@ void Listener::Run() {
       if (stopping_.load()) return;
       std::deque<Outgoing> out;
       {
-        std::lock_guard<std::mutex> lock(out_mu_);
+        MutexLock lock(out_mu_);
         out.swap(outbox_);
       }
       for (const Outgoing& o : out) Send(o);
@@ -211,7 +211,7 @@ void Listener::Send(const Outgoing& out) {
 
 void Listener::Post(Outgoing out) {
   {
-    std::lock_guard<std::mutex> lock(out_mu_);
+    MutexLock lock(out_mu_);
     outbox_.push_back(std::move(out));
   }
   const std::uint64_t one = 1;

@@ -10,11 +10,11 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "common/log.h"
+#include "common/mutex.h"
 #include "common/work_queue.h"
 #include "kvferry/status.h"
 #include "sidechannel/auth.h"
@@ -81,12 +81,12 @@ class Listener {
 
   Listener(ListenerOptions options, RequestHandler handler, ZmqSocket router, int wake,
            std::string endpoint);
-  void Run();
+  void Run() EXCLUDES(out_mu_);
   void HandleIncoming();
   void Refuse(const std::vector<std::uint8_t>& identity, const AuthNonce& nonce,
               const Status& status, std::atomic<std::uint64_t>* counter);
   void Send(const Outgoing& out);
-  void Post(Outgoing out);
+  void Post(Outgoing out) EXCLUDES(out_mu_);
 
   const ListenerOptions options_;
   RequestHandler handler_;
@@ -104,8 +104,8 @@ class Listener {
   std::atomic<std::uint64_t> overloaded_{0};
   RateLimitedCounter log_limit_;
 
-  std::mutex out_mu_;
-  std::deque<Outgoing> outbox_;  // guarded by out_mu_
+  Mutex out_mu_;
+  std::deque<Outgoing> outbox_ GUARDED_BY(out_mu_);
 
   std::unique_ptr<WorkQueue> handlers_;
   std::thread thread_;

@@ -21,10 +21,10 @@ FinishedNotifier::FinishedNotifier(Client* client, wire::PeerRef self, std::uint
 FinishedNotifier::~FinishedNotifier() {
   Flush();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
   senders_.reset();
 }
@@ -32,32 +32,32 @@ FinishedNotifier::~FinishedNotifier() {
 void FinishedNotifier::Finished(const std::string& endpoint, std::string request_id,
                                 Deadline deadline) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     Pending& p = pending_[endpoint];
     if (p.ids.empty()) p.first = Clock::now();
     p.ids.push_back(std::move(request_id));
     p.deadline = std::min(p.deadline, deadline);
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void FinishedNotifier::Flush() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   flush_ = true;
-  cv_.notify_all();
-  cv_.wait(lock, [&] { return pending_.empty() && in_flight_ == 0; });
+  cv_.SignalAll();
+  while (!pending_.empty() || in_flight_ != 0) cv_.Wait(mu_);
   flush_ = false;
 }
 
 std::uint64_t FinishedNotifier::batches_sent() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return batches_;
 }
 
 void FinishedNotifier::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+    while (!stopping_ && pending_.empty()) cv_.Wait(mu_);
     if (stopping_ && pending_.empty()) return;
     // Wait out the linger of the oldest notice, unless a flush or a full batch asks for now.
     Clock::time_point due = Clock::time_point::max();
@@ -67,15 +67,15 @@ void FinishedNotifier::Run() {
       full = full || p.ids.size() >= options_.max_batch;
     }
     if (!flush_ && !stopping_ && !full && Clock::now() < due) {
-      cv_.wait_until(lock, due);
+      cv_.WaitUntil(mu_, due);
       continue;
     }
     std::map<std::string, Pending> batch;
     batch.swap(pending_);
     in_flight_ += static_cast<int>(batch.size());
-    lock.unlock();
+    lock.Unlock();
     SendAll(std::move(batch));
-    lock.lock();
+    lock.Lock();
   }
 }
 
@@ -94,14 +94,14 @@ void FinishedNotifier::SendAll(std::map<std::string, Pending>&& batch) {
                                wire::MessageTypeName(*reply) + "'");
         }
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           ++batches_;
         }
         if (done_) done_(endpoint, ids, s);
       }
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       --in_flight_;
-      cv_.notify_all();
+      cv_.SignalAll();
     });
   }
 }

@@ -3,15 +3,14 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/work_queue.h"
 #include "sidechannel/client.h"
 
@@ -42,11 +41,12 @@ class FinishedNotifier {
   FinishedNotifier& operator=(const FinishedNotifier&) = delete;
 
   /// Queues a notice that this worker finished reading `request_id` from `endpoint`.
-  void Finished(const std::string& endpoint, std::string request_id, Deadline deadline);
+  void Finished(const std::string& endpoint, std::string request_id, Deadline deadline)
+      EXCLUDES(mu_);
   /// Sends everything queued now and returns once all of it has been answered or has failed.
-  void Flush();
+  void Flush() EXCLUDES(mu_);
 
-  std::uint64_t batches_sent() const;
+  std::uint64_t batches_sent() const EXCLUDES(mu_);
 
  private:
   struct Pending {
@@ -54,8 +54,8 @@ class FinishedNotifier {
     Deadline deadline = Deadline::max();
     Clock::time_point first = Clock::now();
   };
-  void Run();
-  void SendAll(std::map<std::string, Pending>&& batch);
+  void Run() EXCLUDES(mu_);
+  void SendAll(std::map<std::string, Pending>&& batch) EXCLUDES(mu_);
 
   Client* client_;
   const wire::PeerRef self_;
@@ -64,13 +64,13 @@ class FinishedNotifier {
   Callback done_;
   std::unique_ptr<WorkQueue> senders_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, Pending> pending_;  // guarded by mu_
-  int in_flight_ = 0;                       // guarded by mu_
-  bool flush_ = false;                      // guarded by mu_
-  bool stopping_ = false;                   // guarded by mu_
-  std::uint64_t batches_ = 0;               // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::map<std::string, Pending> pending_ GUARDED_BY(mu_);
+  int in_flight_ GUARDED_BY(mu_) = 0;
+  bool flush_ GUARDED_BY(mu_) = false;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::uint64_t batches_ GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };
 

@@ -17,28 +17,28 @@ Batch::Batch(BatchId id, Deadline deadline, std::vector<RegionPin> pins,
 }
 
 void Batch::AddUnit() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ++outstanding_;
 }
 
 void Batch::Seal() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   sealed_ = true;
-  MaybeEnd(std::move(lock));
+  MaybeEnd();
 }
 
 void Batch::UnitDone(const Status& status, std::uint64_t bytes) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   bytes_ += bytes;
   if (!status.ok()) {
     if (first_error_.ok() && !cancelled_) first_error_ = status;
     stop_.store(true, std::memory_order_release);
   }
   --outstanding_;
-  MaybeEnd(std::move(lock));
+  MaybeEnd();
 }
 
-void Batch::MaybeEnd(std::unique_lock<std::mutex> lock) {
+void Batch::MaybeEnd() {
   if (!sealed_ || outstanding_ > 0 || ended_) return;
   ended_ = true;
   if (cancelled_) {
@@ -53,12 +53,12 @@ void Batch::MaybeEnd(std::unique_lock<std::mutex> lock) {
   const std::uint64_t total = bytes_;
   std::vector<RegionPin> release = std::move(pins_);
   // Run on_end_ before waking waiters, so stats are current when Wait returns.
-  lock.unlock();
+  mu_.unlock();
   release.clear();
   if (on_end_) on_end_(result, total);
-  lock.lock();
+  mu_.lock();
   announced_ = true;
-  ended_cv_.notify_all();
+  ended_cv_.SignalAll();
 }
 
 bool Batch::ShouldStop() const {
@@ -66,7 +66,7 @@ bool Batch::ShouldStop() const {
 }
 
 Status Batch::StopStatus() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (cancelled_) return Status::Cancelled("batch " + std::to_string(id_) + " was cancelled");
   if (!first_error_.ok()) return first_error_;
   return Status::Timeout("batch " + std::to_string(id_) +
@@ -75,7 +75,7 @@ Status Batch::StopStatus() const {
 }
 
 void Batch::StopWith(const Status& status) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!ended_) {
     if (status.code() == StatusCode::kCancelled) {
       if (first_error_.ok()) cancelled_ = true;
@@ -84,7 +84,7 @@ void Batch::StopWith(const Status& status) {
     }
   }
   stop_.store(true, std::memory_order_release);
-  ended_cv_.wait(lock, [&] { return announced_; });
+  while (!announced_) ended_cv_.Wait(mu_);
 }
 
 void Batch::Cancel() { StopWith(Status::Cancelled("cancelled")); }
@@ -92,7 +92,7 @@ void Batch::Cancel() { StopWith(Status::Cancelled("cancelled")); }
 void Batch::Fail(const Status& status) { StopWith(status); }
 
 bool Batch::PinsRegion(RegionId id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (const RegionPin& p : pins_) {
     if (p.region() == id) return true;
   }
@@ -100,14 +100,16 @@ bool Batch::PinsRegion(RegionId id) const {
 }
 
 BatchResult Batch::Current() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!announced_) return {};
   return result_;
 }
 
 BatchResult Batch::WaitEnd(Deadline deadline) const {
-  std::unique_lock<std::mutex> lock(mu_);
-  ended_cv_.wait_until(lock, deadline, [&] { return announced_; });
+  MutexLock lock(mu_);
+  while (!announced_) {
+    if (ended_cv_.WaitUntil(mu_, deadline)) break;  // timed out
+  }
   if (!announced_) return {};
   return result_;
 }

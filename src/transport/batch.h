@@ -4,12 +4,11 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <vector>
 
+#include "common/mutex.h"
 #include "kvferry/transport.h"
 #include "transport/region_registry.h"
 
@@ -25,21 +24,21 @@ class Batch {
   Deadline deadline() const { return deadline_; }
 
   /// Backends call AddUnit once per unit before starting it, then Seal once all are added.
-  void AddUnit();
-  void Seal();
+  void AddUnit() EXCLUDES(mu_);
+  void Seal() EXCLUDES(mu_);
   /// A unit finished; `status` is OK if all its bytes arrived.
-  void UnitDone(const Status& status, std::uint64_t bytes);
+  void UnitDone(const Status& status, std::uint64_t bytes) EXCLUDES(mu_);
 
   /// True once units should stop early: cancelled, another unit failed, or the deadline passed.
   bool ShouldStop() const;
   /// The status a unit that stops early reports.
-  Status StopStatus() const;
+  Status StopStatus() const EXCLUDES(mu_);
 
   /// Asks the units to stop and waits until they all have; the batch then ends as cancelled
   /// unless it had already ended.
-  void Cancel();
+  void Cancel() EXCLUDES(mu_);
   /// Fails the batch with `status` (for example the peer died) and waits as Cancel does.
-  void Fail(const Status& status);
+  void Fail(const Status& status) EXCLUDES(mu_);
 
   /// The memory kind of the local region read `op` (in SubmitReads order) lands in; host for a
   /// batch made without pins (tests).
@@ -50,14 +49,16 @@ class Batch {
   bool local_all_host() const { return local_all_host_; }
 
   /// True while the batch runs and one of its reads lands in region `id`.
-  bool PinsRegion(RegionId id) const;
+  bool PinsRegion(RegionId id) const EXCLUDES(mu_);
 
-  BatchResult Current() const;
-  BatchResult WaitEnd(Deadline deadline) const;
+  BatchResult Current() const EXCLUDES(mu_);
+  BatchResult WaitEnd(Deadline deadline) const EXCLUDES(mu_);
 
  private:
-  void StopWith(const Status& status);
-  void MaybeEnd(std::unique_lock<std::mutex> lock);
+  void StopWith(const Status& status) EXCLUDES(mu_);
+  // Ends the batch if it is sealed and its last unit finished. Called with mu_ held; releases it
+  // while the pins are dropped and on_end_ runs, and holds it again on return.
+  void MaybeEnd() REQUIRES(mu_);
 
   const BatchId id_;
   const Deadline deadline_;
@@ -65,18 +66,18 @@ class Batch {
   bool local_all_host_ = true;
   std::function<void(const BatchResult&, std::uint64_t)> on_end_;
 
-  mutable std::mutex mu_;
-  mutable std::condition_variable ended_cv_;
+  mutable Mutex mu_;
+  mutable CondVar ended_cv_;
   std::atomic<bool> stop_{false};
-  int outstanding_ = 0;          // guarded by mu_
-  bool sealed_ = false;          // guarded by mu_
-  bool ended_ = false;           // outcome decided; guarded by mu_
-  bool announced_ = false;       // outcome visible to waiters, after on_end_; guarded by mu_
-  bool cancelled_ = false;       // guarded by mu_
-  Status first_error_;           // guarded by mu_
-  std::uint64_t bytes_ = 0;      // guarded by mu_
-  BatchResult result_;           // guarded by mu_
-  std::vector<RegionPin> pins_;  // released when the batch ends; guarded by mu_
+  int outstanding_ GUARDED_BY(mu_) = 0;
+  bool sealed_ GUARDED_BY(mu_) = false;
+  bool ended_ GUARDED_BY(mu_) = false;      // outcome decided
+  bool announced_ GUARDED_BY(mu_) = false;  // outcome visible to waiters, after on_end_
+  bool cancelled_ GUARDED_BY(mu_) = false;
+  Status first_error_ GUARDED_BY(mu_);
+  std::uint64_t bytes_ GUARDED_BY(mu_) = 0;
+  BatchResult result_ GUARDED_BY(mu_);
+  std::vector<RegionPin> pins_ GUARDED_BY(mu_);  // released when the batch ends
 };
 
 }  // namespace kvferry

@@ -6,12 +6,12 @@
 namespace kvferry {
 
 void FaultInjectingTransport::AddRule(FaultRule rule) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   rules_.push_back(std::make_unique<FaultRule>(std::move(rule)));
 }
 
 std::uint64_t FaultInjectingTransport::faults_injected() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return injected_;
 }
 
@@ -19,7 +19,7 @@ Result<BatchId> FaultInjectingTransport::SubmitReads(PeerId peer, std::vector<Re
                                                      Deadline deadline) {
   const FaultRule* rule = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     const std::uint64_t seq = seq_++;
     for (const auto& r : rules_) {
       if (r->match && r->match(seq, peer)) {
@@ -38,7 +38,7 @@ Result<BatchId> FaultInjectingTransport::SubmitReads(PeerId peer, std::vector<Re
     KVFERRY_ASSIGN_OR_RETURN(BatchId inner, inner_->SubmitReads(peer, std::move(ops), deadline));
     e.inner = inner;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const BatchId id = next_++;
   batches_[id] = e;
   return id;
@@ -72,7 +72,7 @@ BatchResult FaultInjectingTransport::Shape(const Entry& e, BatchResult r) const 
 }
 
 std::optional<FaultInjectingTransport::Entry> FaultInjectingTransport::Find(BatchId batch) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = batches_.find(batch);
   if (it == batches_.end()) return std::nullopt;
   return it->second;
@@ -114,7 +114,7 @@ BatchResult FaultInjectingTransport::Wait(BatchId batch, Deadline deadline) {
 void FaultInjectingTransport::Cancel(BatchId batch) {
   std::optional<BatchId> inner;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = batches_.find(batch);
     if (it == batches_.end()) return;
     inner = it->second.inner;
@@ -125,7 +125,7 @@ void FaultInjectingTransport::Cancel(BatchId batch) {
 
 void FaultInjectingTransport::Disconnect(PeerId peer) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     ++disconnects_;
     for (auto& [id, e] : batches_) {
       if (e.peer == peer) e.cancelled = true;  // a held batch was running: it is cancelled
@@ -135,14 +135,14 @@ void FaultInjectingTransport::Disconnect(PeerId peer) {
 }
 
 std::uint64_t FaultInjectingTransport::disconnects() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return disconnects_;
 }
 
 void FaultInjectingTransport::Release(BatchId batch) {
   std::optional<BatchId> inner;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = batches_.find(batch);
     if (it == batches_.end()) return;
     inner = it->second.inner;

@@ -8,10 +8,10 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <vector>
 
+#include "common/mutex.h"
 #include "kvferry/transport.h"
 
 namespace kvferry {
@@ -48,9 +48,9 @@ class FaultInjectingTransport final : public Transport {
  public:
   explicit FaultInjectingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
 
-  void AddRule(FaultRule rule);
+  void AddRule(FaultRule rule) EXCLUDES(mu_);
   /// How many batches a rule has been applied to.
-  std::uint64_t faults_injected() const;
+  std::uint64_t faults_injected() const EXCLUDES(mu_);
 
   using Transport::RegisterMemory;
   Status RegisterMemory(RegionId id, void* addr, std::size_t length, MemoryKind kind) override {
@@ -61,16 +61,17 @@ class FaultInjectingTransport final : public Transport {
   Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) override {
     return inner_->Connect(descriptor, deadline);
   }
-  void Disconnect(PeerId peer) override;
+  void Disconnect(PeerId peer) override EXCLUDES(mu_);
   /// How many times Disconnect was called; tests check that a fault did or did not take a peer
   /// down.
-  std::uint64_t disconnects() const;
+  std::uint64_t disconnects() const EXCLUDES(mu_);
   Result<std::string> PeerBackend(PeerId peer) override { return inner_->PeerBackend(peer); }
-  Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) override;
-  BatchResult Poll(BatchId batch) override;
-  BatchResult Wait(BatchId batch, Deadline deadline) override;
-  void Cancel(BatchId batch) override;
-  void Release(BatchId batch) override;
+  Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) override
+      EXCLUDES(mu_);
+  BatchResult Poll(BatchId batch) override EXCLUDES(mu_);
+  BatchResult Wait(BatchId batch, Deadline deadline) override EXCLUDES(mu_);
+  void Cancel(BatchId batch) override EXCLUDES(mu_);
+  void Release(BatchId batch) override EXCLUDES(mu_);
   TransportStats Stats() override { return inner_->Stats(); }
 
  private:
@@ -83,17 +84,17 @@ class FaultInjectingTransport final : public Transport {
     bool cancelled = false;  // kHold: ended by Cancel or Disconnect
   };
   BatchResult Shape(const Entry& e, BatchResult inner_result) const;
-  std::optional<Entry> Find(BatchId batch) const;
+  std::optional<Entry> Find(BatchId batch) const EXCLUDES(mu_);
   static BatchResult Unknown(BatchId batch);
 
   std::unique_ptr<Transport> inner_;
-  mutable std::mutex mu_;
-  std::vector<std::unique_ptr<FaultRule>> rules_;  // guarded by mu_
-  std::map<BatchId, Entry> batches_;               // guarded by mu_
-  BatchId next_ = 1;                               // guarded by mu_
-  std::uint64_t seq_ = 0;                          // guarded by mu_
-  std::uint64_t injected_ = 0;                     // guarded by mu_
-  std::uint64_t disconnects_ = 0;                  // guarded by mu_
+  mutable Mutex mu_;
+  std::vector<std::unique_ptr<FaultRule>> rules_ GUARDED_BY(mu_);
+  std::map<BatchId, Entry> batches_ GUARDED_BY(mu_);
+  BatchId next_ GUARDED_BY(mu_) = 1;
+  std::uint64_t seq_ GUARDED_BY(mu_) = 0;
+  std::uint64_t injected_ GUARDED_BY(mu_) = 0;
+  std::uint64_t disconnects_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvferry

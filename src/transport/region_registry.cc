@@ -28,7 +28,7 @@ Status RegionRegistry::Add(RegionId id, void* addr, std::size_t length, MemoryKi
   if (begin + length < begin) {
     return Status::InvalidArgument("region " + std::to_string(id) + " wraps the address space");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (regions_.count(id) != 0) {
     return Status::InvalidArgument("region id " + std::to_string(id) +
                                    " is already registered; deregister it first");
@@ -53,7 +53,7 @@ Status RegionRegistry::Add(RegionId id, void* addr, std::size_t length, MemoryKi
 }
 
 Status RegionRegistry::Remove(RegionId id, const std::function<void(RegionId)>& revoke) {
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   auto it = regions_.find(id);
   if (it == regions_.end() || it->second.removing) {
     return Status::NotFound("region " + std::to_string(id) + " is not registered");
@@ -61,19 +61,19 @@ Status RegionRegistry::Remove(RegionId id, const std::function<void(RegionId)>& 
   it->second.removing = true;
   by_addr_.erase(reinterpret_cast<std::uintptr_t>(it->second.info.addr));
   if (revoke) {
-    lock.unlock();
+    lock.Unlock();
     revoke(id);
-    lock.lock();
+    lock.Lock();
   }
   // Pins are held by reads; `revoke` ends them early, and every read ends by its batch's
   // deadline in any case, so this wait ends.
-  unpinned_.wait(lock, [&] { return regions_.at(id).pins == 0; });
+  while (regions_.at(id).pins != 0) unpinned_.Wait(mu_);
   regions_.erase(id);
   return Status::Ok();
 }
 
 std::vector<RegionInfo> RegionRegistry::List() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<RegionInfo> out;
   for (const auto& [id, e] : regions_) {
     if (!e.removing) out.push_back(e.info);
@@ -83,7 +83,7 @@ std::vector<RegionInfo> RegionRegistry::List() const {
 
 Result<RegionPin> RegionRegistry::PinLocal(const std::byte* p, std::uint64_t length) {
   const auto begin = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = by_addr_.upper_bound(begin);
   if (it != by_addr_.begin()) {
     --it;
@@ -103,7 +103,7 @@ Result<std::byte*> RegionRegistry::PinRange(RegionId id, std::uint64_t offset, s
   std::byte* where = nullptr;
   const MemoryKind* kind = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = regions_.find(id);
     if (it == regions_.end() || it->second.removing) {
       return Status::InvalidArgument("region " + std::to_string(id) + " is not registered here");
@@ -125,9 +125,9 @@ Result<std::byte*> RegionRegistry::PinRange(RegionId id, std::uint64_t offset, s
 }
 
 void RegionRegistry::Unpin(RegionId id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = regions_.find(id);
-  if (it != regions_.end() && --it->second.pins == 0) unpinned_.notify_all();
+  if (it != regions_.end() && --it->second.pins == 0) unpinned_.SignalAll();
 }
 
 }  // namespace kvferry

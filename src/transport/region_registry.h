@@ -2,15 +2,14 @@
 // registered while a read serves from it or lands in it.
 #pragma once
 
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "common/mutex.h"
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
 
@@ -55,19 +54,20 @@ class RegionPin {
 /// Thread-safe.
 class RegionRegistry {
  public:
-  Status Add(RegionId id, void* addr, std::size_t length, MemoryKind kind = MemoryKind::Host());
+  Status Add(RegionId id, void* addr, std::size_t length, MemoryKind kind = MemoryKind::Host())
+      EXCLUDES(mu_);
   /// Unlists the region at once (new pins fail), calls `revoke(id)` (without the registry's
   /// lock) so that the holders of its pins can end their reads early, then waits until its pins
   /// are gone. The wait is as long as the slowest holder takes to react to `revoke`.
-  Status Remove(RegionId id, const std::function<void(RegionId)>& revoke = nullptr);
-  std::vector<RegionInfo> List() const;
+  Status Remove(RegionId id, const std::function<void(RegionId)>& revoke = nullptr) EXCLUDES(mu_);
+  std::vector<RegionInfo> List() const EXCLUDES(mu_);
 
   /// Pins the region that contains [p, p + length) entirely; InvalidArgument if none does.
-  Result<RegionPin> PinLocal(const std::byte* p, std::uint64_t length);
+  Result<RegionPin> PinLocal(const std::byte* p, std::uint64_t length) EXCLUDES(mu_);
   /// Pins region `id` for a read of [offset, offset + length); returns where those bytes are.
   /// `*pin` receives the pin (one it held before is dropped); it is left as it was on error.
   Result<std::byte*> PinRange(RegionId id, std::uint64_t offset, std::uint64_t length,
-                              RegionPin* pin);
+                              RegionPin* pin) EXCLUDES(mu_);
 
  private:
   friend class RegionPin;
@@ -76,12 +76,12 @@ class RegionRegistry {
     int pins = 0;
     bool removing = false;
   };
-  void Unpin(RegionId id);
+  void Unpin(RegionId id) EXCLUDES(mu_);
 
-  mutable std::mutex mu_;
-  std::condition_variable unpinned_;
-  std::map<RegionId, Entry> regions_;           // guarded by mu_
-  std::map<std::uintptr_t, RegionId> by_addr_;  // guarded by mu_; listed regions only
+  mutable Mutex mu_;
+  CondVar unpinned_;
+  std::map<RegionId, Entry> regions_ GUARDED_BY(mu_);
+  std::map<std::uintptr_t, RegionId> by_addr_ GUARDED_BY(mu_);  // listed regions only
 };
 
 }  // namespace kvferry

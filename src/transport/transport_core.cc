@@ -90,7 +90,7 @@ TransportCore::~TransportCore() {
   std::map<BatchId, BatchRecord> batches;
   std::map<PeerId, PeerRecord> peers;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     batches.swap(batches_);
     peers.swap(peers_);
   }
@@ -148,7 +148,7 @@ Status TransportCore::DeregisterMemory(RegionId id) {
   return registry_.Remove(id, [this](RegionId region) {
     std::vector<std::shared_ptr<Batch>> landing;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       for (auto& [batch_id, b] : batches_) {
         if (b.batch->PinsRegion(region)) landing.push_back(b.batch);
       }
@@ -224,7 +224,7 @@ Result<PeerId> TransportCore::Connect(std::span<const std::uint8_t> descriptor, 
       Log().warn("the peer is read over {}, not its preferred backend: {}", backend->name(),
                  refused);
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     const PeerId id = next_peer_++;
     peers_[id] = PeerRecord{backend.get(), std::move(peer).value(),
                             std::make_shared<const RemoteRegionTable>(IndexRegions(d.regions))};
@@ -238,7 +238,7 @@ void TransportCore::Disconnect(PeerId peer) {
   std::shared_ptr<BackendPeer> backend_peer;
   std::vector<std::shared_ptr<Batch>> running;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = peers_.find(peer);
     if (it == peers_.end()) return;
     backend_peer = it->second.peer;
@@ -252,7 +252,7 @@ void TransportCore::Disconnect(PeerId peer) {
 }
 
 Result<std::string> TransportCore::PeerBackend(PeerId peer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = peers_.find(peer);
   if (it == peers_.end()) return Status::NotFound("peer " + std::to_string(peer) + " is unknown");
   return std::string(it->second.backend->name());
@@ -265,7 +265,7 @@ Result<BatchId> TransportCore::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
   std::shared_ptr<const RemoteRegionTable> regions;
   std::vector<RegionPin> pins;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = peers_.find(peer);
     if (it == peers_.end()) {
       return Status::NotFound("peer " + std::to_string(peer) + " is unknown or disconnected");
@@ -324,7 +324,7 @@ Result<BatchId> TransportCore::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
   BatchId id = 0;
   std::shared_ptr<Batch> batch;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     id = next_batch_++;
     batch = std::make_shared<Batch>(
         id, deadline, std::move(pins), [this](const BatchResult& r, std::uint64_t bytes) {
@@ -351,7 +351,7 @@ Result<BatchId> TransportCore::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
 }
 
 std::shared_ptr<Batch> TransportCore::FindBatch(BatchId id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = batches_.find(id);
   return it == batches_.end() ? nullptr : it->second.batch;
 }
@@ -381,7 +381,7 @@ void TransportCore::Cancel(BatchId batch) {
 void TransportCore::Release(BatchId batch) {
   std::shared_ptr<Batch> b;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = batches_.find(batch);
     if (it == batches_.end()) return;
     b = it->second.batch;

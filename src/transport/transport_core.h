@@ -6,10 +6,10 @@
 #include <atomic>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "kvferry/transport.h"
 #include "transport/backend.h"
 #include "transport/descriptor.h"
@@ -27,18 +27,22 @@ class TransportCore final : public Transport {
   /// The backend called `name` of this transport, or null; for tests and diagnostics.
   Backend* FindBackendInstance(std::string_view name) const;
 
+  // mu_ is never held across a call into a backend, a network wait, or a batch's Cancel or
+  // WaitEnd; EXCLUDES(mu_) marks the calls that take it or do those.
   using Transport::RegisterMemory;
   Status RegisterMemory(RegionId id, void* addr, std::size_t length, MemoryKind kind) override;
-  Status DeregisterMemory(RegionId id) override;
+  Status DeregisterMemory(RegionId id) override EXCLUDES(mu_);
   Result<std::vector<std::uint8_t>> Descriptor() override;
-  Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) override;
-  void Disconnect(PeerId peer) override;
-  Result<std::string> PeerBackend(PeerId peer) override;
-  Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) override;
-  BatchResult Poll(BatchId batch) override;
-  BatchResult Wait(BatchId batch, Deadline deadline) override;
-  void Cancel(BatchId batch) override;
-  void Release(BatchId batch) override;
+  Result<PeerId> Connect(std::span<const std::uint8_t> descriptor, Deadline deadline) override
+      EXCLUDES(mu_);
+  void Disconnect(PeerId peer) override EXCLUDES(mu_);
+  Result<std::string> PeerBackend(PeerId peer) override EXCLUDES(mu_);
+  Result<BatchId> SubmitReads(PeerId peer, std::vector<ReadOp> ops, Deadline deadline) override
+      EXCLUDES(mu_);
+  BatchResult Poll(BatchId batch) override EXCLUDES(mu_);
+  BatchResult Wait(BatchId batch, Deadline deadline) override EXCLUDES(mu_);
+  void Cancel(BatchId batch) override EXCLUDES(mu_);
+  void Release(BatchId batch) override EXCLUDES(mu_);
   TransportStats Stats() override;
 
  private:
@@ -53,17 +57,17 @@ class TransportCore final : public Transport {
     PeerId peer = 0;
     std::shared_ptr<Batch> batch;
   };
-  std::shared_ptr<Batch> FindBatch(BatchId id);
+  std::shared_ptr<Batch> FindBatch(BatchId id) EXCLUDES(mu_);
 
   const TransportOptions options_;
   RegionRegistry registry_;
   std::vector<std::unique_ptr<Backend>> backends_;  // in order of preference; use registry_
 
-  std::mutex mu_;
-  std::map<PeerId, PeerRecord> peers_;      // guarded by mu_
-  std::map<BatchId, BatchRecord> batches_;  // guarded by mu_
-  PeerId next_peer_ = 1;                    // guarded by mu_
-  BatchId next_batch_ = 1;                  // guarded by mu_
+  Mutex mu_;
+  std::map<PeerId, PeerRecord> peers_ GUARDED_BY(mu_);
+  std::map<BatchId, BatchRecord> batches_ GUARDED_BY(mu_);
+  PeerId next_peer_ GUARDED_BY(mu_) = 1;
+  BatchId next_batch_ GUARDED_BY(mu_) = 1;
 
   std::atomic<std::uint64_t> submitted_{0};
   std::atomic<std::uint64_t> done_{0};

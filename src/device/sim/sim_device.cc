@@ -94,13 +94,13 @@ Result<std::shared_ptr<SimMapping>> MapSimMemory(int fd, std::uint64_t size) {
 }
 
 void SimTable::Insert(std::shared_ptr<SimMapping> mapping) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   by_base_[mapping->base] = std::move(mapping);
 }
 
 void SimTable::Erase(DeviceAddress base) {
   std::shared_ptr<SimMapping> last;  // unmapped outside the lock
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = by_base_.find(base);
   if (it == by_base_.end()) return;
   last = std::move(it->second);
@@ -108,7 +108,7 @@ void SimTable::Erase(DeviceAddress base) {
 }
 
 std::shared_ptr<SimMapping> SimTable::Find(DeviceAddress address) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = by_base_.upper_bound(address);
   if (it == by_base_.begin()) return nullptr;
   --it;

@@ -1,11 +1,10 @@
 // The sim device's stream: one thread that runs copies in order and completes events.
-#include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <thread>
 #include <variant>
 
+#include "common/mutex.h"
 #include "device/sim/sim_device.h"
 #include "device/sim/sim_table.h"
 
@@ -14,21 +13,24 @@ namespace {
 
 // Completion of one sim event. Set once by the stream thread.
 struct SimEventState {
-  std::mutex mu;
-  std::condition_variable done_cv;
-  bool done = false;  // guarded by mu
+  Mutex mu;
+  CondVar done_cv;
+  bool done GUARDED_BY(mu) = false;
 };
 
 class SimEvent final : public Event {
  public:
   explicit SimEvent(std::shared_ptr<SimEventState> state) : state_(std::move(state)) {}
   EventPoll Poll() override {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(state_->mu);
     return {state_->done ? EventState::kComplete : EventState::kPending, Status::Ok()};
   }
   Status Wait(Deadline deadline) override {
-    std::unique_lock<std::mutex> lock(state_->mu);
-    if (!state_->done_cv.wait_until(lock, deadline, [&] { return state_->done; })) {
+    MutexLock lock(state_->mu);
+    while (!state_->done) {
+      if (state_->done_cv.WaitUntil(state_->mu, deadline)) break;  // timed out
+    }
+    if (!state_->done) {
       return Status::Timeout("sim event: the copies before it had not finished by the deadline");
     }
     return Status::Ok();
@@ -58,10 +60,10 @@ class SimStream final : public Stream {
 
   ~SimStream() override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stopping_ = true;
     }
-    queued_.notify_one();
+    queued_.Signal();
     thread_.join();  // runs what is queued first: bounded by the copies already enqueued
   }
 
@@ -99,21 +101,21 @@ class SimStream final : public Stream {
     return Status::Ok();
   }
 
-  Status Push(Op op) {
+  Status Push(Op op) EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       queue_.push_back(std::move(op));
     }
-    queued_.notify_one();
+    queued_.Signal();
     return Status::Ok();
   }
 
-  void Run() {
+  void Run() EXCLUDES(mu_) {
     for (;;) {
       Op op;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        queued_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        MutexLock lock(mu_);
+        while (!stopping_ && queue_.empty()) queued_.Wait(mu_);
         if (queue_.empty()) return;  // stopping and drained
         op = std::move(queue_.front());
         queue_.pop_front();
@@ -125,10 +127,10 @@ class SimStream final : public Stream {
       } else {
         auto& state = std::get<std::shared_ptr<SimEventState>>(op);
         {
-          std::lock_guard<std::mutex> lock(state->mu);
+          MutexLock lock(state->mu);
           state->done = true;
         }
-        state->done_cv.notify_all();
+        state->done_cv.SignalAll();
       }
     }
   }
@@ -147,11 +149,11 @@ class SimStream final : public Stream {
   const std::shared_ptr<SimTable> table_;
   const std::chrono::nanoseconds latency_;
   const double bytes_per_second_;
-  std::mutex mu_;
-  std::condition_variable queued_;
-  std::deque<Op> queue_;   // guarded by mu_
-  bool stopping_ = false;  // guarded by mu_
-  std::thread thread_;     // last: starts after the members it uses
+  Mutex mu_;
+  CondVar queued_;
+  std::deque<Op> queue_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: starts after the members it uses
 };
 
 }  // namespace

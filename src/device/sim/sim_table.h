@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "common/mutex.h"
 #include "device/device.h"
 
 namespace kvferry::device {
@@ -45,17 +45,18 @@ class SimTable {
   explicit SimTable(std::string device_name) : device_name_(std::move(device_name)) {}
   const std::string& device_name() const { return device_name_; }
 
-  void Insert(std::shared_ptr<SimMapping> mapping);
-  void Erase(DeviceAddress base);
+  void Insert(std::shared_ptr<SimMapping> mapping) EXCLUDES(mu_);
+  void Erase(DeviceAddress base) EXCLUDES(mu_);
   // The mapping that holds [address, address + size), or InvalidArgument saying what was found.
-  Result<SimRange> Resolve(DeviceAddress address, std::uint64_t size, const char* what) const;
+  Result<SimRange> Resolve(DeviceAddress address, std::uint64_t size, const char* what) const
+      EXCLUDES(mu_);
   // The mapping that holds `address`, or null.
-  std::shared_ptr<SimMapping> Find(DeviceAddress address) const;
+  std::shared_ptr<SimMapping> Find(DeviceAddress address) const EXCLUDES(mu_);
 
  private:
   const std::string device_name_;
-  mutable std::mutex mu_;
-  std::map<DeviceAddress, std::shared_ptr<SimMapping>> by_base_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::map<DeviceAddress, std::shared_ptr<SimMapping>> by_base_ GUARDED_BY(mu_);
 };
 
 struct SimOptions;

@@ -15,13 +15,13 @@
 #include <fstream>
 #include <iterator>
 #include <map>
-#include <mutex>
 #include <random>
 #include <sstream>
 
 #include "common/clock.h"
 #include "common/errno_text.h"
 #include "common/log.h"
+#include "common/mutex.h"
 
 namespace kvferry {
 namespace {
@@ -53,29 +53,29 @@ class ShmPeerState {
     return poll(&p, 1, 0) == 0;
   }
 
-  bool Enter() {
-    std::lock_guard<std::mutex> lock(mu_);
+  bool Enter() EXCLUDES(mu_) {
+    MutexLock lock(mu_);
     if (shut_) return false;
     ++running_;
     return true;
   }
-  void Leave() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--running_ == 0) idle_.notify_all();
+  void Leave() EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    if (--running_ == 0) idle_.SignalAll();
   }
-  void Shutdown() {
-    std::unique_lock<std::mutex> lock(mu_);
+  void Shutdown() EXCLUDES(mu_) {
+    MutexLock lock(mu_);
     shut_ = true;
-    idle_.wait(lock, [&] { return running_ == 0; });
+    while (running_ != 0) idle_.Wait(mu_);
   }
 
  private:
   const pid_t pid_;
   const int pidfd_;
-  std::mutex mu_;
-  std::condition_variable idle_;
-  bool shut_ = false;  // guarded by mu_
-  int running_ = 0;    // guarded by mu_
+  Mutex mu_;
+  CondVar idle_;
+  bool shut_ GUARDED_BY(mu_) = false;
+  int running_ GUARDED_BY(mu_) = 0;
 };
 
 Status PeerGone(pid_t pid) {
@@ -207,9 +207,9 @@ struct ImportedRegion {
 class StreamPool {
  public:
   explicit StreamPool(device::Device* device) : device_(device) {}
-  Result<std::unique_ptr<device::Stream>> Take() {
+  Result<std::unique_ptr<device::Stream>> Take() EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (!idle_.empty()) {
         auto s = std::move(idle_.back());
         idle_.pop_back();
@@ -218,15 +218,15 @@ class StreamPool {
     }
     return device_->CreateStream();
   }
-  void Give(std::unique_ptr<device::Stream> s) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Give(std::unique_ptr<device::Stream> s) EXCLUDES(mu_) {
+    MutexLock lock(mu_);
     idle_.push_back(std::move(s));
   }
 
  private:
   device::Device* device_;
-  std::mutex mu_;
-  std::vector<std::unique_ptr<device::Stream>> idle_;  // guarded by mu_
+  Mutex mu_;
+  std::vector<std::unique_ptr<device::Stream>> idle_ GUARDED_BY(mu_);
 };
 
 struct DevicePiece {

@@ -6,14 +6,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <thread>
 
 #include "common/clock.h"
+#include "common/mutex.h"
 #include "device/device.h"
 #include "transport/tcp/frames.h"
 #include "transport/tcp/socket.h"
@@ -132,38 +131,38 @@ class Connection {
   }
   ~Connection() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       shutting_down_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     thread_.join();
   }
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  void Enqueue(Request r) {
+  void Enqueue(Request r) EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (!shutting_down_) {
         queue_.push_back(std::move(r));
-        cv_.notify_all();
+        cv_.SignalAll();
         return;
       }
     }
     r.batch->UnitDone(Disconnected(), 0);
   }
 
-  std::size_t Load() {
-    std::lock_guard<std::mutex> lock(mu_);
+  std::size_t Load() EXCLUDES(mu_) {
+    MutexLock lock(mu_);
     return queue_.size() + in_flight_.size();
   }
 
  private:
-  void Run() {
+  void Run() EXCLUDES(mu_) {
     for (;;) {
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return shutting_down_ || !queue_.empty() || !in_flight_.empty(); });
+        MutexLock lock(mu_);
+        while (!shutting_down_ && queue_.empty() && in_flight_.empty()) cv_.Wait(mu_);
         if (shutting_down_) break;
       }
       Step();
@@ -171,7 +170,7 @@ class Connection {
     // Everything still here ends now, so that its batches can end.
     std::deque<Request> rest;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       rest.swap(queue_);
       for (Request& r : in_flight_) rest.push_back(std::move(r));
       in_flight_.clear();
@@ -180,7 +179,7 @@ class Connection {
   }
 
   // Sends what the pipeline allows, then receives one response.
-  void Step() {
+  void Step() EXCLUDES(mu_) {
     // The server closes connections idle for longer than its idle timeout; notice that before
     // sending, so an idle close costs a reconnect, not a request's retry.
     if (fd_.valid() && sent_ids_.empty() && ClosedByPeer(fd_.get())) fd_.Reset();
@@ -197,7 +196,7 @@ class Connection {
     for (;;) {
       Request r;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (queue_.empty() || in_flight_.size() >= kPipelineDepth) break;
         r = std::move(queue_.front());
         queue_.pop_front();
@@ -207,21 +206,23 @@ class Connection {
         continue;
       }
       Status s = Send(r);
+      // Kept alive by the request in in_flight_, which only this thread takes out.
+      Batch* const batch = r.batch.get();
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         in_flight_.push_back(std::move(r));
       }
       if (!s.ok()) {
         // A request whose own batch stopped mid-send is not the connection's fault: the others
         // are retried without counting an attempt.
-        const bool own = in_flight_.back().batch->ShouldStop();
+        const bool own = batch->ShouldStop();
         Broken(own ? Status::Cancelled(std::string(kAbandon)) : s);
         return;
       }
     }
     Request current;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (in_flight_.empty()) return;
       current = std::move(in_flight_.front());
       in_flight_.pop_front();
@@ -242,7 +243,7 @@ class Connection {
     if (s.code() == StatusCode::kPeerDisconnected ||
         (s.code() == StatusCode::kCancelled && s.message() == kAbandon)) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         in_flight_.push_front(std::move(current));
       }
       Broken(s);
@@ -253,7 +254,7 @@ class Connection {
     if (s.code() == StatusCode::kInternal) Broken(s);
   }
 
-  Status Send(Request& r) {
+  Status Send(Request& r) EXCLUDES(mu_) {
     std::vector<std::uint8_t> frame(kRequestHeaderBytes + r.ops.size() * kOpBytes);
     const std::uint64_t id = next_id_++;
     EncodeRequestHeader({static_cast<std::uint32_t>(r.ops.size()), id}, frame.data());
@@ -273,7 +274,7 @@ class Connection {
     });
   }
 
-  Status Receive(Request& r, std::uint64_t* received) {
+  Status Receive(Request& r, std::uint64_t* received) EXCLUDES(mu_) {
     const std::uint64_t want_id = sent_ids_.front();
     sent_ids_.pop_front();
     const StopCheck stop = [&]() -> Status {
@@ -318,7 +319,7 @@ class Connection {
   // Every copy issued has ended when this returns, so nothing writes after the unit ends.
   // Staging that cannot be set up or a copy that fails is Internal: the rest of the payload is
   // unread, so the connection is dropped.
-  Status ReceiveStaged(Request& r, const StopCheck& stop, std::uint64_t* received) {
+  Status ReceiveStaged(Request& r, const StopCheck& stop, std::uint64_t* received) EXCLUDES(mu_) {
     Status result;
     std::size_t i = 0;
     std::uint64_t op_off = 0;  // bytes of op i already received
@@ -410,11 +411,11 @@ class Connection {
 
   // Ends queued requests of stopped batches. Returns true if a pipelined (sent, not yet
   // received) request belongs to a stopped batch, which only dropping the connection can end.
-  bool SweepStopped() {
+  bool SweepStopped() EXCLUDES(mu_) {
     std::vector<Request> stopped;
     bool pipelined = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       for (auto it = queue_.begin(); it != queue_.end();) {
         if (it->batch->ShouldStop()) {
           stopped.push_back(std::move(*it));
@@ -431,13 +432,13 @@ class Connection {
 
   // The connection is unusable: close it, retry in-flight requests once on a new one. Requests
   // dropped only to abandon another batch are retried without counting an attempt.
-  void Broken(const Status& why) {
+  void Broken(const Status& why) EXCLUDES(mu_) {
     const bool abandon = why.code() == StatusCode::kCancelled;
     fd_.Reset();
     sent_ids_.clear();
     std::deque<Request> retry;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       retry.swap(in_flight_);
     }
     for (auto it = retry.rbegin(); it != retry.rend(); ++it) {
@@ -450,7 +451,7 @@ class Connection {
                               : why,
                           0);
       } else {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         queue_.push_front(std::move(r));
       }
     }
@@ -458,16 +459,16 @@ class Connection {
 
   // Connects again while requests wait. Stops as soon as none is left to carry: queued requests
   // of stopped batches end meanwhile, so a Cancel never waits for a reconnect.
-  Status Reconnect() {
+  Status Reconnect() EXCLUDES(mu_) {
     Deadline deadline = DeadlineAfter(std::chrono::milliseconds(2000));
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       for (const Request& r : queue_) deadline = std::min(deadline, r.batch->deadline());
     }
     const StopCheck stop = [this]() -> Status {
       if (ShuttingDown()) return Disconnected();
       SweepStopped();
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (queue_.empty()) return Status::Cancelled("no request is left to reconnect for");
       return Status::Ok();
     };
@@ -484,10 +485,10 @@ class Connection {
     return Status::Ok();
   }
 
-  void FailAll(const Status& s) {
+  void FailAll(const Status& s) EXCLUDES(mu_) {
     std::deque<Request> all;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       all.swap(queue_);
     }
     for (Request& r : all) r.batch->UnitDone(r.batch->ShouldStop() ? r.batch->StopStatus() : s, 0);
@@ -495,8 +496,8 @@ class Connection {
 
   static Status Disconnected() { return Status::PeerDisconnected("the tcp peer was disconnected"); }
 
-  bool ShuttingDown() {
-    std::lock_guard<std::mutex> lock(mu_);
+  bool ShuttingDown() EXCLUDES(mu_) {
+    MutexLock lock(mu_);
     return shutting_down_;
   }
 
@@ -506,11 +507,11 @@ class Connection {
   std::deque<std::uint64_t> sent_ids_;          // thread only
   std::map<device::Device*, Staging> staging_;  // thread only
   std::uint64_t next_id_ = 1;                   // thread only
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Request> queue_;      // guarded by mu_
-  std::deque<Request> in_flight_;  // guarded by mu_
-  bool shutting_down_ = false;     // guarded by mu_
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<Request> queue_ GUARDED_BY(mu_);
+  std::deque<Request> in_flight_ GUARDED_BY(mu_);
+  bool shutting_down_ GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -520,8 +521,8 @@ class TcpPeer final : public BackendPeer {
       : options_(options), conns_(std::move(conns)) {}
   ~TcpPeer() override { Shutdown(); }
 
-  void Start(const std::shared_ptr<Batch>& batch, std::vector<ReadOp> ops) override {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Start(const std::shared_ptr<Batch>& batch, std::vector<ReadOp> ops) override EXCLUDES(mu_) {
+    MutexLock lock(mu_);
     if (conns_.empty()) {
       // Shut down (the peer was disconnected) after the caller took it: the batch ends now.
       batch->AddUnit();
@@ -548,6 +549,7 @@ class TcpPeer final : public BackendPeer {
       }
     }
     auto flush = [&] {
+      mu_.AssertHeld();  // called only below, within this function's lock
       if (r.ops.empty()) return;
       batch->AddUnit();
       // Least-loaded connection; ties go round-robin.
@@ -581,10 +583,10 @@ class TcpPeer final : public BackendPeer {
     flush();
   }
 
-  void Shutdown() override {
+  void Shutdown() override EXCLUDES(mu_) {
     std::vector<std::unique_ptr<Connection>> ending;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       ending.swap(conns_);
     }
     ending.clear();  // each connection ends its requests and joins its thread, outside mu_
@@ -592,9 +594,9 @@ class TcpPeer final : public BackendPeer {
 
  private:
   const ClientOptions& options_;
-  std::mutex mu_;
-  std::vector<std::unique_ptr<Connection>> conns_;  // guarded by mu_
-  std::size_t next_ = 0;                            // guarded by mu_
+  Mutex mu_;
+  std::vector<std::unique_ptr<Connection>> conns_ GUARDED_BY(mu_);
+  std::size_t next_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace

@@ -652,7 +652,7 @@ void TcpServer::Run() {
 
 void TcpServer::RevokeRegion(RegionId region) {
   {
-    std::lock_guard<std::mutex> lock(revoke_mu_);
+    MutexLock lock(revoke_mu_);
     revoked_.push_back(region);
   }
   const std::uint64_t one = 1;
@@ -660,7 +660,7 @@ void TcpServer::RevokeRegion(RegionId region) {
 }
 
 std::vector<RegionId> TcpServer::TakeRevoked() {
-  std::lock_guard<std::mutex> lock(revoke_mu_);
+  MutexLock lock(revoke_mu_);
   std::vector<RegionId> out;
   out.swap(revoked_);
   return out;

@@ -6,11 +6,11 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "transport/region_registry.h"
 #include "transport/tcp/socket.h"
 
@@ -63,13 +63,13 @@ class TcpServer {
 
   /// Closes, soon and on the server's thread, every connection with a queued response that pins
   /// `region`, so that removing the region does not wait for a slow client. Thread-safe.
-  void RevokeRegion(RegionId region);
+  void RevokeRegion(RegionId region) EXCLUDES(revoke_mu_);
 
  private:
   TcpServer(RegionRegistry* registry, Fd listener, std::uint16_t port, std::string secret,
             ServerCounters* counters, ServerLimits limits, Fd epoll, Fd wake);
-  void Run();
-  std::vector<RegionId> TakeRevoked();
+  void Run() EXCLUDES(revoke_mu_);
+  std::vector<RegionId> TakeRevoked() EXCLUDES(revoke_mu_);
 
   RegionRegistry* registry_;
   Fd listener_;
@@ -81,8 +81,8 @@ class TcpServer {
   Fd epoll_;
   Fd wake_;  // eventfd: wakes the loop to stop or to revoke regions
   std::atomic<bool> stopping_{false};
-  std::mutex revoke_mu_;
-  std::vector<RegionId> revoked_;  // guarded by revoke_mu_
+  Mutex revoke_mu_;
+  std::vector<RegionId> revoked_ GUARDED_BY(revoke_mu_);
   std::thread thread_;
 };
 
