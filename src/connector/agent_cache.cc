@@ -13,13 +13,13 @@ std::string SideChannelEndpoint(const std::string& host, int port) {
 }
 
 void AgentCache::SetLocalCache(const CacheSpec& spec) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   local_hash_ = spec.Hash();
   local_text_ = spec.CanonicalText();
 }
 
 AgentCacheStats AgentCache::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return stats_;
 }
 
@@ -31,7 +31,7 @@ Result<std::shared_ptr<RemoteAgent>> AgentCache::Get(const AgentKey& key, Deadli
     std::shared_ptr<RemoteAgent> evicted;
     bool owner = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = agents_.find(key.endpoint);
       if (it != agents_.end() && it->second->Failed()) {
         agents_.erase(it);  // its owner is about to drop it: not cached
@@ -70,12 +70,12 @@ Result<std::shared_ptr<RemoteAgent>> AgentCache::Get(const AgentKey& key, Deadli
       const Clock::time_point start = Clock::now();
       Status s = Handshake(*agent, key, deadline);
       {
-        std::lock_guard<std::mutex> lock(agent->mu);
+        MutexLock lock(agent->mu);
         agent->state = s.ok() ? RemoteAgent::State::kReady : RemoteAgent::State::kFailed;
         agent->status = s;
       }
-      agent->cv.notify_all();
-      std::lock_guard<std::mutex> lock(mu_);
+      agent->cv.SignalAll();
+      MutexLock lock(mu_);
       ++stats_.handshakes;
       stats_.handshake_latency.Add(
           std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
@@ -87,9 +87,11 @@ Result<std::shared_ptr<RemoteAgent>> AgentCache::Get(const AgentKey& key, Deadli
       }
       return agent;
     }
-    std::unique_lock<std::mutex> lock(agent->mu);
-    if (!agent->cv.wait_until(lock, deadline,
-                              [&] { return agent->state != RemoteAgent::State::kConnecting; })) {
+    UniqueLock lock(agent->mu);
+    while (agent->state == RemoteAgent::State::kConnecting) {
+      if (agent->cv.WaitUntil(agent->mu, deadline)) break;
+    }
+    if (agent->state == RemoteAgent::State::kConnecting) {
       return Status::Timeout("waiting for the handshake with " + key.endpoint + " timed out");
     }
     const bool same_engine = agent->engine_id == key.engine_id;
@@ -100,7 +102,7 @@ Result<std::shared_ptr<RemoteAgent>> AgentCache::Get(const AgentKey& key, Deadli
       return agent->status;
     }
     if (same_engine || pass > 0) return agent;  // the caller refuses an engine mismatch
-    lock.unlock();
+    lock.Unlock();
     // The agent was made for another engine. When this endpoint now answers as the engine the
     // key names, the prefill instance restarted: the cached agent is stale (its engine and its
     // blocks are gone), so it is dropped and a fresh handshake made. Otherwise the key names an
@@ -136,7 +138,7 @@ Status AgentCache::Handshake(RemoteAgent& agent, const AgentKey& key, Deadline d
   CompatibilityHash ours{};
   std::string our_text;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!local_hash_) {
       return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
     }
@@ -163,7 +165,7 @@ Status AgentCache::Handshake(RemoteAgent& agent, const AgentKey& key, Deadline d
 void AgentCache::Invalidate(const std::string& endpoint,
                             const std::shared_ptr<RemoteAgent>& agent) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = agents_.find(endpoint);
     if (it == agents_.end() || it->second != agent) return;  // already replaced
     agents_.erase(it);

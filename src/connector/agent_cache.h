@@ -4,14 +4,13 @@
 // engine id) replaced. Used by the worker's load path; knows nothing of loads or holds.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 
+#include "common/mutex.h"
 #include "kvferry/cache_spec.h"
 #include "kvferry/histogram.h"
 #include "kvferry/transport.h"
@@ -36,17 +35,17 @@ struct AgentKey {
 
 /// A handshaken prefill rank: its metadata and the data-plane peer connected to it.
 struct RemoteAgent {
-  std::mutex mu;
-  std::condition_variable cv;
-  enum class State { kConnecting, kReady, kFailed } state = State::kConnecting;  // guarded by mu
-  Status status;                                // guarded by mu: the handshake's, once ended
+  Mutex mu;
+  CondVar cv;
+  enum class State { kConnecting, kReady, kFailed } state GUARDED_BY(mu) = State::kConnecting;
+  Status status GUARDED_BY(mu);                 // the handshake's, once it ended
   std::optional<wire::AgentMetadata> metadata;  // set by the handshake before kReady
   PeerId peer = 0;                              // set by the handshake before kReady
   std::string engine_id;        // the engine the first load named; set before it is shared
   Clock::time_point last_used;  // guarded by the cache's mu_; for LRU eviction
 
-  bool Failed() {  // lock order: the cache's mu_, then this mu
-    std::lock_guard<std::mutex> lock(mu);
+  bool Failed() EXCLUDES(mu) {  // lock order: the cache's mu_, then this mu
+    MutexLock lock(mu);
     return state == State::kFailed;
   }
 };
@@ -69,7 +68,7 @@ class AgentCache {
   AgentCache& operator=(const AgentCache&) = delete;
 
   /// The local caches' layout, which a peer's must equal (rule 9). Set once, before Get.
-  void SetLocalCache(const CacheSpec& spec);
+  void SetLocalCache(const CacheSpec& spec) EXCLUDES(mu_);
 
   /// The agent for `key`, handshaking first when none is cached: the peer must be the engine,
   /// rank and TP size the key names and have this layout (InvalidArgument or NotSupported
@@ -79,27 +78,29 @@ class AgentCache {
   /// (a restarted instance); otherwise it is returned as it is and the caller must refuse the
   /// mismatch (the key names an engine that is gone). ResourceExhausted when max_agents agents
   /// are all in use.
-  Result<std::shared_ptr<RemoteAgent>> Get(const AgentKey& key, Deadline deadline);
+  Result<std::shared_ptr<RemoteAgent>> Get(const AgentKey& key, Deadline deadline) EXCLUDES(mu_);
 
   /// Drops `agent` (if still cached under `endpoint`) and disconnects its data-plane peer: its
   /// peer died or refused us (rule 12). The next Get handshakes again.
-  void Invalidate(const std::string& endpoint, const std::shared_ptr<RemoteAgent>& agent);
+  void Invalidate(const std::string& endpoint, const std::shared_ptr<RemoteAgent>& agent)
+      EXCLUDES(mu_);
 
-  AgentCacheStats Stats() const;
+  AgentCacheStats Stats() const EXCLUDES(mu_);
 
  private:
-  Status Handshake(RemoteAgent& agent, const AgentKey& key, Deadline deadline);
+  // Network waits: never under mu_.
+  Status Handshake(RemoteAgent& agent, const AgentKey& key, Deadline deadline) EXCLUDES(mu_);
 
   sidechannel::Client& client_;
   Transport& transport_;
   const wire::PeerRef self_;
   const int max_agents_;
 
-  mutable std::mutex mu_;
-  std::optional<CompatibilityHash> local_hash_;                 // guarded by mu_
-  std::string local_text_;                                      // guarded by mu_
-  std::map<std::string, std::shared_ptr<RemoteAgent>> agents_;  // by endpoint; guarded by mu_
-  AgentCacheStats stats_;                                       // guarded by mu_
+  mutable Mutex mu_;
+  std::optional<CompatibilityHash> local_hash_ GUARDED_BY(mu_);
+  std::string local_text_ GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<RemoteAgent>> agents_ GUARDED_BY(mu_);  // by endpoint
+  AgentCacheStats stats_ GUARDED_BY(mu_);
 };
 
 }  // namespace kvferry

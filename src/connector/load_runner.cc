@@ -69,15 +69,15 @@ LoadRunner::~LoadRunner() {
 
 void LoadRunner::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
   }
-  stop_cv_.notify_all();
+  stop_cv_.SignalAll();
   if (lease_thread_.joinable()) lease_thread_.join();
 }
 
 void LoadRunner::SetCaches(const CacheSpec& spec, const CacheAddresses& addresses) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   spec_ = spec;
   addresses_ = addresses;
 }
@@ -85,7 +85,7 @@ void LoadRunner::SetCaches(const CacheSpec& spec, const CacheAddresses& addresse
 void LoadRunner::Start(const std::vector<LoadSpec>& loads) {
   std::vector<LoadSpec> to_start;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (const LoadSpec& load : loads) {
       if (loads_.count(load.request_id) != 0) continue;  // already loading
       loads_[load.request_id] = LoadState{load, {}, {}, std::nullopt};
@@ -100,28 +100,28 @@ void LoadRunner::Start(const std::vector<LoadSpec>& loads) {
       // Every load ends (rule 11): one that cannot even queue fails now, its blocks recomputed.
       Status s = queued.WithContext("queueing the load of request " + id);
       Log().warn("{}", s.ToString());
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       EndLocked(id, blocks, s, /*recompute=*/true);
     }
   }
 }
 
 std::vector<std::string> LoadRunner::TakeFinished() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<std::string> out;
   out.swap(finished_);
   return out;
 }
 
 std::vector<LoadError> LoadRunner::TakeErrors() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<LoadError> out;
   out.swap(errors_);
   return out;
 }
 
 LoadRunnerStats LoadRunner::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   LoadRunnerStats s = stats_;
   s.loads_outstanding = loads_.size();
   return s;
@@ -130,7 +130,7 @@ LoadRunnerStats LoadRunner::Stats() const {
 Status LoadRunner::Abort(const std::string& request_id, const std::string& reason) {
   std::vector<BatchId> running;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = loads_.find(request_id);
     if (it == loads_.end()) {
       return Status::NotFound("no load of request " + request_id +
@@ -160,7 +160,7 @@ void LoadRunner::Run(const LoadSpec& load) {
   bool aborted_by_engine = false;
   if (!s.ok()) {
     // A load the engine aborted reports that, whatever else went wrong on the way.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
       s = aborted;
       aborted_by_engine = true;
@@ -171,7 +171,7 @@ void LoadRunner::Run(const LoadSpec& load) {
                load.local_block_ids.size(), load.remote_engine_id, s.ToString());
     SendAborts(load, std::string(s.message()));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (s.ok()) {
     stats_.transfer_latency.Add(
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
@@ -215,7 +215,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
   std::optional<CacheSpec> spec;
   std::optional<CacheAddresses> addresses;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stopping_) return Status::Cancelled("the worker is shutting down");
     spec = spec_;
     addresses = addresses_;
@@ -231,7 +231,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
                            TailOfRemote(load.remote_block_ids, load.local_block_ids));
   const std::vector<std::string> endpoints = NoticeEndpoints(load, *spec, sources);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     KVFERRY_RETURN_IF_ERROR(AbortedLocked(load.request_id));  // aborted while queued
     auto it = loads_.find(load.request_id);
     if (it != loads_.end()) it->second.endpoints = endpoints;
@@ -293,7 +293,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
       }
       reads += ops.size();
       runs_total += runs->size();
-      std::unique_lock<std::mutex> lock(mu_);
+      UniqueLock lock(mu_);
       if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
         failure = aborted;
         break;
@@ -301,7 +301,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
       // Submitted under mu_ so an AbortLoad either sees this batch or ran before the check above.
       Result<BatchId> b = transport_.SubmitReads((*agent)->peer, std::move(ops), deadline);
       if (b.ok()) loads_.at(load.request_id).batches.push_back(*b);
-      lock.unlock();
+      lock.Unlock();
       if (!b.ok()) {
         failure = b.status();
         if (PeerFault(failure))
@@ -333,7 +333,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
         }
       }
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         std::vector<BatchId>& mine = loads_.at(load.request_id).batches;
         mine.erase(std::remove(mine.begin(), mine.end(), s.batch), mine.end());
         if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) failure = aborted;
@@ -341,7 +341,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
       transport_.Release(s.batch);
     }
     if (!failure.ok()) return failure;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stats_.bytes_read += bytes;
     stats_.reads += reads;
     stats_.merged_runs += runs_total;
@@ -371,7 +371,7 @@ void LoadRunner::SendAborts(const LoadSpec& load, const std::string& reason) {
 void LoadRunner::PostBackground(std::function<void()> task) {
   Status s = background_->TryPost(std::move(task));
   if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (++stats_.notices_dropped % 1000 == 1) {
       Log().warn("dropped a best-effort notice ({} so far): {}; holds it concerned end by lease",
                  stats_.notices_dropped, s.ToString());
@@ -385,8 +385,11 @@ void LoadRunner::RenewLeases() {
   for (;;) {
     std::map<std::string, std::vector<std::string>> by_endpoint;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      stop_cv_.wait_for(lock, interval, [&] { return stopping_; });
+      MutexLock lock(mu_);
+      const Deadline next = DeadlineAfter(interval);
+      while (!stopping_) {
+        if (stop_cv_.WaitUntil(mu_, next)) break;
+      }
       if (stopping_) return;
       for (const auto& [id, state] : loads_) {
         for (const std::string& e : state.endpoints) {

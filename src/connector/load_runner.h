@@ -5,16 +5,15 @@
 // load. Used by the worker; the agent cache gives it the prefill ranks.
 #pragma once
 
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/work_queue.h"
 #include "connector/agent_cache.h"
 #include "kvferry/connector.h"
@@ -57,22 +56,22 @@ class LoadRunner {
   LoadRunner& operator=(const LoadRunner&) = delete;
 
   /// The local caches (RegisterKvCaches), before the first load runs.
-  void SetCaches(const CacheSpec& spec, const CacheAddresses& addresses);
+  void SetCaches(const CacheSpec& spec, const CacheAddresses& addresses) EXCLUDES(mu_);
 
   /// Queues each load not already running. A load that cannot be queued (max_queued_loads)
   /// ends failed at once, its blocks to recompute: every load ends (rule 11).
-  void Start(const std::vector<LoadSpec>& loads);
+  void Start(const std::vector<LoadSpec>& loads) EXCLUDES(mu_);
   /// Loads that ended since the last call, done or failed, each once.
-  std::vector<std::string> TakeFinished();
+  std::vector<std::string> TakeFinished() EXCLUDES(mu_);
   /// Failed loads since the last call. A load's error is recorded before it is reported in
   /// TakeFinished, so a caller that takes finished loads first sees every error by then.
-  std::vector<LoadError> TakeErrors();
+  std::vector<LoadError> TakeErrors() EXCLUDES(mu_);
   /// Worker::AbortLoad's contract.
-  Status Abort(const std::string& request_id, const std::string& reason);
-  LoadRunnerStats Stats() const;
+  Status Abort(const std::string& request_id, const std::string& reason) EXCLUDES(mu_);
+  LoadRunnerStats Stats() const EXCLUDES(mu_);
 
   /// Loads not yet running fail fast from now on, and the lease thread ends. Idempotent.
-  void Stop();
+  void Stop() EXCLUDES(mu_);
 
  private:
   struct LoadState {
@@ -82,20 +81,21 @@ class LoadRunner {
     std::optional<std::string> aborted;  // the engine's reason, once Abort was called
   };
 
-  void Run(const LoadSpec& load);
-  Status DoLoad(const LoadSpec& load);
+  // A load's whole life on a transfer thread. Network and batch waits: never under mu_.
+  void Run(const LoadSpec& load) EXCLUDES(mu_);
+  Status DoLoad(const LoadSpec& load) EXCLUDES(mu_);
   // Reports a load's end (the one place, so each ends once); `recompute` false for engine aborts.
   void EndLocked(const std::string& id, const std::vector<std::int64_t>& blocks, const Status& s,
-                 bool recompute);
+                 bool recompute) REQUIRES(mu_);
   std::vector<std::string> NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
                                            const std::vector<TpSource>& sources) const;
   // Cancelled with the engine's reason when the load was aborted; Ok otherwise.
-  Status AbortedLocked(const std::string& request_id) const;
-  void SendAborts(const LoadSpec& load, const std::string& reason);
-  void RenewLeases();
+  Status AbortedLocked(const std::string& request_id) const REQUIRES(mu_);
+  void SendAborts(const LoadSpec& load, const std::string& reason) EXCLUDES(mu_);
+  void RenewLeases() EXCLUDES(mu_);
   // Queues a best-effort network notice; dropped (and counted) when the queue is full. Must be
   // called without mu_ (it takes it to count a drop).
-  void PostBackground(std::function<void()> task);
+  void PostBackground(std::function<void()> task) EXCLUDES(mu_);
 
   const WorkerConfig& cfg_;
   const wire::PeerRef self_;
@@ -106,16 +106,16 @@ class LoadRunner {
   std::unique_ptr<WorkQueue> background_;
   std::unique_ptr<WorkQueue> transfers_;  // after background_: its loads post notices there
 
-  mutable std::mutex mu_;
-  std::condition_variable stop_cv_;
-  bool stopping_ = false;                    // guarded by mu_
-  std::optional<CacheSpec> spec_;            // guarded by mu_
-  std::optional<CacheAddresses> addresses_;  // guarded by mu_
-  std::map<std::string, LoadState> loads_;   // guarded by mu_
-  std::vector<std::string> finished_;        // guarded by mu_
-  std::vector<LoadError> errors_;            // guarded by mu_
-  LoadRunnerStats stats_;                    // guarded by mu_
-  std::thread lease_thread_;                 // last: it uses the rest
+  mutable Mutex mu_;
+  CondVar stop_cv_;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::optional<CacheSpec> spec_ GUARDED_BY(mu_);
+  std::optional<CacheAddresses> addresses_ GUARDED_BY(mu_);
+  std::map<std::string, LoadState> loads_ GUARDED_BY(mu_);
+  std::vector<std::string> finished_ GUARDED_BY(mu_);
+  std::vector<LoadError> errors_ GUARDED_BY(mu_);
+  LoadRunnerStats stats_ GUARDED_BY(mu_);
+  std::thread lease_thread_;  // last: it uses the rest
 };
 
 }  // namespace kvferry

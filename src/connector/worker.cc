@@ -7,6 +7,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/mutex.h"
 #include "common/work_queue.h"
 #include "connector/agent_cache.h"
 #include "connector/hold_table.h"
@@ -33,17 +34,22 @@ class WorkerImpl {
   explicit WorkerImpl(WorkerConfig config)
       : cfg_(std::move(config)),
         holds_(HoldLimits{cfg_.hold_lease, cfg_.max_early_notices, cfg_.hold_lease},
-               [this](std::uint32_t reader_tp) { return ExpectedReadersLocked(reader_tp); }) {}
+               [this](std::uint32_t reader_tp) {
+                 // HoldTable calls it only from its own methods, which run under mu_.
+                 mu_.AssertHeld();
+                 return ExpectedReadersLocked(reader_tp);
+               }) {}
   ~WorkerImpl();
 
   Status Init();
   Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
                           const MemoryKind& memory);
-  void StartLoadKv(const ConnectorMetadata& metadata);
-  FinishedRequests GetFinished();
-  std::vector<LoadError> TakeLoadErrors();
-  Status AbortLoad(const std::string& request_id, const std::string& reason);
-  WorkerStats Stats() const;
+  void StartLoadKv(const ConnectorMetadata& metadata) EXCLUDES(mu_);
+  FinishedRequests GetFinished() EXCLUDES(mu_);
+  std::vector<LoadError> TakeLoadErrors() EXCLUDES(mu_);
+  // The load runner cancels outside any lock of the worker's.
+  Status AbortLoad(const std::string& request_id, const std::string& reason) EXCLUDES(mu_);
+  WorkerStats Stats() const EXCLUDES(mu_);
   WorkerMetrics Metrics() const {
     return {self_.engine_id, cfg_.role, static_cast<int>(self_.dp_rank),
             static_cast<int>(self_.tp_rank), Stats()};
@@ -51,8 +57,8 @@ class WorkerImpl {
   const std::string& endpoint() const { return listener_->endpoint(); }
 
  private:
-  wire::Message Handle(const wire::Message& request);
-  int ExpectedReadersLocked(std::uint32_t reader_tp) const;
+  wire::Message Handle(const wire::Message& request) EXCLUDES(mu_);
+  int ExpectedReadersLocked(std::uint32_t reader_tp) const REQUIRES(mu_);
 
   const WorkerConfig cfg_;
   wire::PeerRef self_;
@@ -64,12 +70,12 @@ class WorkerImpl {
   std::unique_ptr<sidechannel::Listener> listener_;
 
   // Prefill side: holds, and what a metadata request is answered with.
-  mutable std::mutex mu_;
-  std::optional<CacheSpec> spec_;                          // guarded by mu_
-  std::optional<wire::AgentMetadata> metadata_;            // guarded by mu_
-  HoldTable holds_;                                        // guarded by mu_
-  Clock::time_point last_stats_log_ = Clock::now();        // guarded by mu_
-  std::map<std::string, std::uint64_t> notices_received_;  // by type; guarded by mu_
+  mutable Mutex mu_;
+  std::optional<CacheSpec> spec_ GUARDED_BY(mu_);
+  std::optional<wire::AgentMetadata> metadata_ GUARDED_BY(mu_);
+  HoldTable holds_ GUARDED_BY(mu_);
+  Clock::time_point last_stats_log_ GUARDED_BY(mu_) = Clock::now();
+  std::map<std::string, std::uint64_t> notices_received_ GUARDED_BY(mu_);  // by message type
 };
 
 Result<std::unique_ptr<Worker>> Worker::Create(WorkerConfig config) {
@@ -199,7 +205,7 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
   KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses,
                            CacheAddresses::Create(spec, std::move(bases)));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (spec_) return Status::InvalidArgument("KV caches are already registered");
   }
   // docs/transport.md, "Region ids": one region per part, or per layer when parts interleave.
@@ -216,7 +222,7 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
   KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> descriptor, transport_->Descriptor());
   agents_->SetLocalCache(spec);
   loads_->SetCaches(spec, addresses);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   spec_ = spec;
   metadata_ = wire::AgentMetadata{identity_,
                                   listener_->endpoint(),
@@ -235,7 +241,7 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
 // Prefill side: holds, readers, aborts, leases.
 
 wire::Message WorkerImpl::Handle(const wire::Message& request) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ++notices_received_[wire::MessageTypeName(request)];
   if (std::holds_alternative<wire::MetadataRequest>(request)) {
     if (!metadata_) {
@@ -280,7 +286,7 @@ int WorkerImpl::ExpectedReadersLocked(std::uint32_t reader_tp) const {
 
 void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     const Clock::time_point now = Clock::now();
     for (const HoldSpec& h : metadata.holds) {
       holds_.Hold(h.request_id, std::chrono::milliseconds(h.lease_ms), now);
@@ -290,7 +296,7 @@ void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
 }
 
 FinishedRequests WorkerImpl::GetFinished() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const Clock::time_point now = Clock::now();
   holds_.Expire(now);
   if (now - last_stats_log_ > std::chrono::seconds(30)) {
@@ -327,7 +333,7 @@ WorkerStats WorkerImpl::Stats() const {
   s.notices_dropped = l.notices_dropped;
   s.loads_outstanding = l.loads_outstanding;
   s.transfer_latency = l.transfer_latency;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   s.notices_received = notices_received_;
   s.transport = transport;
   s.handshakes = agents.handshakes;
