@@ -22,6 +22,7 @@
 #include "common/errno_text.h"
 #include "common/log.h"
 #include "common/mutex.h"
+#include "transport/shm/shm_ipc.h"
 
 namespace kvferry {
 namespace {
@@ -195,94 +196,6 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
   return Status::Ok();
 }
 
-// A peer's device region opened through its IPC handle: copies read it on `device`'s streams.
-struct ImportedRegion {
-  device::Device* device = nullptr;
-  std::shared_ptr<device::ImportedMemory> memory;  // shared by the regions of one allocation
-  std::uint64_t offset = 0;                        // of the region's first byte in `memory`
-};
-
-// Streams of one device, reused by the units of one peer (a stream is used by one unit at a
-// time).
-class StreamPool {
- public:
-  explicit StreamPool(device::Device* device) : device_(device) {}
-  Result<std::unique_ptr<device::Stream>> Take() EXCLUDES(mu_) {
-    {
-      MutexLock lock(mu_);
-      if (!idle_.empty()) {
-        auto s = std::move(idle_.back());
-        idle_.pop_back();
-        return s;
-      }
-    }
-    return device_->CreateStream();
-  }
-  void Give(std::unique_ptr<device::Stream> s) EXCLUDES(mu_) {
-    MutexLock lock(mu_);
-    idle_.push_back(std::move(s));
-  }
-
- private:
-  device::Device* device_;
-  Mutex mu_;
-  std::vector<std::unique_ptr<device::Stream>> idle_ GUARDED_BY(mu_);
-};
-
-struct DevicePiece {
-  std::byte* local;  // host pointer, or a device address of the same device
-  bool local_host;
-  device::DeviceAddress remote;
-  std::uint64_t length;
-};
-
-constexpr std::chrono::seconds kCopyWait(10);  // issued copies a cancelled unit waits for
-
-// Copies every piece on one stream and waits for them: in slices, so that a batch that stops
-// (cancel, deadline, another unit's failure) is seen; it then waits for the copies already
-// issued (at most kCopyWait) so that none writes after the unit ends.
-Status CopyPieces(const ShmPeerState& peer, const Batch& batch, StreamPool& streams,
-                  const std::vector<DevicePiece>& pieces, std::uint64_t* bytes) {
-  if (!peer.Alive()) return PeerGone(peer.pid());
-  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Stream> stream, streams.Take());
-  Status issued;
-  std::uint64_t total = 0;
-  for (const DevicePiece& p : pieces) {
-    issued = p.local_host
-                 ? stream->CopyDeviceToHost(p.local, p.remote, p.length)
-                 : stream->CopyDeviceToDevice(reinterpret_cast<device::DeviceAddress>(p.local),
-                                              p.remote, p.length);
-    if (!issued.ok()) break;
-    total += p.length;
-  }
-  Result<std::unique_ptr<device::Event>> event = stream->RecordEvent();
-  if (!event.ok()) return event.status();  // the stream is dropped with its copies
-  Status waited = Status::Timeout("");
-  while (waited.code() == StatusCode::kTimeout && !batch.ShouldStop() &&
-         Clock::now() < batch.deadline()) {
-    waited =
-        (*event)->Wait(std::min(batch.deadline(), DeadlineAfter(std::chrono::milliseconds(20))));
-  }
-  if (waited.code() == StatusCode::kTimeout) {
-    // Stopped or past the deadline: the copies issued cannot be recalled; wait them out.
-    waited = (*event)->Wait(DeadlineAfter(kCopyWait));
-    if (!waited.ok()) {
-      return Status::Internal("device copies still ran " + std::to_string(kCopyWait.count()) +
-                              " s after their batch stopped: " + waited.ToString());
-    }
-    streams.Give(std::move(stream));
-    return batch.ShouldStop() ? batch.StopStatus()
-                              : Status::Timeout("the batch's deadline passed during device copies");
-  }
-  if (!waited.ok()) return waited;  // a failed copy: the stream is unusable, dropped
-  streams.Give(std::move(stream));
-  if (!issued.ok()) return issued;
-  // The exporter may have freed its memory as it exited: bytes copied then are not trusted.
-  if (!peer.Alive()) return PeerGone(peer.pid());
-  *bytes += total;
-  return Status::Ok();
-}
-
 class ShmPeer final : public BackendPeer {
  public:
   ShmPeer(std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions,
@@ -352,7 +265,9 @@ class ShmPeer final : public BackendPeer {
           batch->UnitDone(Status::Cancelled("the shm peer was disconnected"), 0);
           return;
         }
-        Status s = CopyPieces(*state, *batch, *streams, pieces, &bytes);
+        const pid_t pid = state->pid();
+        Status s = CopyPieces([&] { return state->Alive() ? Status::Ok() : PeerGone(pid); }, *batch,
+                              *streams, pieces, &bytes);
         state->Leave();
         batch->UnitDone(s, bytes);
       });
@@ -474,21 +389,8 @@ BackendFactory ShmBackend::Factory() {
 
 std::vector<std::uint8_t> ShmBackend::DescriptorSection() {
   ShmSection section{self_, proof_, {}};
-  // Device regions: exported for same-host readers. One that cannot be exported (a VMM
-  // allocation, say) is left out; such a peer is then read over tcp (CanReach says why).
-  for (const RegionInfo& r : regions_ != nullptr ? regions_->List() : std::vector<RegionInfo>{}) {
-    if (r.kind.is_host()) continue;
-    Result<device::Device*> dev = device::ProcessDevice(r.kind.ToString());
-    Result<device::IpcHandle> h =
-        dev.ok() ? (*dev)->ExportIpc(reinterpret_cast<device::DeviceAddress>(r.addr))
-                 : Result<device::IpcHandle>(dev.status());
-    if (!h.ok()) {
-      Log().info("shm: region {} ({} memory) is not offered for IPC: {}", r.id, r.kind.ToString(),
-                 h.status().ToString());
-      continue;
-    }
-    section.ipc.push_back({r.id, h->Encode()});
-  }
+  // Device regions: exported for same-host readers (shm_ipc.h).
+  if (regions_ != nullptr) section.ipc = ExportDeviceRegions(regions_->List());
   return EncodeShmSection(section);
 }
 
@@ -590,39 +492,9 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
                                  "); use the tcp transport");
     }
   }
-  // Device regions: each allocation's handle opened once, in this process's instance of the
-  // device the region names. A handle that does not open makes shm unusable for this peer.
-  std::map<RegionId, ImportedRegion> imported;
-  std::map<std::vector<std::uint8_t>, std::shared_ptr<device::ImportedMemory>> opened;
+  // Device regions: each allocation's handle opened once (shm_ipc.h).
   const RemoteRegionTable table = IndexRegions(peer.regions);
-  for (const ShmIpcRegion& e : section.ipc) {
-    auto region = table.find(e.region);
-    if (region == table.end() || region->second.kind.is_host()) continue;
-    KVFERRY_ASSIGN_OR_RETURN(device::IpcHandle h, device::IpcHandle::Decode(e.handle));
-    const std::string name = h.kind + ":" + std::to_string(h.device_index);
-    if (name != region->second.kind.ToString()) {
-      return Status::InvalidArgument("the peer's IPC handle of region " + std::to_string(e.region) +
-                                     " is for " + name + ", but the region is " +
-                                     region->second.kind.ToString() + " memory");
-    }
-    Result<device::Device*> dev = device::ProcessDevice(name);
-    if (!dev.ok())
-      return Status::Unavailable("shm cannot open " + name + ": " + dev.status().ToString());
-    std::shared_ptr<device::ImportedMemory>& mem = opened[e.handle];
-    if (!mem) {
-      Result<std::unique_ptr<device::ImportedMemory>> m = (*dev)->ImportIpc(h);
-      if (!m.ok()) {
-        return Status::Unavailable("opening the peer's IPC handle of region " +
-                                   std::to_string(e.region) + " failed: " + m.status().ToString());
-      }
-      mem = std::move(m).value();
-    }
-    if (h.offset + region->second.length > mem->size()) {
-      return Status::InvalidArgument("the peer's region " + std::to_string(e.region) +
-                                     " runs past the allocation its IPC handle opens");
-    }
-    imported[e.region] = ImportedRegion{*dev, mem, h.offset};
-  }
+  KVFERRY_ASSIGN_OR_RETURN(auto imported, ImportPeerRegions(section.ipc, table));
   return std::unique_ptr<BackendPeer>(
       std::make_unique<ShmPeer>(std::move(state), table, pool_, std::move(imported)));
 }

@@ -1,0 +1,126 @@
+#include "transport/shm/shm_ipc.h"
+
+#include "common/clock.h"
+#include "common/log.h"
+
+namespace kvferry {
+namespace {
+
+constexpr std::chrono::seconds kCopyWait(10);  // issued copies a cancelled unit waits for
+
+}  // namespace
+
+Result<std::unique_ptr<device::Stream>> StreamPool::Take() {
+  {
+    MutexLock lock(mu_);
+    if (!idle_.empty()) {
+      auto s = std::move(idle_.back());
+      idle_.pop_back();
+      return s;
+    }
+  }
+  return device_->CreateStream();
+}
+
+void StreamPool::Give(std::unique_ptr<device::Stream> s) {
+  MutexLock lock(mu_);
+  idle_.push_back(std::move(s));
+}
+
+std::vector<ShmIpcRegion> ExportDeviceRegions(const std::vector<RegionInfo>& regions) {
+  std::vector<ShmIpcRegion> out;
+  for (const RegionInfo& r : regions) {
+    if (r.kind.is_host()) continue;
+    Result<device::Device*> dev = device::ProcessDevice(r.kind.ToString());
+    Result<device::IpcHandle> h =
+        dev.ok() ? (*dev)->ExportIpc(reinterpret_cast<device::DeviceAddress>(r.addr))
+                 : Result<device::IpcHandle>(dev.status());
+    if (!h.ok()) {
+      Log().info("shm: region {} ({} memory) is not offered for IPC: {}", r.id,
+                 r.kind.ToString(), h.status().ToString());
+      continue;
+    }
+    out.push_back({r.id, h->Encode()});
+  }
+  return out;
+}
+
+Result<std::map<RegionId, ImportedRegion>> ImportPeerRegions(const std::vector<ShmIpcRegion>& ipc,
+                                                             const RemoteRegionTable& table) {
+  std::map<RegionId, ImportedRegion> imported;
+  std::map<std::vector<std::uint8_t>, std::shared_ptr<device::ImportedMemory>> opened;
+  for (const ShmIpcRegion& e : ipc) {
+    auto region = table.find(e.region);
+    if (region == table.end() || region->second.kind.is_host()) continue;
+    KVFERRY_ASSIGN_OR_RETURN(device::IpcHandle h, device::IpcHandle::Decode(e.handle));
+    const std::string name = h.kind + ":" + std::to_string(h.device_index);
+    if (name != region->second.kind.ToString()) {
+      return Status::InvalidArgument("the peer's IPC handle of region " + std::to_string(e.region) +
+                                     " is for " + name + ", but the region is " +
+                                     region->second.kind.ToString() + " memory");
+    }
+    Result<device::Device*> dev = device::ProcessDevice(name);
+    if (!dev.ok()) {
+      return Status::Unavailable("shm cannot open " + name + ": " + dev.status().ToString());
+    }
+    std::shared_ptr<device::ImportedMemory>& mem = opened[e.handle];
+    if (!mem) {
+      Result<std::unique_ptr<device::ImportedMemory>> m = (*dev)->ImportIpc(h);
+      if (!m.ok()) {
+        return Status::Unavailable("opening the peer's IPC handle of region " +
+                                   std::to_string(e.region) + " failed: " + m.status().ToString());
+      }
+      mem = std::move(m).value();
+    }
+    if (h.offset + region->second.length > mem->size()) {
+      return Status::InvalidArgument("the peer's region " + std::to_string(e.region) +
+                                     " runs past the allocation its IPC handle opens");
+    }
+    imported[e.region] = ImportedRegion{*dev, mem, h.offset};
+  }
+  return imported;
+}
+
+Status CopyPieces(const std::function<Status()>& alive, const Batch& batch, StreamPool& streams,
+                  const std::vector<DevicePiece>& pieces, std::uint64_t* bytes) {
+  KVFERRY_RETURN_IF_ERROR(alive());
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Stream> stream, streams.Take());
+  Status issued;
+  std::uint64_t total = 0;
+  for (const DevicePiece& p : pieces) {
+    issued = p.local_host
+                 ? stream->CopyDeviceToHost(p.local, p.remote, p.length)
+                 : stream->CopyDeviceToDevice(reinterpret_cast<device::DeviceAddress>(p.local),
+                                              p.remote, p.length);
+    if (!issued.ok()) break;
+    total += p.length;
+  }
+  Result<std::unique_ptr<device::Event>> event = stream->RecordEvent();
+  if (!event.ok()) return event.status();  // the stream is dropped with its copies
+  Status waited = Status::Timeout("");
+  while (waited.code() == StatusCode::kTimeout && !batch.ShouldStop() &&
+         Clock::now() < batch.deadline()) {
+    waited =
+        (*event)->Wait(std::min(batch.deadline(), DeadlineAfter(std::chrono::milliseconds(20))));
+  }
+  if (waited.code() == StatusCode::kTimeout) {
+    // Stopped or past the deadline: the copies issued cannot be recalled; wait them out.
+    waited = (*event)->Wait(DeadlineAfter(kCopyWait));
+    if (!waited.ok()) {
+      return Status::Internal("device copies still ran " + std::to_string(kCopyWait.count()) +
+                              " s after their batch stopped: " + waited.ToString());
+    }
+    streams.Give(std::move(stream));
+    return batch.ShouldStop() ? batch.StopStatus()
+                              : Status::Timeout("the batch's deadline passed during device copies");
+  }
+  if (!waited.ok()) return waited;  // a failed copy: the stream is unusable, dropped
+  streams.Give(std::move(stream));
+  if (!issued.ok()) return issued;
+  // The exporter may have freed its memory as it exited: bytes copied then are not trusted.
+  KVFERRY_RETURN_IF_ERROR(alive());
+  *bytes += total;
+  return Status::Ok();
+}
+
+}  // namespace kvferry

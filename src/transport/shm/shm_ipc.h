@@ -1,0 +1,65 @@
+// shm's path to a same-host peer's device memory (docs/device.md, "The IPC path"): the serving
+// side exports its device regions' IPC handles in its shm section; the reader opens each
+// allocation once and copies from it on its own streams of that device.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "common/mutex.h"
+#include "device/device.h"
+#include "transport/batch.h"
+#include "transport/descriptor.h"
+#include "transport/region_registry.h"
+#include "transport/shm/shm_section.h"
+
+namespace kvferry {
+
+// A peer's device region opened through its IPC handle: copies read it on `device`'s streams.
+struct ImportedRegion {
+  device::Device* device = nullptr;
+  std::shared_ptr<device::ImportedMemory> memory;  // shared by the regions of one allocation
+  std::uint64_t offset = 0;                        // of the region's first byte in `memory`
+};
+
+// Streams of one device, reused by the units of one peer (a stream is used by one unit at a
+// time). Thread-safe.
+class StreamPool {
+ public:
+  explicit StreamPool(device::Device* device) : device_(device) {}
+  Result<std::unique_ptr<device::Stream>> Take() EXCLUDES(mu_);
+  void Give(std::unique_ptr<device::Stream> s) EXCLUDES(mu_);
+
+ private:
+  device::Device* device_;
+  Mutex mu_;
+  std::vector<std::unique_ptr<device::Stream>> idle_ GUARDED_BY(mu_);
+};
+
+struct DevicePiece {
+  std::byte* local;  // host pointer, or a device address of the same device
+  bool local_host;
+  device::DeviceAddress remote;
+  std::uint64_t length;
+};
+
+/// The IPC handles of this process's device regions (`regions`), for its shm section. A region
+/// that cannot be exported (NotSupported, e.g. VMM) is left out and logged: readers then use tcp.
+std::vector<ShmIpcRegion> ExportDeviceRegions(const std::vector<RegionInfo>& regions);
+
+/// Opens the peer's handles (each allocation once) in this process's instance of the device each
+/// region names. InvalidArgument for a handle that does not match its region; Unavailable when a
+/// device or a handle does not open (shm then cannot read this peer).
+Result<std::map<RegionId, ImportedRegion>> ImportPeerRegions(const std::vector<ShmIpcRegion>& ipc,
+                                                             const RemoteRegionTable& regions);
+
+/// Copies every piece on one stream and waits for them, in slices, so that a batch that stops
+/// (cancel, deadline, another unit's failure) is seen; it then waits for the copies already
+/// issued (at most 10 s) so that none writes after the unit ends. `alive` says whether the
+/// exporting process still runs (its error otherwise), checked before and after the copies.
+Status CopyPieces(const std::function<Status()>& alive, const Batch& batch, StreamPool& streams,
+                  const std::vector<DevicePiece>& pieces, std::uint64_t* bytes);
+
+}  // namespace kvferry
