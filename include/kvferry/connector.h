@@ -220,6 +220,9 @@ struct WorkerStats {
   std::uint64_t loads_failed = 0;
   std::uint64_t handshakes = 0;
   std::map<std::string, std::uint64_t> failures;  ///< by status code name
+  /// Failed loads by the prefill engine they read from (remote_engine_id); at most 256 engines,
+  /// later ones counted under "other".
+  std::map<std::string, std::uint64_t> failures_by_peer;
   std::uint64_t holds_outstanding = 0;
   std::uint64_t holds_released_by_readers = 0;
   std::uint64_t holds_released_by_abort = 0;

@@ -92,16 +92,14 @@ void LoadRunner::Start(const std::vector<LoadSpec>& loads) {
       to_start.push_back(load);
     }
   }
-  for (LoadSpec& load : to_start) {
-    const std::string id = load.request_id;
-    const std::vector<std::int64_t> blocks = load.local_block_ids;
-    Status queued = transfers_->TryPost([this, load = std::move(load)] { Run(load); });
+  for (const LoadSpec& load : to_start) {
+    Status queued = transfers_->TryPost([this, load] { Run(load); });
     if (!queued.ok()) {
       // Every load ends (rule 11): one that cannot even queue fails now, its blocks recomputed.
-      Status s = queued.WithContext("queueing the load of request " + id);
+      Status s = queued.WithContext("queueing the load of request " + load.request_id);
       Log().warn("{}", s.ToString());
       MutexLock lock(mu_);
-      EndLocked(id, blocks, s, /*recompute=*/true);
+      EndLocked(load, s, /*recompute=*/true);
     }
   }
 }
@@ -177,22 +175,27 @@ void LoadRunner::Run(const LoadSpec& load) {
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
   }
   // A load the engine aborted has nothing to recompute: the engine has dropped the request.
-  EndLocked(load.request_id, load.local_block_ids, s, !aborted_by_engine);
+  EndLocked(load, s, !aborted_by_engine);
 }
 
-void LoadRunner::EndLocked(const std::string& id, const std::vector<std::int64_t>& blocks,
-                           const Status& s, bool recompute) {
+void LoadRunner::EndLocked(const LoadSpec& load, const Status& s, bool recompute) {
   // Every started load ends here, exactly once: reported done or failed to GetFinished.
-  loads_.erase(id);
-  finished_.push_back(id);
+  loads_.erase(load.request_id);
+  finished_.push_back(load.request_id);
   if (s.ok()) {
     ++stats_.loads_done;
     return;
   }
   ++stats_.loads_failed;
   ++stats_.failures[StatusCodeName(s.code())];
-  errors_.push_back(
-      {id, blocks, s, recompute && cfg_.failure_policy == LoadFailurePolicy::kRecompute});
+  // Bounded: peers name themselves, so a churning fleet must not grow this without end.
+  constexpr std::size_t kMaxPeers = 256;
+  const bool known = stats_.failures_by_peer.count(load.remote_engine_id) != 0;
+  ++stats_.failures_by_peer[known || stats_.failures_by_peer.size() < kMaxPeers
+                                ? load.remote_engine_id
+                                : std::string("other")];
+  errors_.push_back({load.request_id, load.local_block_ids, s,
+                     recompute && cfg_.failure_policy == LoadFailurePolicy::kRecompute});
 }
 
 std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,

@@ -40,6 +40,7 @@ struct LoadRunnerStats {
   std::uint64_t loads_done = 0;
   std::uint64_t loads_failed = 0;
   std::map<std::string, std::uint64_t> failures;
+  std::map<std::string, std::uint64_t> failures_by_peer;  // by remote engine id, bounded
   std::uint64_t notices_dropped = 0;
   std::uint64_t loads_outstanding = 0;
   LatencyHistogram transfer_latency;
@@ -85,8 +86,7 @@ class LoadRunner {
   void Run(const LoadSpec& load) EXCLUDES(mu_);
   Status DoLoad(const LoadSpec& load) EXCLUDES(mu_);
   // Reports a load's end (the one place, so each ends once); `recompute` false for engine aborts.
-  void EndLocked(const std::string& id, const std::vector<std::int64_t>& blocks, const Status& s,
-                 bool recompute) REQUIRES(mu_);
+  void EndLocked(const LoadSpec& load, const Status& s, bool recompute) REQUIRES(mu_);
   std::vector<std::string> NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
                                            const std::vector<TpSource>& sources) const;
   // Cancelled with the engine's reason when the load was aborted; Ok otherwise.

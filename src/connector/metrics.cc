@@ -166,6 +166,13 @@ std::string PrometheusText(std::span<const WorkerMetrics> workers,
                return std::vector<std::pair<std::string, std::uint64_t>>(s.failures.begin(),
                                                                          s.failures.end());
              });
+  w.Labelled("kvferry_load_failures_by_peer_total", "counter",
+             "Failed loads by the prefill engine read from (its engine id; at most 256, then "
+             "\"other\")",
+             "peer", [](S s) {
+               return std::vector<std::pair<std::string, std::uint64_t>>(s.failures_by_peer.begin(),
+                                                                         s.failures_by_peer.end());
+             });
   w.Simple("kvferry_loads_outstanding", "gauge", "Loads started and not yet reported finished",
            [](S s) { return s.loads_outstanding; });
   w.Simple("kvferry_bytes_read_total", "counter", "KV bytes the connector's loads read",

@@ -330,6 +330,7 @@ WorkerStats WorkerImpl::Stats() const {
   s.loads_done = l.loads_done;
   s.loads_failed = l.loads_failed;
   s.failures = l.failures;
+  s.failures_by_peer = l.failures_by_peer;
   s.notices_dropped = l.notices_dropped;
   s.loads_outstanding = l.loads_outstanding;
   s.transfer_latency = l.transfer_latency;

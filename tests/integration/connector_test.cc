@@ -497,6 +497,11 @@ TEST(ConnectorTest, PrefillKilledFailsExactlyItsRequestsWithTheirBlocks) {
   EXPECT_EQ(decode.Errors("req-a")[0].local_block_ids, decode.LocalBlocks("req-a"));
   EXPECT_EQ(decode.Errors("req-b")[0].local_block_ids, decode.LocalBlocks("req-b"));
   EXPECT_TRUE(decode.Errors("req-c").empty());
+  // Failures by peer: both on the dead engine, none on the healthy one.
+  const WorkerStats stats = decode.worker(0).Stats();
+  EXPECT_EQ(stats.failures_by_peer.count("prefill-ok"), 0u);
+  ASSERT_EQ(stats.failures_by_peer.count("prefill-doomed"), 1u);
+  EXPECT_EQ(stats.failures_by_peer.at("prefill-doomed"), 2u);
   EXPECT_EQ(decode.Mismatches("req-c"), 0);
   EXPECT_TRUE(healthy.WaitLine("FREED req-c", milliseconds(5000)));
   for (const char* r : {"req-a", "req-b", "req-c"}) decode.Free(r);

@@ -36,8 +36,8 @@ std::vector<ShmIpcRegion> ExportDeviceRegions(const std::vector<RegionInfo>& reg
         dev.ok() ? (*dev)->ExportIpc(reinterpret_cast<device::DeviceAddress>(r.addr))
                  : Result<device::IpcHandle>(dev.status());
     if (!h.ok()) {
-      Log().info("shm: region {} ({} memory) is not offered for IPC: {}", r.id,
-                 r.kind.ToString(), h.status().ToString());
+      Log().info("shm: region {} ({} memory) is not offered for IPC: {}", r.id, r.kind.ToString(),
+                 h.status().ToString());
       continue;
     }
     out.push_back({r.id, h->Encode()});

@@ -61,6 +61,7 @@ WorkerMetrics Example(int tp_rank) {
   w.stats.loads_done = 3;
   w.stats.loads_failed = 2;
   w.stats.failures = {{"Timeout", 1}, {"PeerDisconnected", 1}};
+  w.stats.failures_by_peer = {{"prefill-\"a\"", 2}};
   w.stats.bytes_read = 12345;
   w.stats.holds_outstanding = 4;
   w.stats.notices_received = {{"finished", 9}};
@@ -140,6 +141,8 @@ TEST(PrometheusTextTest, LabelsAreEscapedAndFailuresCarryTheirCode) {
   EXPECT_THAT(text, HasSubstr("kvferry_load_failures_total{engine_id=\"decode \\\"0\\\"\\\\x\","
                               "role=\"decode\",dp_rank=\"0\",tp_rank=\"1\",code=\"Timeout\"} 1\n"));
   EXPECT_THAT(text, HasSubstr(",outcome=\"failed\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("kvferry_load_failures_by_peer_total{"));
+  EXPECT_THAT(text, HasSubstr(",peer=\"prefill-\\\"a\\\"\"} 2\n"));
   EXPECT_THAT(text, HasSubstr("kvferry_notices_received_total{"));
   EXPECT_THAT(text, HasSubstr(",type=\"finished\"} 9\n"));
   EXPECT_THAT(text, HasSubstr("kvferry_transport_bytes_served_total{"));
