@@ -13,7 +13,10 @@ def free_port(count: int = 1) -> int:
     import socket
     import random
     for _ in range(200):
-        base = random.randint(20000, 60000)
+        # Below Linux's ephemeral range (32768-60999 by default), where outgoing connections
+        # take their ports at any moment; the C++ tests pick theirs the same way
+        # (src/common/ports.cc).
+        base = random.randint(20000, 32000 - count)
         ok = True
         for i in range(count):
             s = socket.socket()

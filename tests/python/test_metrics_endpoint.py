@@ -20,7 +20,7 @@ CLI = os.environ.get("KVFERRY_CLI", "")
 def serve():
     if not CLI:
         pytest.skip("KVFERRY_CLI (the kvferry binary) is not set; ctest sets it")
-    p = subprocess.Popen([CLI, "serve", "--role", "decode", "--base-port", str(free_port()),
+    p = subprocess.Popen([CLI, "serve", "--role", "decode", "--base-port", str(free_port(2)),
                           "--control-port", "0", "--metrics-port", "0", "--num-blocks", "64",
                           "--layers", "2", "--tp", "2", "--exit-on-stdin-eof"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
