@@ -78,10 +78,16 @@ std::vector<std::vector<std::int32_t>> MakePrompts(int n, int min_len, int max_l
 
 int RunDemo(const DemoArgs& a) {
   if (!a.json) {
-    std::cout << "kvferry demo: " << a.pipeline.prefill_instances << " prefill instance(s) of TP "
-              << a.pipeline.prefill_tp << " -> " << a.pipeline.decode_instances
-              << " decode instance(s) of TP " << a.pipeline.decode_tp << ", " << a.requests
-              << " requests, prompts " << a.min_prompt << ".." << a.max_prompt
+    const bool external = !a.pipeline.prefill_control.empty();
+    std::cout << "kvferry demo: "
+              << (external
+                      ? "the running instances at " + a.pipeline.prefill_control + " -> " +
+                            a.pipeline.decode_control
+                      : std::to_string(a.pipeline.prefill_instances) +
+                            " prefill instance(s) of TP " + std::to_string(a.pipeline.prefill_tp) +
+                            " -> " + std::to_string(a.pipeline.decode_instances) +
+                            " decode instance(s) of TP " + std::to_string(a.pipeline.decode_tp))
+              << ", " << a.requests << " requests, prompts " << a.min_prompt << ".." << a.max_prompt
               << " tokens, transport " << a.pipeline.transport << ", model "
               << a.pipeline.model.kind << " " << a.pipeline.model.layers << " layers" << std::endl;
   }

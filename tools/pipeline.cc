@@ -190,6 +190,8 @@ class Proxy {
         decode_(d.decode()),
         prefill_load_(d.prefill().size(), 0),
         decode_load_(d.decode().size(), 0),
+        prefill_down_until_(d.prefill().size()),
+        decode_down_until_(d.decode().size()),
         block_bytes_(block_bytes),
         rng_(a.seed),
         request_timeout_(a.request_timeout_ms) {}
@@ -207,11 +209,17 @@ class Proxy {
         for (auto& c : *clients) items.push_back({c->socket(), 0, ZMQ_POLLIN, 0});
       }
       zmq_poll(items.data(), static_cast<int>(items.size()), 20);
-      for (auto& c : prefill_) {
-        while (std::optional<Json> r = c->TryRecv()) OnPrefillAnswer(*r);
+      for (std::size_t i = 0; i < prefill_.size(); ++i) {
+        while (std::optional<Json> r = prefill_[i]->TryRecv()) {
+          prefill_down_until_[i] = {};  // it answers: up again
+          OnPrefillAnswer(*r);
+        }
       }
-      for (auto& c : decode_) {
-        while (std::optional<Json> r = c->TryRecv()) OnDecodeAnswer(*r);
+      for (std::size_t i = 0; i < decode_.size(); ++i) {
+        while (std::optional<Json> r = decode_[i]->TryRecv()) {
+          decode_down_until_[i] = {};
+          OnDecodeAnswer(*r);
+        }
       }
       FailStalled();
       ReportProgress();
@@ -249,9 +257,19 @@ class Proxy {
     inflight_.erase(it);
     ++finished_;
   }
-  // The instance with the fewest outstanding requests; ties go to the lowest index.
-  static std::size_t LeastLoaded(const std::vector<int>& load) {
-    return static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+  // The instance with the fewest outstanding requests among those not marked down (all of them
+  // when every one is); ties go to the lowest index.
+  static std::size_t LeastLoaded(const std::vector<int>& load,
+                                 const std::vector<Clock::time_point>& down_until) {
+    const auto now = Clock::now();
+    std::size_t best = load.size();
+    for (int pass = 0; pass < 2 && best == load.size(); ++pass) {
+      for (std::size_t i = 0; i < load.size(); ++i) {
+        if (pass == 0 && down_until[i] > now) continue;
+        if (best == load.size() || load[i] < load[best]) best = i;
+      }
+    }
+    return best;
   }
   std::chrono::microseconds RandomDelay(int max_us) {
     return std::chrono::microseconds(static_cast<std::int64_t>(unit_(rng_) * max_us));
@@ -263,7 +281,7 @@ class Proxy {
       Json params = ParamsToJson(KvTransferParams{});
       params["do_remote_decode"] = true;
       InFlight f;
-      f.instance = LeastLoaded(prefill_load_);
+      f.instance = LeastLoaded(prefill_load_, prefill_down_until_);
       ++prefill_load_[f.instance];
       (void)prefill_[f.instance]->Send({{"op", "generate"},
                                         {"request_id", id},
@@ -317,7 +335,7 @@ class Proxy {
     }
     --prefill_load_[it->second.instance];
     it->second.forwarded = Clock::now();
-    it->second.instance = LeastLoaded(decode_load_);
+    it->second.instance = LeastLoaded(decode_load_, decode_down_until_);
     ++decode_load_[it->second.instance];
     if (it->second.abort_at == AbortAt::kDecode) {
       aborts_.push_back({Clock::now() + RandomDelay(20000), true, it->second.instance, id});
@@ -359,15 +377,23 @@ class Proxy {
     End(it);
   }
 
-  // An instance that died (or a message lost with it) must not stall the run.
+  // An instance that died (or a message lost with it) must not stall the run. One that let a
+  // request time out gets no new requests for a timeout's length (unless every instance of its
+  // role is down), so a dead instance costs the requests it had, not a stream of new ones.
   void FailStalled() {
+    const auto now = Clock::now();
     for (auto it = inflight_.begin(); it != inflight_.end();) {
       auto next_it = std::next(it);
-      if (Clock::now() - it->second.stage_start() > request_timeout_) {
+      if (now - it->second.stage_start() > request_timeout_) {
+        const bool decode = it->second.at_decode();
+        const bool several = (decode ? decode_ : prefill_).size() > 1;
         ++out_.failed;
-        out_.errors.push_back(it->first + ": no answer from the " +
-                              (it->second.at_decode() ? "decode" : "prefill") +
-                              " instance within " + std::to_string(a_.request_timeout_ms) + " ms");
+        out_.errors.push_back(
+            it->first + ": no answer from the " + (decode ? "decode" : "prefill") + " instance" +
+            (several ? " " + std::to_string(it->second.instance) : std::string()) + " within " +
+            std::to_string(a_.request_timeout_ms) + " ms");
+        (decode ? decode_down_until_ : prefill_down_until_)[it->second.instance] =
+            now + request_timeout_;
         End(it);
       }
       it = next_it;
@@ -390,6 +416,9 @@ class Proxy {
   std::vector<std::unique_ptr<ControlClient>>& decode_;
   std::vector<int> prefill_load_;  // outstanding requests per instance
   std::vector<int> decode_load_;
+  // An instance that let a request time out is skipped until then.
+  std::vector<Clock::time_point> prefill_down_until_;
+  std::vector<Clock::time_point> decode_down_until_;
   const std::uint64_t block_bytes_;
   std::mt19937 rng_;
   std::uniform_real_distribution<double> unit_{0, 1};
@@ -403,11 +432,20 @@ class Proxy {
 };
 
 // The stats of every instance of a role, numbers summed; the transfer percentiles are the
-// slowest instance's.
+// slowest instance's. An instance that does not answer (it died) is left out and counted in
+// "unreachable"; an error only when none answers.
 Result<Json> RoleStats(std::vector<std::unique_ptr<ControlClient>>& clients) {
   Json sum = Json::object();
+  int unreachable = 0;
+  Status last;
   for (auto& c : clients) {
-    KVFERRY_ASSIGN_OR_RETURN(Json s, c->Call({{"op", "stats"}}, milliseconds(5000)));
+    Result<Json> got = c->Call({{"op", "stats"}}, milliseconds(5000));
+    if (!got.ok()) {
+      ++unreachable;
+      last = got.status();
+      continue;
+    }
+    const Json& s = *got;
     for (auto it = s.begin(); it != s.end(); ++it) {
       if (!it.value().is_number()) {
         if (!sum.contains(it.key())) sum[it.key()] = it.value();
@@ -425,6 +463,8 @@ Result<Json> RoleStats(std::vector<std::unique_ptr<ControlClient>>& clients) {
       }
     }
   }
+  if (unreachable == static_cast<int>(clients.size())) return last;
+  sum["unreachable"] = unreachable;
   return sum;
 }
 
