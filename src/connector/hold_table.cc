@@ -53,6 +53,7 @@ Result<std::uint32_t> HoldTable::Finished(const std::string& reader, std::uint32
                                           std::span<const std::string> ids, Clock::time_point now) {
   std::uint32_t applied = 0;
   std::size_t refused = 0;
+  std::string stale;
   for (const std::string& id : ids) {
     auto it = holds_.find(id);
     if (it != holds_.end()) {
@@ -60,6 +61,10 @@ Result<std::uint32_t> HoldTable::Finished(const std::string& reader, std::uint32
       if (it->second.expected < 0) it->second.expected = expected_readers_(reader_tp);
       TryComplete(id);
       ++applied;
+      continue;
+    }
+    if (ended_.count(id) != 0) {
+      if (stale.empty()) stale = id;
       continue;
     }
     // Rule 10: a notice that arrives before its hold is kept, not lost (up to the cap).
@@ -71,6 +76,13 @@ Result<std::uint32_t> HoldTable::Finished(const std::string& reader, std::uint32
     e->readers.insert(reader);
     e->reader_tp = reader_tp;
     ++applied;
+  }
+  if (!stale.empty()) {
+    return Status::NotFound("the hold of request " + stale +
+                            " had ended (its lease expired, or it was aborted) before reader " +
+                            reader +
+                            " reported it: its blocks may have been reused while they "
+                            "were read, so the bytes read must not be used; recompute them");
   }
   if (refused > 0) return EarlyTableFull("finished", refused, ids.size());
   return applied;
@@ -152,6 +164,13 @@ void HoldTable::Release(const std::string& id, std::uint64_t* counter) {
   // A copy: callers may pass the key of the very entry erased here.
   std::string key = id;
   holds_.erase(key);
+  if (counter != &by_readers_ && ended_.insert(key).second) {
+    ended_order_.push_back(key);
+    if (ended_order_.size() > 65536) {
+      ended_.erase(ended_order_.front());
+      ended_order_.pop_front();
+    }
+  }
   released_.push_back(std::move(key));
   ++*counter;
 }

@@ -6,11 +6,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <set>
 #include <span>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "common/clock.h"
@@ -42,7 +44,9 @@ class HoldTable {
 
   /// Reader `reader` (engine/dp/tp) of a decode instance with TP size `reader_tp` has read `ids`.
   /// Returns how many ids were applied; ResourceExhausted (after applying the rest) when early
-  /// notices for unknown ids did not fit under the cap.
+  /// notices for unknown ids did not fit under the cap; NotFound (after applying the rest) when
+  /// the hold of one of them already ended by its lease or an abort: its blocks may have been
+  /// reused while the reader read them, so the reader must not trust those bytes.
   Result<std::uint32_t> Finished(const std::string& reader, std::uint32_t reader_tp,
                                  std::span<const std::string> ids, Clock::time_point now);
   /// The decode side gave up on `ids`: their holds end now (or as soon as they are held).
@@ -83,6 +87,10 @@ class HoldTable {
   void TryComplete(const std::string& id);
   void Release(const std::string& id, std::uint64_t* counter);
 
+  // Ids whose holds ended by lease or abort (not by their readers), the latest 65536: a finished
+  // notice for one of them reports that the reads it confirms may have seen reused blocks.
+  std::unordered_set<std::string> ended_;
+  std::deque<std::string> ended_order_;
   const HoldLimits limits_;
   const std::function<int(std::uint32_t)> expected_readers_;
   std::map<std::string, Held> holds_;

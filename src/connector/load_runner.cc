@@ -350,9 +350,32 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
     stats_.merged_runs += runs_total;
   }
   // Rule 10: every prefill rank read from (and the unread ones this rank covers) is told, also
-  // when there was nothing to read.
+  // when there was nothing to read. A rank read from is told at once and must confirm that it
+  // still held the blocks: a hold that ended by lease or abort during the reads may have had its
+  // blocks reused, and bytes read then must not be used (the load fails, to be recomputed). The
+  // other ranks' notices are batched.
+  std::set<std::string> read_from;
+  if (!load.local_block_ids.empty()) {
+    for (const TpSource& source : sources) {
+      read_from.insert(Endpoint(load.remote_host, load.remote_port + source.prefill_rank));
+    }
+  }
   for (const std::string& endpoint : endpoints) {
-    notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout));
+    if (read_from.count(endpoint) == 0) {
+      notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout));
+      continue;
+    }
+    Result<wire::Message> reply =
+        client_.Call(endpoint,
+                     wire::FinishedNotice{
+                         self_, {load.remote_request_id}, static_cast<std::uint32_t>(cfg_.tp_size)},
+                     DeadlineAfter(cfg_.notice_timeout));
+    // An error reply arrives as an error status (NotFound: the hold had ended), as does no
+    // reply: either way the bytes are not confirmed, and the load fails.
+    if (!reply.ok()) {
+      return reply.status().WithContext("confirming with " + endpoint +
+                                        " that it held the blocks while they were read");
+    }
   }
   return Status::Ok();
 }

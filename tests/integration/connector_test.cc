@@ -708,6 +708,43 @@ namespace {
 // Issue 11, finding 7: a batch Timeout counted as a peer fault, so one slow load disconnected the
 // peer and failed every other load from it (reported with recompute=false) and released their
 // prefill holds. Only liveness failures may take a peer down; a timeout fails its own load alone.
+// A hold that ends by its lease while its reader still reads: the prefill side may reuse the
+// blocks meanwhile, so the reader must not use what it read. The reader's finished notice is its
+// confirmation: refused (NotFound) for a hold that already ended, and the load then fails, to be
+// recomputed. Found by the two-host test (a 3 s link outage outlived a 4 s lease with TCP's
+// backoff; the decode side verified another request's KV). Before the fix this load succeeded.
+TEST(ConnectorHardeningTest, ALoadThatOutlivesItsHoldFailsInsteadOfUsingReusedBlocks) {
+  PrefillProcess prefill("mha", 1, "prefill-0", /*lease_ms=*/300);
+  auto gate = std::make_shared<FaultGate>();
+  FaultInjectingTransport* faults = nullptr;
+  DecodeInstance decode(
+      "mha", 1, "", milliseconds(30000), milliseconds(5000), [&](WorkerConfig& c) {
+        c.hold_lease = milliseconds(120000);  // renewals every 30 s: none during this test
+        c.make_transport = [&](const TransportOptions& o) -> Result<std::unique_ptr<Transport>> {
+          KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner, CreateTransport(o));
+          auto t = std::make_unique<FaultInjectingTransport>(std::move(inner));
+          // The read stays in progress, as a transfer stalled by a link outage does.
+          t->AddRule({FaultRule::Action::kHold, [](std::uint64_t, PeerId) { return true; },
+                      milliseconds(0), Status::Ok(), gate});
+          faults = t.get();
+          return std::unique_ptr<Transport>(std::move(t));
+        };
+      });
+  const Params p = prefill.Hold("req-late", 3);
+  ASSERT_TRUE(decode.Load("req-late", prefill, p).ok());
+  // The prefill side ends the hold by its lease while the read is held back.
+  ASSERT_TRUE(prefill.WaitLine("FREED req-late", milliseconds(10000)));
+  gate->Open();
+  ASSERT_TRUE(decode.WaitReceived("req-late", {}, milliseconds(15000)));
+  ASSERT_EQ(decode.Errors("req-late").size(), 1u) << "a load that outlived its hold succeeded";
+  const LoadError& e = decode.Errors("req-late")[0];
+  EXPECT_THAT(e.status.message(), HasSubstr("must not be used")) << e.status.ToString();
+  EXPECT_TRUE(e.recompute);
+  EXPECT_EQ(e.local_block_ids, decode.LocalBlocks("req-late"));
+  decode.Free("req-late");
+  ExpectNothingLeft(prefill, decode);
+}
+
 TEST(ConnectorHardeningTest, OneSlowLoadFailsAloneNotTheOtherLoadsFromItsPeer) {
   PrefillProcess prefill("mha", 1, "prefill-0", 60000);
   FaultInjectingTransport* faults = nullptr;
