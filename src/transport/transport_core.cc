@@ -268,7 +268,13 @@ Result<BatchId> TransportCore::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
     MutexLock lock(mu_);
     auto it = peers_.find(peer);
     if (it == peers_.end()) {
-      return Status::NotFound("peer " + std::to_string(peer) + " is unknown or disconnected");
+      // Ids are never reused: one below next_peer_ was connected and has been disconnected (by
+      // another load that found the peer dead, say), which is the peer's failure, not a bug.
+      if (peer != 0 && peer < next_peer_) {
+        return Status::PeerDisconnected("peer " + std::to_string(peer) +
+                                        " was disconnected before these reads were submitted");
+      }
+      return Status::NotFound("peer " + std::to_string(peer) + " is unknown");
     }
     // Every op is checked on this side before any byte moves.
     for (std::size_t i = 0; i < ops.size(); ++i) {

@@ -413,6 +413,29 @@ TEST(DeviceTcpTest, PeerKilledMidBatchFailsAndNothingLandsAfter) {
   (void)peer->CloseAndWait(milliseconds(5000));
 }
 
+// Reads submitted to a peer another thread has just disconnected fail as the peer's failure
+// (PeerDisconnected), not as a caller's mistake; an id never issued is NotFound. (A load racing
+// another load's disconnect of a dead peer was reported NotFound.)
+TEST(TransportPeerIdTest, ADisconnectedPeerIsPeerDisconnectedAndAnUnknownOneNotFound) {
+  Memory remote("host", true);
+  Memory local("host", false);
+  std::unique_ptr<Transport> server = MakeTransport(true);
+  std::unique_ptr<Transport> client = MakeTransport(false);
+  ASSERT_TRUE(server->RegisterMemory(kRemoteRegion, remote.base(), kBytes).ok());
+  ASSERT_TRUE(client->RegisterMemory(kLocalRegion, local.base(), kBytes).ok());
+  Result<PeerId> p = client->Connect(*server->Descriptor(), DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  client->Disconnect(*p);
+  Result<BatchId> gone = client->SubmitReads(*p, {{local.base(), kRemoteRegion, 0, 4096}},
+                                             DeadlineAfter(milliseconds(5000)));
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().code(), StatusCode::kPeerDisconnected);
+  Result<BatchId> unknown = client->SubmitReads(*p + 1000, {{local.base(), kRemoteRegion, 0, 4096}},
+                                                DeadlineAfter(milliseconds(5000)));
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), StatusCode::kNotFound);
+}
+
 TEST(DeviceRegistrationTest, MemoryNotOfTheNamedDeviceIsRefused) {
   std::unique_ptr<Transport> t = MakeTransport(false);
   std::vector<std::byte> host(8192);
