@@ -90,8 +90,8 @@ TEST(TransportRaceTest, DisconnectRacingSubmissionsEndsEveryBatchCleanly) {
         Result<BatchId> b = client->SubmitReads(current.load(), ops,
                                                 DeadlineAfter(milliseconds(5000 * kTimingSlack)));
         if (!b.ok()) {
-          // The peer was forgotten before the submission looked it up.
-          if (b.status().code() == StatusCode::kNotFound) {
+          // The peer was disconnected before the submission looked it up.
+          if (b.status().code() == StatusCode::kPeerDisconnected) {
             unknown_peer.fetch_add(1);
           } else {
             unexpected.fetch_add(1);
