@@ -20,6 +20,7 @@
 #include "common/subprocess.h"
 #include "device/device.h"
 #include "kvferry/transport.h"
+#include "tests/bench_peer.h"
 #include "tests/unit/device/device_test_util.h"
 #include "transport/descriptor.h"
 #include "transport/shm/shm_section.h"
@@ -262,20 +263,15 @@ TEST(DeviceAutoTest, AutoOnOneHostPicksABackendThatReadsTheKinds) {
 TEST(DeviceIpcTest, ReadsAnotherProcesssDeviceMemoryAndNoticesItsDeath) {
   constexpr std::uint64_t kPeerBytes = 16u << 20;
   constexpr std::uint64_t kPeerSeed = 0x6b76666572727900ull;  // bench peer's default
-  Result<Subprocess> peer =
-      Subprocess::Spawn({KVFERRY_CLI_PATH, "bench", "peer", "--backend", "auto", "--bytes",
-                         std::to_string(kPeerBytes), "--memory", "sim:0"});
-  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
-  Result<std::string> line = peer->ReadLine(std::chrono::seconds(30));
-  ASSERT_TRUE(line.ok() && line->rfind("READY ", 0) == 0) << line.status().ToString();
-  Result<std::vector<std::uint8_t>> descriptor = FromHex(line->substr(6));
-  ASSERT_TRUE(descriptor.ok());
+  testing::BenchPeer peer = testing::StartBenchPeer(
+      {"--backend", "auto", "--bytes", std::to_string(kPeerBytes), "--memory", "sim:0"});
+  ASSERT_FALSE(peer.descriptor.empty());
   for (const std::string local_kind : {"host", "sim:0"}) {
     SCOPED_TRACE(local_kind);
     Memory local(local_kind, false);
     std::unique_ptr<Transport> client = MakeTransport(false, "auto");
     ASSERT_TRUE(client->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
-    Result<PeerId> p = client->Connect(*descriptor, DeadlineAfter(milliseconds(5000)));
+    Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     EXPECT_EQ(*client->PeerBackend(*p), "shm");
     std::mt19937_64 rng(7);
@@ -296,8 +292,8 @@ TEST(DeviceIpcTest, ReadsAnotherProcesssDeviceMemoryAndNoticesItsDeath) {
           << "block " << k;
     }
     if (local_kind == "sim:0") {
-      peer->Signal(SIGKILL);
-      (void)peer->CloseAndWait(milliseconds(5000));
+      peer.process->Signal(SIGKILL);
+      (void)peer.process->CloseAndWait(milliseconds(5000));
       const auto killed = Clock::now();
       Result<BatchId> after =
           client->SubmitReads(*p, {reads[0]}, DeadlineAfter(milliseconds(10000)));
@@ -365,18 +361,13 @@ TEST(DeviceIpcTest, AHandleThatDoesNotOpenFallsBackToStagedTcp) {
 // the local device memory after it ended.
 TEST(DeviceTcpTest, PeerKilledMidBatchFailsAndNothingLandsAfter) {
   constexpr std::uint64_t kPeerBytes = 64u << 20;
-  Result<Subprocess> peer =
-      Subprocess::Spawn({KVFERRY_CLI_PATH, "bench", "peer", "--backend", "tcp", "--bytes",
-                         std::to_string(kPeerBytes), "--memory", "sim:0"});
-  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
-  Result<std::string> line = peer->ReadLine(std::chrono::seconds(30));
-  ASSERT_TRUE(line.ok() && line->rfind("READY ", 0) == 0) << line.status().ToString();
-  Result<std::vector<std::uint8_t>> descriptor = FromHex(line->substr(6));
-  ASSERT_TRUE(descriptor.ok());
+  testing::BenchPeer peer = testing::StartBenchPeer(
+      {"--backend", "tcp", "--bytes", std::to_string(kPeerBytes), "--memory", "sim:0"});
+  ASSERT_FALSE(peer.descriptor.empty());
   Memory local("sim:1", false);
   std::unique_ptr<Transport> client = MakeTransport(false, "tcp");
   ASSERT_TRUE(client->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
-  Result<PeerId> p = client->Connect(*descriptor, DeadlineAfter(milliseconds(5000)));
+  Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   // Many batches over the whole local pool, until one is caught running when the peer dies.
   std::vector<ReadOp> reads;
@@ -389,7 +380,7 @@ TEST(DeviceTcpTest, PeerKilledMidBatchFailsAndNothingLandsAfter) {
     ASSERT_TRUE(b.ok()) << b.status().ToString();
     batches.push_back(*b);
   }
-  peer->Signal(SIGKILL);
+  peer.process->Signal(SIGKILL);
   const auto killed = Clock::now();
   bool failed = false;
   for (BatchId b : batches) {
@@ -410,7 +401,7 @@ TEST(DeviceTcpTest, PeerKilledMidBatchFailsAndNothingLandsAfter) {
   client->Release(*probe);
   EXPECT_TRUE(local.Contents() == ended) << "bytes landed after the batches ended";
   EXPECT_TRUE(failed) << "all 512 MiB arrived before the kill landed: the death was not seen";
-  (void)peer->CloseAndWait(milliseconds(5000));
+  (void)peer.process->CloseAndWait(milliseconds(5000));
 }
 
 // Reads submitted to a peer another thread has just disconnected fail as the peer's failure

@@ -26,6 +26,7 @@
 #include "common/pattern.h"
 #include "common/subprocess.h"
 #include "kvferry/transport.h"
+#include "tests/bench_peer.h"
 #include "transport/descriptor.h"
 #include "transport/shm/shm_section.h"
 
@@ -39,22 +40,11 @@ using ::testing::HasSubstr;
 constexpr std::uint64_t kSeed = 0x6b76666572727900ull;  // the peer's default pattern seed
 constexpr std::uint64_t kPeerBytes = 1u << 20;
 
-struct Peer {
-  Subprocess process;
-  std::vector<std::uint8_t> descriptor;
-};
+using Peer = testing::BenchPeer;
 
 Peer StartPeer(const std::string& backend) {
-  Result<Subprocess> p =
-      Subprocess::Spawn({KVFERRY_CLI_PATH, "bench", "peer", "--backend", backend, "--bytes",
-                         std::to_string(kPeerBytes), "--regions", "1"});
-  EXPECT_TRUE(p.ok()) << p.status().ToString();
-  Result<std::string> line = p->ReadLine(std::chrono::seconds(30));
-  EXPECT_TRUE(line.ok()) << line.status().ToString();
-  EXPECT_EQ(line->rfind("READY ", 0), 0u) << *line;
-  Result<std::vector<std::uint8_t>> descriptor = FromHex(line->substr(6));
-  EXPECT_TRUE(descriptor.ok()) << descriptor.status().ToString();
-  return Peer{std::move(p).value(), descriptor.ok() ? *descriptor : std::vector<std::uint8_t>{}};
+  return testing::StartBenchPeer(
+      {"--backend", backend, "--bytes", std::to_string(kPeerBytes), "--regions", "1"});
 }
 
 std::unique_ptr<Transport> MakeReader(const std::string& backend) {
@@ -115,7 +105,7 @@ TEST(ShmTrustTest, AnotherProcessAtTheDescriptorsPidIsNotRead) {
   Peer old_peer = StartPeer("shm");
   Peer other = StartPeer("shm");
   Decoded d = Decode(old_peer.descriptor);
-  d.shm.host.pid = other.process.pid();
+  d.shm.host.pid = other.process->pid();
   std::unique_ptr<Transport> reader = MakeReader("shm");
   Result<PeerId> p = reader->Connect(d.Encode(), DeadlineAfter(milliseconds(5000)));
   ASSERT_FALSE(p.ok()) << "the process at pid " << d.shm.host.pid << " was accepted as the peer";

@@ -18,6 +18,7 @@
 #include "common/pattern.h"
 #include "common/ports.h"
 #include "common/subprocess.h"
+#include "tests/bench_peer.h"
 #include "tests/test_timing.h"
 #include "transport/descriptor.h"
 #include "transport/fault_transport.h"
@@ -38,33 +39,15 @@ constexpr std::uint64_t kPeerBytes = 32u << 20;
 constexpr int kPeerRegions = 4;
 constexpr std::uint64_t kRegionBytes = kPeerBytes / kPeerRegions;
 
-struct Peer {
-  Subprocess process;
-  std::vector<std::uint8_t> descriptor;
-};
+using Peer = testing::BenchPeer;
 
 Peer StartPeer(const std::string& backend, const std::string& secret = "",
                const std::vector<std::string>& extra_args = {}) {
-  std::vector<std::string> env;
-  if (!secret.empty()) env.push_back("KVFERRY_SECRET=" + secret);
-  std::vector<std::string> argv = {KVFERRY_CLI_PATH,
-                                   "bench",
-                                   "peer",
-                                   "--backend",
-                                   backend,
-                                   "--bytes",
-                                   std::to_string(kPeerBytes),
-                                   "--regions",
-                                   std::to_string(kPeerRegions)};
-  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
-  Result<Subprocess> p = Subprocess::Spawn(argv, env);
-  EXPECT_TRUE(p.ok()) << p.status().ToString();
-  Result<std::string> line = p->ReadLine(std::chrono::seconds(30));
-  EXPECT_TRUE(line.ok()) << line.status().ToString();
-  EXPECT_EQ(line->rfind("READY ", 0), 0u) << *line;
-  Result<std::vector<std::uint8_t>> descriptor = FromHex(line->substr(6));
-  EXPECT_TRUE(descriptor.ok()) << descriptor.status().ToString();
-  return Peer{std::move(p).value(), descriptor.ok() ? *descriptor : std::vector<std::uint8_t>{}};
+  std::vector<std::string> args = {"--backend", backend,
+                                   "--bytes",   std::to_string(kPeerBytes),
+                                   "--regions", std::to_string(kPeerRegions)};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
+  return testing::StartBenchPeer(args, secret);
 }
 
 // Local memory, registered as region 100.
@@ -236,7 +219,7 @@ TEST_P(TransportTest, PeerKilledMidBatchIsPeerDisconnectedWithinTwoSeconds) {
   Result<BatchId> b = BatchInFlight();
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   const auto killed = Clock::now();
-  peer_->process.Signal(SIGKILL);
+  peer_->process->Signal(SIGKILL);
   BatchResult r = client_->Wait(*b, killed + milliseconds(2000) * testing::kTimingSlack);
   EXPECT_EQ(r.state, BatchState::kFailed);
   EXPECT_EQ(r.status.code(), StatusCode::kPeerDisconnected) << r.status.ToString();
@@ -358,7 +341,7 @@ TEST(TcpTransportTest, FrozenPeerIsTimeoutAtTheDeadline) {
   ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
   Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok());
-  peer.process.Signal(SIGSTOP);
+  peer.process->Signal(SIGSTOP);
   std::vector<ReadOp> ops;
   for (int i = 0; i < 512; ++i)
     ops.push_back({local.data() + i * 16384, 0, static_cast<std::uint64_t>(i) * 16384, 16384});
@@ -371,7 +354,7 @@ TEST(TcpTransportTest, FrozenPeerIsTimeoutAtTheDeadline) {
   EXPECT_GE(Clock::now(), deadline);
   EXPECT_LT(Clock::now(), deadline + milliseconds(1000) * testing::kTimingSlack)
       << "Timeout came well after the deadline";
-  peer.process.Signal(SIGCONT);
+  peer.process->Signal(SIGCONT);
 }
 
 // shm reads need no CPU from the peer, so a stopped peer's memory is still read, at full speed.
@@ -382,13 +365,13 @@ TEST(ShmTransportTest, FrozenPeerIsStillReadable) {
   ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
   Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok());
-  peer.process.Signal(SIGSTOP);
+  peer.process->Signal(SIGSTOP);
   Result<BatchId> b = client->SubmitReads(*p, {{local.data(), 2, 4096, 1u << 20}},
                                           DeadlineAfter(milliseconds(2000)));
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(client->Wait(*b, DeadlineAfter(milliseconds(3000))).state, BatchState::kDone);
   EXPECT_EQ(FirstPatternMismatch(local.data(), 1u << 20, kSeed, 2, 4096), -1);
-  peer.process.Signal(SIGCONT);
+  peer.process->Signal(SIGCONT);
 }
 
 TEST(TcpTransportTest, WrongOrMissingSecretIsRefused) {
@@ -426,8 +409,8 @@ TEST(TcpTransportTest, APeerRestartedOnTheSamePortIsNotReadAsTheOldOne) {
   ASSERT_TRUE(b.ok());
   ASSERT_EQ(client->Wait(*b, DeadlineAfter(milliseconds(6000))).state, BatchState::kDone);
 
-  first.process.Signal(SIGKILL);
-  (void)first.process.CloseAndWait(milliseconds(5000));
+  first.process->Signal(SIGKILL);
+  (void)first.process->CloseAndWait(milliseconds(5000));
   Peer second = StartPeer("tcp", "s3cret", {"--port", port, "--seed", "99"});
   std::memset(local.data(), 0x11, 5000);
   b = client->SubmitReads(*p, {{local.data(), 1, 100, 5000}}, DeadlineAfter(milliseconds(5000)));
