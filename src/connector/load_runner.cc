@@ -29,8 +29,6 @@ bool PeerFault(const Status& s) {
   return s.code() == StatusCode::kPeerDisconnected || s.code() == StatusCode::kUnavailable;
 }
 
-std::string Endpoint(const std::string& host, int port) { return SideChannelEndpoint(host, port); }
-
 }  // namespace
 
 LoadRunner::LoadRunner(const LoadRunnerContext& context)
@@ -118,9 +116,9 @@ std::vector<LoadError> LoadRunner::TakeErrors() {
   return out;
 }
 
-LoadRunnerStats LoadRunner::Stats() const {
+WorkerStats LoadRunner::Stats() const {
   MutexLock lock(mu_);
-  LoadRunnerStats s = stats_;
+  WorkerStats s = stats_;
   s.loads_outstanding = loads_.size();
   return s;
 }
@@ -209,7 +207,7 @@ std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const
   }
   std::vector<std::string> out;
   out.reserve(ranks.size());
-  for (int q : ranks) out.push_back(Endpoint(load.remote_host, load.remote_port + q));
+  for (int q : ranks) out.push_back(SideChannelEndpoint(load.remote_host, load.remote_port + q));
   return out;
 }
 
@@ -252,11 +250,11 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
     std::uint64_t reads = 0;
     std::uint64_t runs_total = 0;
     for (const TpSource& source : sources) {
+      const std::string endpoint =
+          SideChannelEndpoint(load.remote_host, load.remote_port + source.prefill_rank);
       const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
-      Result<std::shared_ptr<RemoteAgent>> agent =
-          agents_.Get({Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
-                       load.remote_engine_id, source.prefill_rank, load.remote_tp_size},
-                      hs_deadline);
+      Result<std::shared_ptr<RemoteAgent>> agent = agents_.Get(
+          {endpoint, load.remote_engine_id, source.prefill_rank, load.remote_tp_size}, hs_deadline);
       if (!agent.ok()) {
         failure = agent.status();
         break;
@@ -264,11 +262,10 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
       // A restarted prefill instance answers on the same endpoint under a new engine id; its
       // blocks are not this request's.
       if ((*agent)->metadata->agent.peer.engine_id != load.remote_engine_id) {
-        failure = Status::Unavailable(
-            "the prefill instance at " +
-            Endpoint(load.remote_host, load.remote_port + source.prefill_rank) + " is now engine " +
-            (*agent)->metadata->agent.peer.engine_id + ", but request " + load.request_id +
-            " was held by engine " + load.remote_engine_id + ", which is gone");
+        failure = Status::Unavailable("the prefill instance at " + endpoint + " is now engine " +
+                                      (*agent)->metadata->agent.peer.engine_id + ", but request " +
+                                      load.request_id + " was held by engine " +
+                                      load.remote_engine_id + ", which is gone");
         break;
       }
       const CacheSpec& remote = (*agent)->metadata->cache;
@@ -307,13 +304,10 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
       lock.Unlock();
       if (!b.ok()) {
         failure = b.status();
-        if (PeerFault(failure))
-          agents_.Invalidate(Endpoint(load.remote_host, load.remote_port + source.prefill_rank),
-                             *agent);
+        if (PeerFault(failure)) agents_.Invalidate(endpoint, *agent);
         break;
       }
-      batches.push_back(
-          {*b, Endpoint(load.remote_host, load.remote_port + source.prefill_rank), *agent});
+      batches.push_back({*b, endpoint, *agent});
     }
     for (const Submitted& s : batches) {
       if (!failure.ok()) {
@@ -357,7 +351,8 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
   std::set<std::string> read_from;
   if (!load.local_block_ids.empty()) {
     for (const TpSource& source : sources) {
-      read_from.insert(Endpoint(load.remote_host, load.remote_port + source.prefill_rank));
+      read_from.insert(
+          SideChannelEndpoint(load.remote_host, load.remote_port + source.prefill_rank));
     }
   }
   for (const std::string& endpoint : endpoints) {
@@ -383,7 +378,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
 void LoadRunner::SendAborts(const LoadSpec& load, const std::string& reason) {
   // Every prefill rank of the request may hold it; tell them all, best effort.
   for (int q = 0; q < load.remote_tp_size; ++q) {
-    const std::string endpoint = Endpoint(load.remote_host, load.remote_port + q);
+    const std::string endpoint = SideChannelEndpoint(load.remote_host, load.remote_port + q);
     PostBackground([this, endpoint, id = load.remote_request_id, reason] {
       Result<wire::Message> r = client_.Call(endpoint, wire::AbortNotice{self_, {id}, reason},
                                              DeadlineAfter(cfg_.notice_timeout));

@@ -32,20 +32,6 @@ struct LoadRunnerContext {
   AgentCache& agents;
 };
 
-/// The runner's counters, a snapshot (the decode fields of WorkerStats).
-struct LoadRunnerStats {
-  std::uint64_t bytes_read = 0;
-  std::uint64_t reads = 0;
-  std::uint64_t merged_runs = 0;
-  std::uint64_t loads_done = 0;
-  std::uint64_t loads_failed = 0;
-  std::map<std::string, std::uint64_t> failures;
-  std::map<std::string, std::uint64_t> failures_by_peer;  // by remote engine id, bounded
-  std::uint64_t notices_dropped = 0;
-  std::uint64_t loads_outstanding = 0;
-  LatencyHistogram transfer_latency;
-};
-
 /// Thread-safe. Its lock is never held across a network wait, a batch wait or a Cancel.
 class LoadRunner {
  public:
@@ -69,7 +55,9 @@ class LoadRunner {
   std::vector<LoadError> TakeErrors() EXCLUDES(mu_);
   /// Worker::AbortLoad's contract.
   Status Abort(const std::string& request_id, const std::string& reason) EXCLUDES(mu_);
-  LoadRunnerStats Stats() const EXCLUDES(mu_);
+  /// Its counters, in the decode fields of WorkerStats (loads, failures, bytes, reads, runs,
+  /// notices dropped, loads outstanding, transfer latency); the other fields are zero.
+  WorkerStats Stats() const EXCLUDES(mu_);
 
   /// Loads not yet running fail fast from now on, and the lease thread ends. Idempotent.
   void Stop() EXCLUDES(mu_);
@@ -114,8 +102,8 @@ class LoadRunner {
   std::map<std::string, LoadState> loads_ GUARDED_BY(mu_);
   std::vector<std::string> finished_ GUARDED_BY(mu_);
   std::vector<LoadError> errors_ GUARDED_BY(mu_);
-  LoadRunnerStats stats_ GUARDED_BY(mu_);
-  std::thread lease_thread_;  // last: it uses the rest
+  WorkerStats stats_ GUARDED_BY(mu_);  // the decode fields only
+  std::thread lease_thread_;           // last: it uses the rest
 };
 
 }  // namespace kvferry

@@ -301,7 +301,7 @@ FinishedRequests WorkerImpl::GetFinished() {
   holds_.Expire(now);
   if (now - last_stats_log_ > std::chrono::seconds(30)) {
     last_stats_log_ = now;
-    const LoadRunnerStats l = loads_->Stats();
+    const WorkerStats l = loads_->Stats();
     Log().info("kvferry {} worker tp {}: loads done {} failed {}, {} bytes, holds {}",
                RoleName(cfg_.role), cfg_.tp_rank, l.loads_done, l.loads_failed, l.bytes_read,
                holds_.holds());
@@ -322,18 +322,8 @@ WorkerStats WorkerImpl::Stats() const {
   // The transport's counters are its own (thread-safe); read outside mu_.
   const TransportStats transport = transport_ != nullptr ? transport_->Stats() : TransportStats{};
   const AgentCacheStats agents = agents_ != nullptr ? agents_->Stats() : AgentCacheStats{};
-  const LoadRunnerStats l = loads_ != nullptr ? loads_->Stats() : LoadRunnerStats{};
-  WorkerStats s;
-  s.bytes_read = l.bytes_read;
-  s.reads = l.reads;
-  s.merged_runs = l.merged_runs;
-  s.loads_done = l.loads_done;
-  s.loads_failed = l.loads_failed;
-  s.failures = l.failures;
-  s.failures_by_peer = l.failures_by_peer;
-  s.notices_dropped = l.notices_dropped;
-  s.loads_outstanding = l.loads_outstanding;
-  s.transfer_latency = l.transfer_latency;
+  // The decode fields are the load runner's; the rest are filled here.
+  WorkerStats s = loads_ != nullptr ? loads_->Stats() : WorkerStats{};
   MutexLock lock(mu_);
   s.notices_received = notices_received_;
   s.transport = transport;
