@@ -9,11 +9,11 @@ namespace kvferry {
 Batch::Batch(BatchId id, Deadline deadline, std::vector<RegionPin> pins,
              std::function<void(const BatchResult&, std::uint64_t)> on_end)
     : id_(id), deadline_(deadline), on_end_(std::move(on_end)), pins_(std::move(pins)) {
+  // Kept only when some read lands in device memory: host batches, the common case, copy none.
+  for (const RegionPin& pin : pins_) local_all_host_ = local_all_host_ && pin.kind().is_host();
+  if (local_all_host_) return;
   local_kinds_.reserve(pins_.size());
-  for (const RegionPin& pin : pins_) {
-    local_kinds_.push_back(pin.kind());
-    local_all_host_ = local_all_host_ && pin.kind().is_host();
-  }
+  for (const RegionPin& pin : pins_) local_kinds_.push_back(pin.kind());
 }
 
 void Batch::AddUnit() {

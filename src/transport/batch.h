@@ -62,7 +62,7 @@ class Batch {
 
   const BatchId id_;
   const Deadline deadline_;
-  std::vector<MemoryKind> local_kinds_;  // one per read; set by the constructor
+  std::vector<MemoryKind> local_kinds_;  // one per read, unless all are host; set by the ctor
   bool local_all_host_ = true;
   std::function<void(const BatchResult&, std::uint64_t)> on_end_;
 

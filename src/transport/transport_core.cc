@@ -1,7 +1,6 @@
 #include "transport/transport_core.h"
 
 #include <algorithm>
-#include <set>
 #include <string>
 
 #include "common/log.h"
@@ -174,15 +173,12 @@ namespace {
 
 // Unavailable naming the first pair of kinds `backend` cannot read (remote into local).
 Status CanReadKinds(const Backend& backend, const std::vector<RemoteRegion>& remote,
-                    const std::set<std::string>& local_kinds) {
-  std::set<std::string> seen;
+                    const std::vector<MemoryKind>& local_kinds) {
   for (const RemoteRegion& r : remote) {
-    if (!seen.insert(r.kind.ToString()).second) continue;
-    for (const std::string& text : local_kinds) {
-      Result<MemoryKind> local = ParseMemoryKind(text);
-      if (local.ok() && !backend.CanRead(r.kind, *local)) {
+    for (const MemoryKind& local : local_kinds) {
+      if (!backend.CanRead(r.kind, local)) {
         return Status::Unavailable("it cannot read the peer's " + r.kind.ToString() +
-                                   " memory into this process's " + text + " memory");
+                                   " memory into this process's " + local.ToString() + " memory");
       }
     }
   }
@@ -198,8 +194,12 @@ Result<PeerId> TransportCore::Connect(std::span<const std::uint8_t> descriptor, 
   // With several backends (auto), one that cannot move every memory kind of the peer's regions
   // into every kind of ours is passed over: device memory on one host goes over tcp's staging
   // rather than failing at the first read over shm.
-  std::set<std::string> local_kinds;
-  for (const RegionInfo& r : registry_.List()) local_kinds.insert(r.kind.ToString());
+  std::vector<MemoryKind> local_kinds;  // each kind once
+  for (const RegionInfo& r : registry_.List()) {
+    if (std::find(local_kinds.begin(), local_kinds.end(), r.kind) == local_kinds.end()) {
+      local_kinds.push_back(r.kind);
+    }
+  }
   for (const auto& backend : backends_) {
     const PeerView view{d.regions, d.Section(backend->name())};
     Status reach = backend->CanReach(view);

@@ -570,10 +570,7 @@ class TcpPeer final : public BackendPeer {
       const ReadOp& op = ops[i];
       for (std::uint64_t off = 0; off < op.length;) {
         const std::uint64_t len = std::min(op.length - off, cap - r.bytes);
-        if (!devices.empty()) {
-          r.devices.resize(r.ops.size());
-          r.devices.push_back(devices[i]);
-        }
+        if (!devices.empty()) r.devices.push_back(devices[i]);  // in step with r.ops
         r.ops.push_back({op.local + off, op.remote_region, op.remote_offset + off, len});
         r.bytes += len;
         off += len;
