@@ -16,8 +16,9 @@
 namespace kvferry::testing {
 
 struct BenchPeer {
-  std::optional<Subprocess> process;     // absent when it could not be spawned
-  std::vector<std::uint8_t> descriptor;  // empty when the peer did not start (a failure is recorded)
+  std::optional<Subprocess> process;  // absent when it could not be spawned
+  std::vector<std::uint8_t>
+      descriptor;  // empty when the peer did not start (a failure is recorded)
 };
 
 /// Starts `kvferry bench peer ARGS...`, with KVFERRY_SECRET=`secret` when it is not empty, and
