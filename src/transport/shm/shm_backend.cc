@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <random>
@@ -203,8 +204,8 @@ class ShmPeer final : public BackendPeer {
       : state_(std::move(state)),
         regions_(std::move(regions)),
         pool_(std::move(pool)),
-        imported_(std::move(imported)) {
-    for (const auto& [id, r] : imported_) {
+        imported_(std::make_shared<const std::map<RegionId, ImportedRegion>>(std::move(imported))) {
+    for (const auto& [id, r] : *imported_) {
       if (streams_.count(r.device) == 0) {
         streams_[r.device] = std::make_shared<StreamPool>(r.device);
       }
@@ -213,27 +214,20 @@ class ShmPeer final : public BackendPeer {
   ~ShmPeer() override { Shutdown(); }
 
   void Start(const std::shared_ptr<Batch>& batch, std::vector<ReadOp> ops) override {
-    if (!imported_.empty()) StartDevice(batch, ops);
+    if (!imported_->empty()) StartDevice(batch, ops);
     std::vector<Piece> unit;
     std::uint64_t unit_bytes = 0;
     auto flush = [&] {
       if (unit.empty()) return;
-      batch->AddUnit();
-      pool_->Post([state = state_, batch, pieces = std::move(unit)]() mutable {
-        std::uint64_t bytes = 0;
-        if (!state->Enter()) {
-          batch->UnitDone(Status::Cancelled("the shm peer was disconnected"), 0);
-          return;
-        }
-        Status s = ReadPieces(*state, *batch, pieces, &bytes);
-        state->Leave();
-        batch->UnitDone(s, bytes);
-      });
+      PostUnit(batch,
+               [state = state_, batch, pieces = std::move(unit)](std::uint64_t* bytes) mutable {
+                 return ReadPieces(*state, *batch, pieces, bytes);
+               });
       unit = {};
       unit_bytes = 0;
     };
     for (const ReadOp& op : ops) {
-      if (imported_.count(op.remote_region) != 0) continue;  // StartDevice's
+      if (imported_->count(op.remote_region) != 0) continue;  // StartDevice's
       const std::uint64_t base = regions_.at(op.remote_region).addr + op.remote_offset;
       for (std::uint64_t off = 0; off < op.length;) {
         const std::uint64_t len = std::min(op.length - off, kMaxUnitBytes - unit_bytes);
@@ -249,6 +243,22 @@ class ShmPeer final : public BackendPeer {
   void Shutdown() override { state_->Shutdown(); }
 
  private:
+  // Runs one unit of `batch` on the pool; `work` adds the bytes it moved. A unit that starts after
+  // Shutdown moves nothing and ends PeerDisconnected, as a tcp unit of a disconnected peer does.
+  void PostUnit(const std::shared_ptr<Batch>& batch, std::function<Status(std::uint64_t*)> work) {
+    batch->AddUnit();
+    pool_->Post([state = state_, batch, work = std::move(work)] {
+      if (!state->Enter()) {
+        batch->UnitDone(Status::PeerDisconnected("the shm peer was disconnected"), 0);
+        return;
+      }
+      std::uint64_t bytes = 0;
+      Status s = work(&bytes);
+      state->Leave();
+      batch->UnitDone(s, bytes);
+    });
+  }
+
   // The ops that read the peer's device regions: units of at most kMaxUnitBytes, each copied on
   // one stream of the importing device.
   void StartDevice(const std::shared_ptr<Batch>& batch, const std::vector<ReadOp>& ops) {
@@ -257,27 +267,19 @@ class ShmPeer final : public BackendPeer {
     device::Device* unit_device = nullptr;
     auto flush = [&] {
       if (unit.empty()) return;
-      batch->AddUnit();
-      pool_->Post([state = state_, batch, streams = streams_.at(unit_device), imported = imported_,
-                   pieces = std::move(unit)]() mutable {
-        std::uint64_t bytes = 0;
-        if (!state->Enter()) {
-          batch->UnitDone(Status::Cancelled("the shm peer was disconnected"), 0);
-          return;
-        }
-        const pid_t pid = state->pid();
-        Status s = CopyPieces([&] { return state->Alive() ? Status::Ok() : PeerGone(pid); }, *batch,
-                              *streams, pieces, &bytes);
-        state->Leave();
-        batch->UnitDone(s, bytes);
+      // `imported` keeps the imports mapped while the unit copies from them.
+      PostUnit(batch, [state = state_, batch, streams = streams_.at(unit_device),
+                       imported = imported_, pieces = std::move(unit)](std::uint64_t* bytes) {
+        return CopyPieces([&] { return state->Alive() ? Status::Ok() : PeerGone(state->pid()); },
+                          *batch, *streams, pieces, bytes);
       });
       unit = {};
       unit_bytes = 0;
     };
     for (std::size_t i = 0; i < ops.size(); ++i) {
       const ReadOp& op = ops[i];
-      auto it = imported_.find(op.remote_region);
-      if (it == imported_.end()) continue;
+      auto it = imported_->find(op.remote_region);
+      if (it == imported_->end()) continue;
       const ImportedRegion& r = it->second;
       if (unit_device != r.device) flush();
       unit_device = r.device;
@@ -297,8 +299,8 @@ class ShmPeer final : public BackendPeer {
   std::shared_ptr<ShmPeerState> state_;
   RemoteRegionTable regions_;
   std::shared_ptr<WorkQueue> pool_;
-  // Captured by value in units: the imports stay mapped while a unit copies from them.
-  std::map<RegionId, ImportedRegion> imported_;
+  // Shared with running units: the imports stay mapped while a unit copies from them.
+  std::shared_ptr<const std::map<RegionId, ImportedRegion>> imported_;
   std::map<device::Device*, std::shared_ptr<StreamPool>> streams_;
 };
 
