@@ -13,10 +13,11 @@ def free_port(count: int = 1) -> int:
     import socket
     import random
     for _ in range(200):
-        # Below Linux's ephemeral range (32768-60999 by default), where outgoing connections
-        # take their ports at any moment; the C++ tests pick theirs the same way
-        # (src/common/ports.cc).
-        base = random.randint(20000, 32000 - count)
+        # Below the range the C++ tests pick from in parallel ([10000, the ephemeral range),
+        # src/common/ports.cc) and below Linux's ephemeral range, where outgoing connections take
+        # ports at any moment: a port found free here is not then taken by another test's
+        # listener or by a connection.
+        base = random.randint(2000, 10000 - count)
         ok = True
         for i in range(count):
             s = socket.socket()

@@ -117,9 +117,10 @@ class Loop {
           if (!reserve_.valid()) return false;
           reserve_.Reset();
           const int victim = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+          // Counted before the close: whoever sees the close sees the count.
+          RefuseConnection("out of file descriptors (raise the open-file limit, ulimit -n)");
           if (victim >= 0) close(victim);
           reserve_ = Fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
-          RefuseConnection("out of file descriptors (raise the open-file limit, ulimit -n)");
           if (victim < 0) return false;
           continue;
         }
@@ -127,22 +128,22 @@ class Loop {
       }
       if (secret_.empty() && !IsLoopback(addr)) {
         // Without a shared secret anyone who can reach the port could read the cache.
-        close(fd);
         RefuseConnection("a non-loopback client, and no secret is configured");
+        close(fd);
         continue;
       }
       std::string source = SourceAddress(addr);
       if (conns_.size() >= limits_.max_connections) {
-        close(fd);
         RefuseConnection("the server has " + std::to_string(conns_.size()) +
                          " connections open, its cap");
+        close(fd);
         continue;
       }
       std::size_t& from_source = per_source_[source];
       if (from_source >= limits_.max_connections_per_source) {
-        close(fd);
         RefuseConnection(source + " has " + std::to_string(from_source) +
                          " connections open, the per-source cap");
+        close(fd);
         continue;
       }
       ++from_source;
