@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "common/pattern.h"
 #include "common/subprocess.h"
 #include "device/device.h"
+#include "device/sim/sim_device.h"
 #include "kvferry/transport.h"
 #include "tests/bench_peer.h"
 #include "tests/unit/device/device_test_util.h"
@@ -210,6 +212,68 @@ TEST_P(DeviceTransportTest, CancelWhileStagingEndsTheBatchAndNothingLandsAfter) 
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(client_->Wait(*again, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
   client_->Release(*again);
+}
+
+// tcp stages device memory through pinned buffers of fixed size: two per connection on the server
+// (docs/device.md, "tcp") and two per connection and device on the client, however many batches
+// and bytes go through. Many concurrent batches of scattered reads must not raise the peak.
+TEST(DeviceStagingTest, StagingMemoryStaysBoundedWhileManyBatchesRun) {
+  Memory remote("sim:0", true);
+  Memory local("sim:1", false);
+  auto* server_dev = dynamic_cast<device::SimDevice*>(*device::ProcessDevice("sim:0"));
+  auto* client_dev = dynamic_cast<device::SimDevice*>(*device::ProcessDevice("sim:1"));
+  ASSERT_TRUE(server_dev != nullptr && client_dev != nullptr);
+  server_dev->ResetPinnedPeak();
+  client_dev->ResetPinnedPeak();
+  std::unique_ptr<Transport> server = MakeTransport(true);
+  std::unique_ptr<Transport> client = MakeTransport(false);
+  ASSERT_TRUE(server && client);
+  ASSERT_TRUE(server->RegisterMemory(kRemoteRegion, remote.base(), kBytes, remote.kind()).ok());
+  ASSERT_TRUE(client->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
+  Result<std::vector<std::uint8_t>> d = server->Descriptor();
+  ASSERT_TRUE(d.ok());
+  Result<PeerId> peer = client->Connect(*d, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+
+  constexpr std::uint64_t kBlock = 64u << 10;
+  constexpr std::uint64_t kBlocks = kBytes / kBlock;
+  std::mt19937_64 rng(21);
+  std::uint64_t moved = 0;
+  for (int round = 0; round < 6; ++round) {
+    // Four batches at once, each a quarter of the blocks in a random order: every local block is
+    // written once per round, from a random remote block.
+    std::vector<std::uint64_t> order(kBlocks);
+    for (std::uint64_t i = 0; i < kBlocks; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<BatchId> batches;
+    for (int b = 0; b < 4; ++b) {
+      std::vector<ReadOp> reads;
+      for (std::uint64_t i = b * kBlocks / 4; i < (b + 1) * kBlocks / 4; ++i) {
+        reads.push_back({local.base() + i * kBlock, kRemoteRegion, order[i] * kBlock, kBlock});
+      }
+      Result<BatchId> id = client->SubmitReads(*peer, reads, DeadlineAfter(milliseconds(30000)));
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      batches.push_back(*id);
+    }
+    for (BatchId id : batches) {
+      BatchResult st = client->Wait(id, DeadlineAfter(milliseconds(40000)));
+      ASSERT_EQ(st.state, BatchState::kDone) << st.status.ToString();
+      client->Release(id);
+    }
+    moved += kBytes;
+    const std::vector<std::byte> got = local.Contents();
+    for (std::uint64_t i = 0; i < kBlocks; ++i) {
+      ASSERT_TRUE(FirstPatternMismatch(got.data() + i * kBlock, kBlock, kSeed, kRemoteRegion,
+                                       order[i] * kBlock) == -1)
+          << "round " << round << " block " << i;
+    }
+  }
+  // 2 connections per peer (MakeTransport), 2 buffers of 2 MiB each on either side.
+  constexpr std::uint64_t kBound = 2 * 2 * (std::uint64_t{2} << 20);
+  EXPECT_GT(server_dev->pinned_peak_bytes(), 0u);
+  EXPECT_LE(server_dev->pinned_peak_bytes(), kBound) << "after " << moved << " bytes";
+  EXPECT_GT(client_dev->pinned_peak_bytes(), 0u);
+  EXPECT_LE(client_dev->pinned_peak_bytes(), kBound) << "after " << moved << " bytes";
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, DeviceTransportTest,

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -50,13 +51,20 @@ class SimAllocation final : public DeviceAllocation, public ImportedMemory {
 
 class SimPinned final : public PinnedBuffer {
  public:
-  SimPinned(std::byte* data, std::uint64_t size, std::uint64_t mapped)
-      : data_(data), size_(size), mapped_(mapped) {}
-  ~SimPinned() override { munmap(data_, mapped_); }
+  SimPinned(std::shared_ptr<SimTable> table, std::byte* data, std::uint64_t size,
+            std::uint64_t mapped)
+      : table_(std::move(table)), data_(data), size_(size), mapped_(mapped) {
+    table_->PinnedAdded(size_);
+  }
+  ~SimPinned() override {
+    munmap(data_, mapped_);
+    table_->PinnedFreed(size_);
+  }
   std::byte* data() const override { return data_; }
   std::uint64_t size() const override { return size_; }
 
  private:
+  std::shared_ptr<SimTable> table_;
   std::byte* data_;
   std::uint64_t size_;
   std::uint64_t mapped_;
@@ -84,7 +92,10 @@ Result<std::shared_ptr<SimMapping>> MapSimMemory(int fd, std::uint64_t size) {
                                      " bytes of address space failed: " + ErrnoText(errno));
   }
   m->base = reinterpret_cast<DeviceAddress>(reserve);
-  void* backing = mmap(nullptr, m->mapped_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // Populated: device memory is resident, as a GPU's is; a page fault inside a timed copy would
+  // charge the sim's copies for the host's paging, not for moving bytes.
+  void* backing =
+      mmap(nullptr, m->mapped_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (backing == MAP_FAILED) {
     return Status::ResourceExhausted("sim device: mapping a memfd of " + std::to_string(size) +
                                      " bytes failed: " + ErrnoText(errno));
@@ -105,6 +116,32 @@ void SimTable::Erase(DeviceAddress base) {
   if (it == by_base_.end()) return;
   last = std::move(it->second);
   by_base_.erase(it);
+}
+
+void SimTable::PinnedAdded(std::uint64_t bytes) {
+  MutexLock lock(mu_);
+  pinned_ += bytes;
+  pinned_peak_ = std::max(pinned_peak_, pinned_);
+}
+
+void SimTable::PinnedFreed(std::uint64_t bytes) {
+  MutexLock lock(mu_);
+  pinned_ -= bytes;
+}
+
+std::uint64_t SimTable::pinned_bytes() const {
+  MutexLock lock(mu_);
+  return pinned_;
+}
+
+std::uint64_t SimTable::pinned_peak_bytes() const {
+  MutexLock lock(mu_);
+  return pinned_peak_;
+}
+
+void SimTable::ResetPinnedPeak() {
+  MutexLock lock(mu_);
+  pinned_peak_ = pinned_;
 }
 
 std::shared_ptr<SimMapping> SimTable::Find(DeviceAddress address) const {
@@ -180,12 +217,15 @@ Result<std::unique_ptr<DeviceAllocation>> SimDevice::Allocate(std::uint64_t size
 Result<std::unique_ptr<PinnedBuffer>> SimDevice::AllocatePinned(std::uint64_t size) {
   if (size == 0) return Status::InvalidArgument(name_ + ": expected a pinned buffer size > 0");
   const std::uint64_t mapped = PageRound(size);
-  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // Populated: pinned memory is resident (page-locked), and so is this model of it.
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   if (p == MAP_FAILED) {
     return Status::ResourceExhausted(name_ + ": allocating " + std::to_string(size) +
                                      " bytes of staging memory failed: " + ErrnoText(errno));
   }
-  return std::unique_ptr<PinnedBuffer>(new SimPinned(static_cast<std::byte*>(p), size, mapped));
+  return std::unique_ptr<PinnedBuffer>(
+      new SimPinned(table_, static_cast<std::byte*>(p), size, mapped));
 }
 
 Result<IpcHandle> SimDevice::ExportIpc(DeviceAddress address) {
@@ -244,5 +284,9 @@ Result<std::unique_ptr<ImportedMemory>> SimDevice::ImportIpc(const IpcHandle& ha
 Result<std::unique_ptr<Stream>> SimDevice::CreateStream() {
   return CreateSimStream(table_, options_);
 }
+
+std::uint64_t SimDevice::pinned_bytes() const { return table_->pinned_bytes(); }
+std::uint64_t SimDevice::pinned_peak_bytes() const { return table_->pinned_peak_bytes(); }
+void SimDevice::ResetPinnedPeak() { table_->ResetPinnedPeak(); }
 
 }  // namespace kvferry::device

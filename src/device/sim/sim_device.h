@@ -45,6 +45,12 @@ class SimDevice final : public Device {
   /// A stream is one thread that runs its copies in order.
   Result<std::unique_ptr<Stream>> CreateStream() override;
 
+  /// Bytes of pinned buffers alive now, and the most alive at once since the device was created or
+  /// ResetPinnedPeak was last called: what tests check staging bounds with.
+  std::uint64_t pinned_bytes() const;
+  std::uint64_t pinned_peak_bytes() const;
+  void ResetPinnedPeak();
+
  private:
   SimDevice(SimOptions options, std::shared_ptr<SimTable> table);
 

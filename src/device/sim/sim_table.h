@@ -53,10 +53,19 @@ class SimTable {
   // The mapping that holds `address`, or null.
   std::shared_ptr<SimMapping> Find(DeviceAddress address) const EXCLUDES(mu_);
 
+  // Pinned buffers alive: bytes now and the most at once since the last ResetPinnedPeak.
+  void PinnedAdded(std::uint64_t bytes) EXCLUDES(mu_);
+  void PinnedFreed(std::uint64_t bytes) EXCLUDES(mu_);
+  std::uint64_t pinned_bytes() const EXCLUDES(mu_);
+  std::uint64_t pinned_peak_bytes() const EXCLUDES(mu_);
+  void ResetPinnedPeak() EXCLUDES(mu_);
+
  private:
   const std::string device_name_;
   mutable Mutex mu_;
   std::map<DeviceAddress, std::shared_ptr<SimMapping>> by_base_ GUARDED_BY(mu_);
+  std::uint64_t pinned_ GUARDED_BY(mu_) = 0;
+  std::uint64_t pinned_peak_ GUARDED_BY(mu_) = 0;
 };
 
 struct SimOptions;

@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "device/device.h"
 #include "transport/tcp/frames.h"
+#include "transport/tcp/send_stage.h"
 
 namespace kvferry::tcp {
 namespace {
@@ -55,26 +56,10 @@ struct Connection {
   bool want_write = false;
   bool reading = true;
   std::uint64_t next_serial = 1;
-  // Device memory goes out through one pinned buffer per connection (bounded: kStageBytes),
-  // holding consecutive payload bytes of response `serial`: `pieces` say which, in order.
-  struct Piece {
-    std::size_t entry;   // body entry
-    std::uint64_t from;  // first byte of the entry held
-    std::uint64_t len;   // bytes of it held
-    std::uint64_t at;    // where in the buffer
-  };
-  struct Stage {
-    device::Device* dev = nullptr;
-    std::unique_ptr<device::Stream> stream;
-    std::unique_ptr<device::PinnedBuffer> buffer;
-    std::uint64_t serial = 0;  // 0: holds nothing
-    std::vector<Piece> pieces;
-    std::uint64_t total = 0;
-  } stage;
+  // Device memory goes out through two pinned buffers (docs/device.md, "tcp"). Last: its
+  // destructor waits for copies still reading the pinned regions of `out`.
+  SendStage stage;
 };
-
-constexpr std::uint64_t kStageBytes = std::uint64_t{2} << 20;
-constexpr std::chrono::seconds kCopyWait(10);
 
 std::string SourceAddress(const sockaddr_storage& addr) {
   char text[INET6_ADDRSTRLEN] = {};
@@ -382,66 +367,6 @@ class Loop {
     return true;
   }
 
-  // Bytes [skip, ...) of device body entry `i` of `r` and the payload after them, staged in the
-  // connection's buffer: copied from the device now (as much of this and the following entries
-  // on the same device as fits, one event for all) unless the buffer holds them already.
-  // `*avail` says how many consecutive payload bytes the returned pointer holds.
-  Result<std::byte*> Staged(Connection& c, const Response& r, std::size_t i, std::uint64_t skip,
-                            std::uint64_t* avail) {
-    Connection::Stage& st = c.stage;
-    if (st.serial == r.serial && st.buffer) {
-      for (const Connection::Piece& p : st.pieces) {
-        if (p.entry == i && p.from <= skip && skip < p.from + p.len) {
-          const std::uint64_t pos = p.at + (skip - p.from);
-          *avail = st.total - pos;
-          return st.buffer->data() + pos;
-        }
-      }
-    }
-    device::Device* dev = r.body_dev[i];
-    if (st.dev != dev) {
-      st.buffer.reset();
-      st.stream.reset();
-      st.dev = dev;
-    }
-    if (!st.stream) {
-      KVFERRY_ASSIGN_OR_RETURN(st.stream, dev->CreateStream());
-    }
-    if (!st.buffer) {
-      KVFERRY_ASSIGN_OR_RETURN(st.buffer, dev->AllocatePinned(kStageBytes));
-    }
-    st.serial = 0;  // nothing valid until the copies have ended
-    st.pieces.clear();
-    st.total = 0;
-    Status copy;
-    for (std::size_t j = i; j < r.body.size() && st.total < kStageBytes && copy.ok(); ++j) {
-      if (r.body_dev[j] != dev) break;
-      const std::uint64_t from = j == i ? skip : 0;
-      const std::uint64_t len =
-          std::min<std::uint64_t>(kStageBytes - st.total, r.body[j].iov_len - from);
-      const auto src =
-          reinterpret_cast<device::DeviceAddress>(static_cast<std::byte*>(r.body[j].iov_base)) +
-          from;
-      copy = st.stream->CopyDeviceToHost(st.buffer->data() + st.total, src, len);
-      if (!copy.ok()) break;
-      st.pieces.push_back({j, from, len, st.total});
-      st.total += len;
-      if (from + len < r.body[j].iov_len) break;  // the buffer is full
-    }
-    // Recorded even after a failed copy, so that the copies issued are waited for.
-    Result<std::unique_ptr<device::Event>> event = st.stream->RecordEvent();
-    Status wait = event.ok() ? (*event)->Wait(DeadlineAfter(kCopyWait)) : event.status();
-    if (!wait.ok()) {
-      st.stream.reset();  // a copy may still run into the buffer: never reuse either
-      (void)st.buffer.release();
-      return wait;
-    }
-    if (!copy.ok()) return copy;
-    st.serial = r.serial;
-    *avail = st.total;
-    return st.buffer->data();
-  }
-
   bool Flush(Connection& c) {
     while (!c.out.empty()) {
       Response& r = c.out.front();
@@ -457,14 +382,19 @@ class Loop {
         }
         // Device memory: one staged chunk at a time, from the front of what is left.
         if (i != r.body_index) break;
-        std::uint64_t avail = 0;
-        Result<std::byte*> staged = Staged(c, r, i, skip, &avail);
+        const StagedBody cur{r.serial, r.body, r.body_dev};
+        StagedBody after;
+        if (c.out.size() > 1 && !c.out[1].body_dev.empty()) {
+          after = {c.out[1].serial, c.out[1].body, c.out[1].body_dev};
+        }
+        Result<std::span<const std::byte>> staged =
+            c.stage.Bytes(cur, i, skip, after.serial != 0 ? &after : nullptr);
         if (!staged.ok()) {
           Refuse(staged.status().WithContext("staging " + r.body_dev[i]->name() +
                                              " memory to send; closing the connection"));
           return false;
         }
-        iov.push_back({*staged, avail});
+        iov.push_back({const_cast<std::byte*>(staged->data()), staged->size()});
         break;
       }
       if (iov.empty()) {

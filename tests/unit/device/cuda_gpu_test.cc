@@ -9,7 +9,6 @@
 
 #include "common/subprocess.h"
 #include "device/cuda/cuda_device.h"
-#include "device/staging_pool.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace kvferry::device {
@@ -55,11 +54,11 @@ TEST(CudaGpuTest, RandomScatteredBlocksThroughPinnedStaging) {
   constexpr std::uint64_t kBlocks = 64;
   auto a = dev.Allocate(kBlock * kBlocks);
   ASSERT_TRUE(a.ok());
-  auto pool = StagingPool::Create(dev, kBlock * kBlocks, 2);
-  ASSERT_TRUE(pool.ok());
-  auto in = (*pool)->Acquire(DeadlineAfter(std::chrono::seconds(5)));
-  auto out = (*pool)->Acquire(DeadlineAfter(std::chrono::seconds(5)));
-  ASSERT_TRUE(in.ok() && out.ok()) << in.status().ToString();
+  auto in_buffer = dev.AllocatePinned(kBlock * kBlocks);
+  auto out_buffer = dev.AllocatePinned(kBlock * kBlocks);
+  ASSERT_TRUE(in_buffer.ok() && out_buffer.ok()) << in_buffer.status().ToString();
+  PinnedBuffer* in = in_buffer->get();
+  PinnedBuffer* out = out_buffer->get();
   FillPattern(in->data(), in->size(), 5, 0, 0);
   std::vector<std::uint64_t> order(kBlocks);
   for (std::uint64_t i = 0; i < kBlocks; ++i) order[i] = i;
