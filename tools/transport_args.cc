@@ -7,7 +7,7 @@ namespace kvferry::cli {
 std::string TransportChoices() {
   std::string choices = "auto";
   for (const std::string& name : TransportBackendNames()) choices += "|" + name;
-  return choices;
+  return choices + ", or a comma-separated preference order (shm,tcp; docs/transport.md)";
 }
 
 void AddTransportOptOption(CLI::App& cmd, std::vector<std::string>& key_values) {

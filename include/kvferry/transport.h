@@ -73,10 +73,15 @@ Result<MemoryKind> ParseMemoryKind(std::string_view text);
 /// each backend accepts are listed in docs/transport.md.
 using TransportOptionMap = std::map<std::string, std::string>;
 
-/// The backends this build has, in the order `auto` tries them ("shm", "tcp").
+/// Every backend this build has ("shm", "tcp", ...), `auto`'s first, in the order it tries them.
 std::vector<std::string> TransportBackendNames();
-/// "auto" or one of TransportBackendNames(); InvalidArgument listing them otherwise.
-Status CheckTransportBackend(std::string_view name);
+/// The backends `backend` (TransportOptions::backend) selects, in the order Connect tries them:
+/// "auto" (the backends of this build that auto includes: shm, tcp), one name ("tcp"), or a
+/// comma-separated preference order ("shm,ucx,tcp"). InvalidArgument for an unknown or repeated
+/// name, listing the known ones.
+Result<std::vector<std::string>> SelectedTransportBackends(std::string_view backend);
+/// OK when SelectedTransportBackends(backend) is.
+Status CheckTransportBackend(std::string_view backend);
 /// Adds one "KEY=VALUE" (the CLI's --transport-opt) to `options`; InvalidArgument when it has no
 /// '=' or an empty key. The key itself is checked by CreateTransport (or
 /// CheckTransportOptions).
@@ -86,10 +91,11 @@ Status AddTransportOption(std::string_view key_value, TransportOptionMap* option
 /// field is a typed default of one backend's option (named beside it), and `backend_options`
 /// overrides them by key.
 struct TransportOptions {
-  /// "auto" (every backend of this build, tried per peer in TransportBackendNames() order: shm
-  /// when the peer is on this host, proves its instance, the kernel permits the read and shm can
-  /// read every memory kind of the peer's regions into every kind registered here when Connect
-  /// is called, else tcp), or one backend's name.
+  /// "auto" (shm and tcp, tried per peer in that order: shm when the peer is on this host, proves
+  /// its instance, the kernel permits the read and shm can read every memory kind of the peer's
+  /// regions into every kind registered here when Connect is called, else tcp), one backend's
+  /// name, or a comma-separated preference order tried the same way ("shm,ucx,tcp"). A peer can
+  /// be read over a backend only if that backend runs in both processes: give both the same list.
   std::string backend = "auto";
   /// "<backend>.<option>" = value; applied over the typed fields below. An unknown backend or
   /// option, or a value that does not parse, is InvalidArgument naming the key.

@@ -93,6 +93,9 @@ struct BackendFactory {
   Status (*check)(const TransportOptions& options, const TransportOptionMap& own_options) = nullptr;
   /// Creates the backend, starting its servers and threads.
   Result<std::unique_ptr<Backend>> (*create)(const BackendContext& ctx) = nullptr;
+  /// Whether `auto` includes it. A backend the operator should choose knowingly (ucx: its
+  /// fabric, its security model) says false and runs only when named in `backend`.
+  bool in_auto = true;
 };
 
 /// Every backend of this build, in the order `auto` tries them (backend_registry.cc lists them:

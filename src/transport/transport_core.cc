@@ -23,11 +23,41 @@ const char* BatchStateName(BatchState state) {
   return "unknown";
 }
 
-Status CheckTransportBackend(std::string_view name) {
-  if (name == "auto" || FindBackend(name) != nullptr) return Status::Ok();
-  std::string list = "auto";
-  for (const std::string& n : TransportBackendNames()) list += ", " + n;
-  return Status::InvalidArgument("unknown transport '" + std::string(name) + "': expected " + list);
+Result<std::vector<std::string>> SelectedTransportBackends(std::string_view backend) {
+  const auto known = [] {
+    std::string list = "auto";
+    for (const std::string& n : TransportBackendNames()) list += ", " + n;
+    return list + ", or a comma-separated list of backends (shm,tcp)";
+  };
+  std::vector<std::string> selected;
+  if (backend == "auto") {
+    for (const BackendFactory& f : RegisteredBackends()) {
+      if (f.in_auto) selected.push_back(f.name);
+    }
+    return selected;
+  }
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = backend.find(',', start);
+    const std::string name(backend.substr(
+        start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
+    if (FindBackend(name) == nullptr) {
+      const std::string in = name == backend ? "" : " in '" + std::string(backend) + "'";
+      return Status::InvalidArgument("unknown transport '" + name + "'" + in + ": expected " +
+                                     known());
+    }
+    if (std::find(selected.begin(), selected.end(), name) != selected.end()) {
+      return Status::InvalidArgument("transport '" + std::string(backend) + "' names " + name +
+                                     " twice: expected each backend at most once");
+    }
+    selected.push_back(name);
+    if (comma == std::string_view::npos) return selected;
+    start = comma + 1;
+  }
+}
+
+Status CheckTransportBackend(std::string_view backend) {
+  return SelectedTransportBackends(backend).status();
 }
 
 Status AddTransportOption(std::string_view key_value, TransportOptionMap* options) {
@@ -68,8 +98,10 @@ Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& optio
 Result<std::unique_ptr<TransportCore>> TransportCore::Create(const TransportOptions& options) {
   KVFERRY_RETURN_IF_ERROR(CheckTransportOptions(options));
   std::unique_ptr<TransportCore> core(new TransportCore(options));
-  for (const BackendFactory& f : RegisteredBackends()) {
-    if (options.backend != "auto" && options.backend != f.name) continue;
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<std::string> selected,
+                           SelectedTransportBackends(options.backend));
+  for (const std::string& name : selected) {
+    const BackendFactory& f = *FindBackend(name);
     const TransportOptionMap own = OwnOptions(options.backend_options, f.name);
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                              f.create(BackendContext{options, own, &core->registry_}));

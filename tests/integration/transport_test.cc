@@ -608,9 +608,10 @@ TEST(TransportMemoryKindTest, RegisteringAKindNoBackendUsesIsRefused) {
   std::vector<std::byte> mem(8192);
   const Status fake = t->RegisterMemory(1, mem.data(), 4096, MemoryKind{"fake", 0});
   EXPECT_EQ(fake.code(), StatusCode::kInvalidArgument);
+  const Result<std::vector<std::string>> in_auto = SelectedTransportBackends("auto");
+  ASSERT_TRUE(in_auto.ok());
   std::string backends;
-  for (const std::string& n : TransportBackendNames())
-    backends += (backends.empty() ? "" : ", ") + n;
+  for (const std::string& n : *in_auto) backends += (backends.empty() ? "" : ", ") + n;
   EXPECT_THAT(fake.message(),
               HasSubstr("fake:0 memory, which no backend of this transport (" + backends + ")"));
   const Status malformed = t->RegisterMemory(2, mem.data(), 4096, MemoryKind{"Fake!", 0});
@@ -618,6 +619,43 @@ TEST(TransportMemoryKindTest, RegisteringAKindNoBackendUsesIsRefused) {
   EXPECT_THAT(malformed.message(), HasSubstr("malformed"));
   EXPECT_TRUE(t->RegisterMemory(1, mem.data(), 4096, MemoryKind::Host()).ok());
   EXPECT_TRUE(t->RegisterMemory(2, mem.data() + 4096, 4096).ok());  // host by default
+}
+
+// Issue 15: `backend` takes a preference order; auto is shm then tcp; a peer is carried by the
+// first backend of the list that reaches it.
+TEST(TransportOptionsTest, ABackendListIsCheckedAndTriedInItsOrder) {
+  EXPECT_EQ(*SelectedTransportBackends("auto"), (std::vector<std::string>{"shm", "tcp"}));
+  EXPECT_EQ(*SelectedTransportBackends("tcp,shm"), (std::vector<std::string>{"tcp", "shm"}));
+  EXPECT_EQ(*SelectedTransportBackends("shm"), (std::vector<std::string>{"shm"}));
+  const Status twice = CheckTransportBackend("tcp,shm,tcp");
+  EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(twice.message(), HasSubstr("names tcp twice"));
+  for (const char* bad : {"tcp,nope", "", "tcp,", ",tcp", "auto,tcp"}) {
+    const Status s = CheckTransportBackend(bad);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(s.message(), HasSubstr("unknown transport")) << bad;
+  }
+  TransportOptions bad;
+  bad.backend = "tcp,nope";
+  EXPECT_EQ(CreateTransport(bad).status().code(), StatusCode::kInvalidArgument);
+
+  // Both orders reach a same-host peer that runs both backends: the first one carries it.
+  TransportOptions so;
+  so.backend = "auto";
+  so.serve = true;
+  auto created = CreateTransport(so);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  std::unique_ptr<Transport> server = std::move(created).value();
+  std::vector<std::byte> mem(4096);
+  ASSERT_TRUE(server->RegisterMemory(1, mem.data(), mem.size()).ok());
+  auto d = server->Descriptor();
+  ASSERT_TRUE(d.ok());
+  for (const std::string order : {"tcp,shm", "shm,tcp"}) {
+    std::unique_ptr<Transport> client = MakeClient(order);
+    auto peer = client->Connect(*d, DeadlineAfter(std::chrono::milliseconds(5000)));
+    ASSERT_TRUE(peer.ok()) << order << ": " << peer.status().ToString();
+    EXPECT_EQ(*client->PeerBackend(*peer), order.substr(0, 3)) << order;
+  }
 }
 
 // Issue 13 item 1: backend options come as "<backend>.<key>" strings, are checked for every

@@ -358,7 +358,11 @@ Result<ShmOptions> ParseShmOptions(const TransportOptions& options, const Transp
 }
 
 bool ServingPermitsAnyTracer(const TransportOptions& options) {
-  if (!options.serve || (options.backend != "auto" && options.backend != "shm")) return false;
+  if (!options.serve) return false;
+  Result<std::vector<std::string>> selected = SelectedTransportBackends(options.backend);
+  if (!selected.ok() || std::find(selected->begin(), selected->end(), "shm") == selected->end()) {
+    return false;
+  }
   Result<ShmOptions> o = ParseShmOptions(options, OwnOptions(options.backend_options, "shm"));
   return o.ok() && o->permit_any_tracer;
 }
