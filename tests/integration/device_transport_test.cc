@@ -280,7 +280,8 @@ INSTANTIATE_TEST_SUITE_P(Kinds, DeviceTransportTest,
                          ::testing::Values(Kinds{"host", "sim:1"}, Kinds{"sim:0", "host"},
                                            Kinds{"sim:0", "sim:1"}, Kinds{"sim:0", "sim:0"},
                                            Kinds{"host", "host"}, Kinds{"sim:0", "host", "shm"},
-                                           Kinds{"sim:0", "sim:0", "shm"}),
+                                           Kinds{"sim:0", "sim:0", "shm"},
+                                           Kinds{"host", "sim:1", "shm"}),
                          KindsName);
 
 INSTANTIATE_TEST_SUITE_P(CudaKinds, DeviceTransportTest,
@@ -291,10 +292,11 @@ INSTANTIATE_TEST_SUITE_P(CudaKinds, DeviceTransportTest,
 // With backend auto on one host, a backend that cannot read the peer's kinds into ours is passed
 // over.
 TEST(DeviceAutoTest, AutoOnOneHostPicksABackendThatReadsTheKinds) {
-  // shm opens the peer's device memory through IPC into host memory or the same device; it
-  // cannot read host memory into a device, or one device's memory into another's: tcp does.
+  // shm opens the peer's device memory through IPC into host memory or the same device, and
+  // stages the peer's host memory into a device; it cannot read one device's memory into
+  // another's: tcp does.
   for (const Kinds& k : {Kinds{"sim:0", "host", "shm"}, Kinds{"sim:0", "sim:0", "shm"},
-                         Kinds{"host", "sim:1", "tcp"}, Kinds{"sim:0", "sim:1", "tcp"}}) {
+                         Kinds{"host", "sim:1", "shm"}, Kinds{"sim:0", "sim:1", "tcp"}}) {
     SCOPED_TRACE(k.remote + " -> " + k.local);
     Memory remote(k.remote, true);
     Memory local(k.local, false);

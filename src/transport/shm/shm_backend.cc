@@ -32,11 +32,7 @@ namespace {
 constexpr std::size_t kMaxIovPerCall = 512;  // below IOV_MAX (1024)
 constexpr std::uint64_t kMaxUnitBytes = 8u << 20;
 
-struct Piece {
-  std::byte* local;
-  std::uint64_t remote_addr;
-  std::uint64_t length;
-};
+using Piece = HostRead;
 
 // The state units of one peer share; outlives the peer object while units still run.
 class ShmPeerState {
@@ -226,8 +222,10 @@ class ShmPeer final : public BackendPeer {
       unit = {};
       unit_bytes = 0;
     };
-    for (const ReadOp& op : ops) {
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const ReadOp& op = ops[i];
       if (imported_->count(op.remote_region) != 0) continue;  // StartDevice's
+      if (!batch->local_kind(i).is_host()) continue;          // StartStaged's
       const std::uint64_t base = regions_.at(op.remote_region).addr + op.remote_offset;
       for (std::uint64_t off = 0; off < op.length;) {
         const std::uint64_t len = std::min(op.length - off, kMaxUnitBytes - unit_bytes);
@@ -238,6 +236,7 @@ class ShmPeer final : public BackendPeer {
       }
     }
     flush();
+    if (!batch->local_all_host()) StartStaged(batch, ops);
   }
 
   void Shutdown() override { state_->Shutdown(); }
@@ -296,12 +295,62 @@ class ShmPeer final : public BackendPeer {
     flush();
   }
 
+  // The ops that read the peer's host memory into device memory of this process: units of at
+  // most kMaxUnitBytes, each staged through one lane (pinned buffers and a stream) of the device.
+  void StartStaged(const std::shared_ptr<Batch>& batch, const std::vector<ReadOp>& ops) {
+    std::vector<StagedRead> unit;
+    std::uint64_t unit_bytes = 0;
+    device::Device* unit_device = nullptr;
+    auto flush = [&] {
+      if (unit.empty()) return;
+      PostUnit(batch, [state = state_, batch, lanes = LanesFor(unit_device),
+                       pieces = std::move(unit)](std::uint64_t* bytes) {
+        const auto read = [&](std::vector<HostRead>& reads, std::uint64_t* n) {
+          return ReadPieces(*state, *batch, reads, n);
+        };
+        return StageToDevice(read, *batch, *lanes, pieces, bytes);
+      });
+      unit = {};
+      unit_bytes = 0;
+    };
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const ReadOp& op = ops[i];
+      if (imported_->count(op.remote_region) != 0 || batch->local_kind(i).is_host()) continue;
+      Result<device::Device*> dev = device::ProcessDevice(batch->local_kind(i).ToString());
+      if (!dev.ok()) {
+        batch->AddUnit();
+        batch->UnitDone(dev.status().WithContext("read " + std::to_string(i)), 0);
+        continue;
+      }
+      if (unit_device != *dev) flush();
+      unit_device = *dev;
+      const std::uint64_t base = regions_.at(op.remote_region).addr + op.remote_offset;
+      for (std::uint64_t off = 0; off < op.length;) {
+        const std::uint64_t len = std::min(op.length - off, kMaxUnitBytes - unit_bytes);
+        unit.push_back({reinterpret_cast<device::DeviceAddress>(op.local) + off, base + off, len});
+        unit_bytes += len;
+        off += len;
+        if (unit_bytes >= kMaxUnitBytes) flush();
+      }
+    }
+    flush();
+  }
+
+  std::shared_ptr<StagingLanes> LanesFor(device::Device* dev) EXCLUDES(lanes_mu_) {
+    MutexLock lock(lanes_mu_);
+    std::shared_ptr<StagingLanes>& lanes = lanes_[dev];
+    if (!lanes) lanes = std::make_shared<StagingLanes>(dev);
+    return lanes;
+  }
+
   std::shared_ptr<ShmPeerState> state_;
   RemoteRegionTable regions_;
   std::shared_ptr<WorkQueue> pool_;
   // Shared with running units: the imports stay mapped while a unit copies from them.
   std::shared_ptr<const std::map<RegionId, ImportedRegion>> imported_;
   std::map<device::Device*, std::shared_ptr<StreamPool>> streams_;
+  Mutex lanes_mu_;
+  std::map<device::Device*, std::shared_ptr<StagingLanes>> lanes_ GUARDED_BY(lanes_mu_);
 };
 
 // Proves that the process behind `peer` (a pidfd opened before this call) is the one that wrote

@@ -52,11 +52,12 @@ class ShmBackend final : public Backend {
   /// equals the section's; otherwise PeerDisconnected (the process is gone or was replaced)
   /// or Unavailable (another host, no shm section, or the kernel refused the read).
   Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
-  /// Host memory into host memory (process_vm_readv); a peer's device memory, opened through
-  /// its IPC handle, into host memory or memory of the same device (copies on that device's
-  /// stream; docs/device.md, "The IPC path").
+  /// Host memory into host memory (process_vm_readv) or into device memory (process_vm_readv
+  /// into pinned buffers, then a copy up); a peer's device memory, opened through its IPC handle,
+  /// into host memory or memory of the same device (copies on that device's stream;
+  /// docs/device.md, "The IPC path").
   bool CanRead(const MemoryKind& remote, const MemoryKind& local) const override {
-    if (remote.is_host()) return local.is_host();
+    if (remote.is_host()) return local.is_host() || device::KnownDeviceType(local.type);
     return device::KnownDeviceType(remote.type) && (local.is_host() || local == remote);
   }
 

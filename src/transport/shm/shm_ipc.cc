@@ -1,5 +1,7 @@
 #include "transport/shm/shm_ipc.h"
 
+#include <algorithm>
+
 #include "common/clock.h"
 #include "common/log.h"
 
@@ -25,6 +27,107 @@ Result<std::unique_ptr<device::Stream>> StreamPool::Take() {
 void StreamPool::Give(std::unique_ptr<device::Stream> s) {
   MutexLock lock(mu_);
   idle_.push_back(std::move(s));
+}
+
+Result<std::unique_ptr<StagingLane>> StagingLanes::Take() {
+  {
+    MutexLock lock(mu_);
+    if (!idle_.empty()) {
+      auto lane = std::move(idle_.back());
+      idle_.pop_back();
+      return lane;
+    }
+  }
+  auto lane = std::make_unique<StagingLane>();
+  KVFERRY_ASSIGN_OR_RETURN(lane->stream, device_->CreateStream());
+  for (auto& buffer : lane->buffers) {
+    KVFERRY_ASSIGN_OR_RETURN(buffer, device_->AllocatePinned(kBufferBytes));
+  }
+  return lane;
+}
+
+void StagingLanes::Give(std::unique_ptr<StagingLane> lane) {
+  MutexLock lock(mu_);
+  idle_.push_back(std::move(lane));
+}
+
+Status StageToDevice(const std::function<Status(std::vector<HostRead>&, std::uint64_t*)>& read,
+                     const Batch& batch, StagingLanes& lanes, const std::vector<StagedRead>& pieces,
+                     std::uint64_t* bytes) {
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<StagingLane> lane, lanes.Take());
+  std::unique_ptr<device::Event> pending[2];  // the copy out of each buffer, until waited for
+  bool broken = false;                        // a copy failed: the stream is unusable
+  bool running = false;  // a copy did not end in time: it may still read the buffers
+  const auto wait = [&](std::unique_ptr<device::Event>& event) {
+    Status w = event->Wait(DeadlineAfter(kCopyWait));
+    event.reset();
+    if (!w.ok()) {
+      broken = true;
+      running = running || w.code() == StatusCode::kTimeout;
+    }
+    return w;
+  };
+  Status result;
+  std::uint64_t moved = 0;
+  std::size_t next = 0;    // piece
+  std::uint64_t done = 0;  // bytes of pieces[next] already staged
+  for (int slot = 0; next < pieces.size(); slot ^= 1) {
+    if (pending[slot]) {
+      result = wait(pending[slot]);
+      if (!result.ok()) break;
+    }
+    if (batch.ShouldStop()) {
+      result = batch.StopStatus();
+      break;
+    }
+    // One buffer's worth: the rest of pieces[next] and the pieces after it, the last maybe cut.
+    std::byte* buffer = lane->buffers[slot]->data();
+    std::vector<HostRead> reads;
+    std::vector<StagedRead> copies;
+    std::uint64_t total = 0;
+    while (next < pieces.size() && total < StagingLanes::kBufferBytes) {
+      const StagedRead& p = pieces[next];
+      const std::uint64_t len = std::min(StagingLanes::kBufferBytes - total, p.length - done);
+      reads.push_back({buffer + total, p.remote_addr + done, len});
+      copies.push_back({p.local + done, total, len});  // remote_addr: the offset in the buffer
+      total += len;
+      done += len;
+      if (done == p.length) {
+        ++next;
+        done = 0;
+      }
+    }
+    std::uint64_t read_bytes = 0;
+    result = read(reads, &read_bytes);
+    if (!result.ok()) break;
+    for (const StagedRead& c : copies) {
+      result = lane->stream->CopyHostToDevice(c.local, buffer + c.remote_addr, c.length);
+      if (!result.ok()) break;
+    }
+    // Recorded even after a failed copy, so that the copies issued are waited for below.
+    Result<std::unique_ptr<device::Event>> event = lane->stream->RecordEvent();
+    if (!event.ok()) {
+      (void)lane.release();  // copies may read its buffers and cannot be waited for
+      return event.status();
+    }
+    pending[slot] = std::move(event).value();
+    if (!result.ok()) break;
+    moved += total;
+  }
+  for (auto& event : pending) {
+    if (!event) continue;
+    Status waited = wait(event);
+    if (!waited.ok() && result.ok()) result = waited;
+  }
+  if (running) {
+    (void)lane.release();  // a copy may still read its buffers: never free them
+    return Status::Internal("copies into device memory did not end " +
+                            std::to_string(kCopyWait.count()) + " s after they were issued");
+  }
+  if (!broken) lanes.Give(std::move(lane));
+  if (!result.ok()) return result;
+  *bytes += moved;
+  return Status::Ok();
 }
 
 std::vector<ShmIpcRegion> ExportDeviceRegions(const std::vector<RegionInfo>& regions) {

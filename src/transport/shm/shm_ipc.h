@@ -45,6 +45,51 @@ struct DevicePiece {
   std::uint64_t length;
 };
 
+/// A read of the peer's host memory (process_vm_readv) into host memory of this process.
+struct HostRead {
+  std::byte* local;
+  std::uint64_t remote_addr;  // in the peer's address space
+  std::uint64_t length;
+};
+
+/// A read of the peer's host memory into device memory of this process.
+struct StagedRead {
+  device::DeviceAddress local;
+  std::uint64_t remote_addr;  // in the peer's address space
+  std::uint64_t length;
+};
+
+/// What a unit that stages host memory into a device holds: a stream and two pinned buffers of
+/// StagingLanes::kBufferBytes.
+struct StagingLane {
+  std::unique_ptr<device::Stream> stream;
+  std::unique_ptr<device::PinnedBuffer> buffers[2];
+};
+
+/// Lanes of one device, reused by the units of one peer (one unit holds one lane at a time, so
+/// staging memory is bounded by 2 * kBufferBytes per unit running). Thread-safe.
+class StagingLanes {
+ public:
+  static constexpr std::uint64_t kBufferBytes = std::uint64_t{2} << 20;
+  explicit StagingLanes(device::Device* device) : device_(device) {}
+  Result<std::unique_ptr<StagingLane>> Take() EXCLUDES(mu_);
+  void Give(std::unique_ptr<StagingLane> lane) EXCLUDES(mu_);
+
+ private:
+  device::Device* device_;
+  Mutex mu_;
+  std::vector<std::unique_ptr<StagingLane>> idle_ GUARDED_BY(mu_);
+};
+
+/// Reads `pieces` of the peer's host memory into device memory: each buffer's worth through
+/// `read` (process_vm_readv into a pinned buffer) and then a host-to-device copy on the lane's
+/// stream, the next buffer read while the last one copies. Stops between buffers when the batch
+/// stops; every copy issued has ended when this returns (at most 10 s of waiting, else Internal
+/// and the lane is dropped without freeing what a copy may still read).
+Status StageToDevice(const std::function<Status(std::vector<HostRead>&, std::uint64_t*)>& read,
+                     const Batch& batch, StagingLanes& lanes, const std::vector<StagedRead>& pieces,
+                     std::uint64_t* bytes);
+
 /// The IPC handles of this process's device regions (`regions`), for its shm section. A region
 /// that cannot be exported (NotSupported, e.g. VMM) is left out and logged: readers then use tcp.
 std::vector<ShmIpcRegion> ExportDeviceRegions(const std::vector<RegionInfo>& regions);
