@@ -361,11 +361,14 @@ class Proxy {
         return std::chrono::duration<double, std::milli>(d).count();
       };
       RequestTiming t;
+      t.index = static_cast<std::size_t>(std::stoul(id.substr(4)));
       t.prefill_ms = ms(it->second.forwarded - it->second.sent);
       t.decode_ms = ms(now - it->second.forwarded);
       t.ttft_ms = ms(now - it->second.sent);
       t.load_ms = r.value("load_ms", 0.0);
       t.loaded_bytes = static_cast<std::uint64_t>(r.value("loaded_blocks", 0)) * block_bytes_;
+      t.transfer_bytes = r.value("transfer_bytes", std::uint64_t{0});
+      t.transfer_ms = r.value("transfer_ms", 0.0);
       out_.timings.push_back(t);
       out_.bytes_verified += r.value("verified_bytes", std::uint64_t{0});
       out_.prefix_hit_blocks += r.value("prefix_hit_blocks", 0);

@@ -42,11 +42,15 @@ struct PipelineArgs {
 };
 
 struct RequestTiming {
+  std::size_t index = 0;  // of its prompt in RunPipeline's list
   double prefill_ms = 0;  // proxy sent to prefill -> prefill answered
   double decode_ms = 0;   // proxy sent to decode -> decode answered (load and verify)
   double load_ms = 0;     // decode side: load started -> finished
   double ttft_ms = 0;     // proxy sent to prefill -> decode answered
   std::uint64_t loaded_bytes = 0;
+  // In the connector (every rank): bytes read and the transfer's time, 0 when nothing was read.
+  std::uint64_t transfer_bytes = 0;
+  double transfer_ms = 0;
 };
 
 struct PipelineResult {

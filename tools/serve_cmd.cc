@@ -283,7 +283,11 @@ int RunServe(const ServeArgs& a) {
     // With --exit-on-stdin-eof (kvferry demo passes it) the instance ends with its parent.
     zmq_pollitem_t items[2] = {{control.get(), 0, ZMQ_POLLIN, 0},
                                {nullptr, STDIN_FILENO, ZMQ_POLLIN, 0}};
-    zmq_poll(items, a.exit_on_stdin_eof ? 2 : 1, (*instance)->Idle() ? 5 : 0);
+    // Idle: wake for control messages. Waiting for the connector (loads in flight, holds being
+    // read): look again each millisecond rather than spin, which would take a core from the
+    // transfers themselves. Work to do now: go on at once.
+    const long timeout_ms = (*instance)->Idle() ? 5 : ((*instance)->HasWorkNow() ? 0 : 1);
+    zmq_poll(items, a.exit_on_stdin_eof ? 2 : 1, timeout_ms);
     if (a.exit_on_stdin_eof && (items[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) != 0) {
       char byte = 0;
       if (read(STDIN_FILENO, &byte, 1) <= 0) {
@@ -321,7 +325,9 @@ int RunServe(const ServeArgs& a) {
              {"verified_bytes", r.verified_bytes},
              {"queue_ms", r.queue_ms},
              {"compute_ms", r.compute_ms},
-             {"load_ms", r.load_ms}});
+             {"load_ms", r.load_ms},
+             {"transfer_bytes", r.transfer_bytes},
+             {"transfer_ms", r.transfer_ms}});
       reply_to.erase(it);
     }
   }

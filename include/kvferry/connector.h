@@ -212,6 +212,13 @@ struct LoadError {
   bool recompute = true;
 };
 
+/// A load that ended done (decode side): what the connector moved for it and how long it took.
+struct LoadTransfer {
+  std::string request_id;
+  std::uint64_t bytes = 0;                ///< read by this worker for the request
+  std::chrono::microseconds duration{0};  ///< start to the last read, as transfer_latency
+};
+
 struct WorkerStats {
   std::uint64_t bytes_read = 0;
   std::uint64_t reads = 0;        ///< byte ranges read
@@ -302,6 +309,11 @@ class Worker {
   /// a load's error is recorded before the load is reported finished, so every failed load in
   /// `receiving` has its error by then (in this call or an earlier one).
   std::vector<LoadError> TakeLoadErrors();
+  /// The loads that ended done since the last call, in the order they ended: per request what
+  /// this worker read and how long it took (the per-request view of transfer_latency and
+  /// bytes_read, for reports and per-transfer stats such as vLLM's). The last 65,536 are kept
+  /// between calls; older ones are dropped. Failed and aborted loads are not listed.
+  std::vector<LoadTransfer> TakeLoadTransfers();
   /// The engine aborted the request whose load runs or waits here: the load stops (reads in
   /// flight are cancelled; when this returns none of them writes any more), the prefill ranks
   /// are told to release their holds, and the load is still reported once in `receiving`, with a

@@ -109,6 +109,14 @@ std::vector<std::string> LoadRunner::TakeFinished() {
   return out;
 }
 
+std::vector<LoadTransfer> LoadRunner::TakeTransfers() {
+  MutexLock lock(mu_);
+  std::vector<LoadTransfer> out(std::make_move_iterator(done_transfers_.begin()),
+                                std::make_move_iterator(done_transfers_.end()));
+  done_transfers_.clear();
+  return out;
+}
+
 std::vector<LoadError> LoadRunner::TakeErrors() {
   MutexLock lock(mu_);
   std::vector<LoadError> out;
@@ -152,7 +160,8 @@ Status LoadRunner::AbortedLocked(const std::string& request_id) const {
 
 void LoadRunner::Run(const LoadSpec& load) {
   const Clock::time_point start = Clock::now();
-  Status s = DoLoad(load);
+  std::uint64_t bytes = 0;
+  Status s = DoLoad(load, &bytes);
   bool aborted_by_engine = false;
   if (!s.ok()) {
     // A load the engine aborted reports that, whatever else went wrong on the way.
@@ -169,8 +178,11 @@ void LoadRunner::Run(const LoadSpec& load) {
   }
   MutexLock lock(mu_);
   if (s.ok()) {
-    stats_.transfer_latency.Add(
-        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start));
+    const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
+    stats_.transfer_latency.Add(took);
+    constexpr std::size_t kMaxTransfers = 65536;  // between TakeTransfers calls
+    if (done_transfers_.size() == kMaxTransfers) done_transfers_.pop_front();
+    done_transfers_.push_back({load.request_id, bytes, took});
   }
   // A load the engine aborted has nothing to recompute: the engine has dropped the request.
   EndLocked(load, s, !aborted_by_engine);
@@ -211,7 +223,7 @@ std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const
   return out;
 }
 
-Status LoadRunner::DoLoad(const LoadSpec& load) {
+Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
   const Deadline deadline = DeadlineAfter(cfg_.transfer_timeout);
   std::optional<CacheSpec> spec;
   std::optional<CacheAddresses> addresses;
@@ -338,6 +350,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load) {
       transport_.Release(s.batch);
     }
     if (!failure.ok()) return failure;
+    *moved = bytes;
     MutexLock lock(mu_);
     stats_.bytes_read += bytes;
     stats_.reads += reads;

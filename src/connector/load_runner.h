@@ -5,6 +5,7 @@
 // load. Used by the worker; the agent cache gives it the prefill ranks.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -53,6 +54,8 @@ class LoadRunner {
   /// Failed loads since the last call. A load's error is recorded before it is reported in
   /// TakeFinished, so a caller that takes finished loads first sees every error by then.
   std::vector<LoadError> TakeErrors() EXCLUDES(mu_);
+  /// Worker::TakeLoadTransfers's contract.
+  std::vector<LoadTransfer> TakeTransfers() EXCLUDES(mu_);
   /// Worker::AbortLoad's contract.
   Status Abort(const std::string& request_id, const std::string& reason) EXCLUDES(mu_);
   /// Its counters, in the decode fields of WorkerStats (loads, failures, bytes, reads, runs,
@@ -72,7 +75,8 @@ class LoadRunner {
 
   // A load's whole life on a transfer thread. Network and batch waits: never under mu_.
   void Run(const LoadSpec& load) EXCLUDES(mu_);
-  Status DoLoad(const LoadSpec& load) EXCLUDES(mu_);
+  // `*bytes`: what it read, once every read has ended.
+  Status DoLoad(const LoadSpec& load, std::uint64_t* bytes) EXCLUDES(mu_);
   // Reports a load's end (the one place, so each ends once); `recompute` false for engine aborts.
   void EndLocked(const LoadSpec& load, const Status& s, bool recompute) REQUIRES(mu_);
   std::vector<std::string> NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
@@ -102,8 +106,9 @@ class LoadRunner {
   std::map<std::string, LoadState> loads_ GUARDED_BY(mu_);
   std::vector<std::string> finished_ GUARDED_BY(mu_);
   std::vector<LoadError> errors_ GUARDED_BY(mu_);
-  WorkerStats stats_ GUARDED_BY(mu_);  // the decode fields only
-  std::thread lease_thread_;           // last: it uses the rest
+  std::deque<LoadTransfer> done_transfers_ GUARDED_BY(mu_);  // the last kMaxTransfers
+  WorkerStats stats_ GUARDED_BY(mu_);                        // the decode fields only
+  std::thread lease_thread_;                                 // last: it uses the rest
 };
 
 }  // namespace kvferry

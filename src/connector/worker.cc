@@ -47,6 +47,7 @@ class WorkerImpl {
   void StartLoadKv(const ConnectorMetadata& metadata) EXCLUDES(mu_);
   FinishedRequests GetFinished() EXCLUDES(mu_);
   std::vector<LoadError> TakeLoadErrors() EXCLUDES(mu_);
+  std::vector<LoadTransfer> TakeLoadTransfers() { return loads_->TakeTransfers(); }
   // The load runner cancels outside any lock of the worker's.
   Status AbortLoad(const std::string& request_id, const std::string& reason) EXCLUDES(mu_);
   WorkerStats Stats() const EXCLUDES(mu_);
@@ -118,6 +119,7 @@ Status Worker::RegisterKvCaches(const CacheSpec& spec,
 void Worker::StartLoadKv(const ConnectorMetadata& metadata) { impl_->StartLoadKv(metadata); }
 FinishedRequests Worker::GetFinished() { return impl_->GetFinished(); }
 std::vector<LoadError> Worker::TakeLoadErrors() { return impl_->TakeLoadErrors(); }
+std::vector<LoadTransfer> Worker::TakeLoadTransfers() { return impl_->TakeLoadTransfers(); }
 Status Worker::AbortLoad(const std::string& request_id, const std::string& reason) {
   return impl_->AbortLoad(request_id, reason);
 }

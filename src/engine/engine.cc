@@ -185,6 +185,8 @@ bool Instance::Idle() const {
   return waiting_.empty() && running_.empty() && held_.empty() && aborted_now_.empty();
 }
 
+bool Instance::HasWorkNow() const { return !waiting_.empty() || !aborted_now_.empty(); }
+
 void Instance::FreeBlocks(const std::vector<std::int64_t>& blocks) {
   for (std::int64_t b : blocks) allocator_->Unref(b);
 }
@@ -394,6 +396,12 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
     for (LoadError& e : workers_[rank]->TakeLoadErrors()) {
       if (running_.count(e.request_id) != 0) load_errors_.emplace(e.request_id, e.status);
     }
+    for (const LoadTransfer& t : workers_[rank]->TakeLoadTransfers()) {
+      if (running_.count(t.request_id) == 0) continue;
+      LoadTransfer& sum = transfers_[t.request_id];
+      sum.bytes += t.bytes;
+      sum.duration = std::max(sum.duration, t.duration);
+    }
   }
   for (std::size_t rank = 0; rank < workers_.size(); ++rank) {
     for (const std::string& id : finished[rank]) {
@@ -405,6 +413,11 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
       if (it == running_.end()) continue;
       Running& r = *it->second;
       r.result.load_ms = Ms(r.scheduled, Clock::now());
+      if (auto t = transfers_.find(id); t != transfers_.end()) {
+        r.result.transfer_bytes = t->second.bytes;
+        r.result.transfer_ms = static_cast<double>(t->second.duration.count()) / 1000.0;
+        transfers_.erase(t);
+      }
       if (r.aborted) {
         // Every rank's load has stopped: the blocks are free to reuse, and nothing is cached.
         ++aborted_;

@@ -86,6 +86,10 @@ struct EngineResult {
   double queue_ms = 0;    ///< submitted to scheduled
   double compute_ms = 0;  ///< prefill compute
   double load_ms = 0;     ///< decode: load started to finished
+  /// decode, a load that ended done: what the connector read for it (every rank) and how long
+  /// its transfer took in the connector (the slowest rank's; Worker::TakeLoadTransfers).
+  std::uint64_t transfer_bytes = 0;
+  double transfer_ms = 0;
 };
 
 struct InstanceStats {
@@ -130,7 +134,12 @@ class Instance {
   std::vector<WorkerMetrics> ConnectorMetrics() const;
   std::vector<ExtraMetric> EngineMetrics() const;
   const CacheSpec& spec(int rank) const;
+  /// Nothing submitted is unfinished.
   bool Idle() const;
+  /// Whether Step has work to do now (requests to schedule or compute, aborts to report), as
+  /// opposed to waiting for the connector (loads in flight, holds being read), which a caller
+  /// may poll for at a slower pace instead of spinning.
+  bool HasWorkNow() const;
 
  private:
   struct Running;
@@ -180,7 +189,8 @@ class Instance {
   std::map<std::string, std::unique_ptr<Running>> running_;  // decode: loading
   std::map<std::string, std::vector<std::int64_t>> held_;    // prefill: blocks held
   std::map<std::string, std::set<int>> rank_reports_;        // per request: ranks reported
-  std::map<std::string, Status> load_errors_;  // decode: a rank's load failed (until it ends)
+  std::map<std::string, Status> load_errors_;      // decode: a rank's load failed (until it ends)
+  std::map<std::string, LoadTransfer> transfers_;  // decode: ranks' done loads (until it ends)
   // Decode prefix cache: chain hash of a full block's tokens -> block; LRU of evictable blocks.
   std::unordered_map<std::uint64_t, std::int64_t> prefix_;
   std::list<std::uint64_t> lru_;

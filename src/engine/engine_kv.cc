@@ -2,6 +2,7 @@
 // prefix, layer, part and model-wide head, so the decode side can check every byte it received.
 // With device memory, blocks are copied up after computing and down before verifying.
 #include <cstring>
+#include <vector>
 
 #include "common/clock.h"
 #include "engine/engine.h"
@@ -33,6 +34,34 @@ HeldHeads HeadsHeldBy(const CacheSpec& spec, int part) {
 // The value of element d of a row whose seed is `seed`.
 inline std::uint64_t RowValue(std::uint64_t seed, std::int64_t d) {
   return seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
+}
+
+// Writes a row: element d is the low `esize` bytes of RowValue(seed, d), little-endian as the
+// host stores them. One loop per element size, so each store is a plain store, not a call.
+template <typename T>
+void FillRowAs(std::uint8_t* out, std::uint64_t seed, std::int64_t dim) {
+  for (std::int64_t d = 0; d < dim; ++d) {
+    const auto v = static_cast<T>(RowValue(seed, d));
+    std::memcpy(out + d * static_cast<std::int64_t>(sizeof(T)), &v, sizeof(T));
+  }
+}
+
+void FillRow(std::uint8_t* out, std::uint64_t seed, std::int64_t dim, std::int64_t esize) {
+  switch (esize) {
+    case 1:
+      return FillRowAs<std::uint8_t>(out, seed, dim);
+    case 2:
+      return FillRowAs<std::uint16_t>(out, seed, dim);
+    case 4:
+      return FillRowAs<std::uint32_t>(out, seed, dim);
+    case 8:
+      return FillRowAs<std::uint64_t>(out, seed, dim);
+    default:
+      for (std::int64_t d = 0; d < dim; ++d) {
+        const std::uint64_t v = RowValue(seed, d);
+        std::memcpy(out + d * esize, &v, static_cast<std::size_t>(esize));
+      }
+  }
 }
 
 // Visits every (rank, layer, part, block, token slot, head) row of blocks [first, first + count)
@@ -91,10 +120,7 @@ bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t cou
 // Writes the KV of the prompt's tokens in blocks [first, first + count) on every rank.
 Status Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
   ForEachRow(r, first, count, [](const KvRow& row) {
-    for (std::int64_t d = 0; d < row.dim; ++d) {
-      const std::uint64_t v = RowValue(row.seed, d);
-      std::memcpy(row.data + d * row.esize, &v, static_cast<std::size_t>(row.esize));
-    }
+    FillRow(row.data, row.seed, row.dim, row.esize);
     return true;
   });
   return device_ == nullptr ? Status::Ok() : CopyBlocks(r, first, count, /*up=*/true);
@@ -136,18 +162,19 @@ std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_
       return 0;
     }
   }
+  std::vector<std::uint8_t> expect;
   ForEachRow(r, first, count, [&](const KvRow& row) {
     if (row.past_prompt) return true;  // slots past the prompt are never read
-    for (std::int64_t d = 0; d < row.dim; ++d) {
-      const std::uint64_t v = RowValue(row.seed, d);
-      if (std::memcmp(row.data + d * row.esize, &v, static_cast<std::size_t>(row.esize)) != 0) {
-        *status = Status::Internal(
-            "request " + r.request.request_id + ": KV byte mismatch at rank " +
-            std::to_string(row.rank) + " layer " + std::to_string(row.layer) + " part " +
-            std::to_string(row.part) + " block index " + std::to_string(row.block_index) +
-            " token " + std::to_string(row.slot) + " head " + std::to_string(row.head));
-        return false;
-      }
+    const auto row_bytes = static_cast<std::size_t>(row.dim * row.esize);
+    if (expect.size() < row_bytes) expect.resize(row_bytes);
+    FillRow(expect.data(), row.seed, row.dim, row.esize);
+    if (std::memcmp(row.data, expect.data(), row_bytes) != 0) {
+      *status = Status::Internal("request " + r.request.request_id + ": KV byte mismatch at rank " +
+                                 std::to_string(row.rank) + " layer " + std::to_string(row.layer) +
+                                 " part " + std::to_string(row.part) + " block index " +
+                                 std::to_string(row.block_index) + " token " +
+                                 std::to_string(row.slot) + " head " + std::to_string(row.head));
+      return false;
     }
     bytes += static_cast<std::uint64_t>(row.dim * row.esize);
     return true;

@@ -354,7 +354,28 @@ void ExpectNothingLeft(PrefillProcess& prefill, DecodeInstance& decode) {
   EXPECT_EQ(decode.loads_outstanding(), 0u);
 }
 
-// Runs requests of several sizes through prefill TP p -> decode TP d and checks every byte.
+// The transfer records (Worker::TakeLoadTransfers) of every decode rank since the last call, by
+// request id: how many ranks listed it and the bytes they read.
+std::map<std::string, std::pair<int, std::uint64_t>> TakeTransfers(DecodeInstance& decode, int tp) {
+  std::map<std::string, std::pair<int, std::uint64_t>> out;
+  for (int r = 0; r < tp; ++r) {
+    for (const LoadTransfer& t : decode.worker(r).TakeLoadTransfers()) {
+      EXPECT_GT(t.duration.count(), 0) << t.request_id;
+      ++out[t.request_id].first;
+      out[t.request_id].second += t.bytes;
+    }
+  }
+  return out;
+}
+
+std::uint64_t BytesRead(DecodeInstance& decode, int tp) {
+  std::uint64_t n = 0;
+  for (int r = 0; r < tp; ++r) n += decode.worker(r).Stats().bytes_read;
+  return n;
+}
+
+// Runs requests of several sizes through prefill TP p -> decode TP d and checks every byte, and
+// that each rank lists each load once among its transfers, with the bytes it read.
 void TransferAndVerify(const std::string& kind, int p, int d) {
   PrefillProcess prefill(kind, p, "prefill-0", 60000);
   DecodeInstance decode(kind, d);
@@ -363,10 +384,17 @@ void TransferAndVerify(const std::string& kind, int p, int d) {
     const std::string req = "req-" + std::to_string(n++);
     const Params params = prefill.Hold(req, blocks);
     ASSERT_EQ(params.blocks.size(), static_cast<std::size_t>(blocks));
+    const std::uint64_t read_before = BytesRead(decode, d);
     ASSERT_TRUE(decode.Load(req, prefill, params).ok());
     ASSERT_TRUE(decode.WaitReceived(req, {}, milliseconds(10000))) << req;
     EXPECT_TRUE(decode.Errors(req).empty()) << decode.Errors(req).front().status.ToString();
     EXPECT_EQ(decode.Mismatches(req), 0) << req;
+    const auto transfers = TakeTransfers(decode, d);
+    ASSERT_EQ(transfers.size(), 1u) << req;
+    EXPECT_EQ(transfers.begin()->first, req);
+    EXPECT_EQ(transfers.begin()->second.first, d) << req << ": one record per decode rank";
+    EXPECT_EQ(transfers.begin()->second.second, BytesRead(decode, d) - read_before) << req;
+    EXPECT_GT(transfers.begin()->second.second, 0u) << req;
     EXPECT_TRUE(prefill.WaitLine("FREED " + req, milliseconds(5000))) << req;
     decode.Free(req);
   }
@@ -497,6 +525,10 @@ TEST(ConnectorTest, PrefillKilledFailsExactlyItsRequestsWithTheirBlocks) {
   EXPECT_EQ(decode.Errors("req-a")[0].local_block_ids, decode.LocalBlocks("req-a"));
   EXPECT_EQ(decode.Errors("req-b")[0].local_block_ids, decode.LocalBlocks("req-b"));
   EXPECT_TRUE(decode.Errors("req-c").empty());
+  // Only loads that ended done are listed among the transfers.
+  const auto transfers = TakeTransfers(decode, 1);
+  EXPECT_EQ(transfers.count("req-a") + transfers.count("req-b"), 0u);
+  EXPECT_EQ(transfers.count("req-c"), 1u);
   // Failures by peer: both on the dead engine, none on the healthy one.
   const WorkerStats stats = decode.worker(0).Stats();
   EXPECT_EQ(stats.failures_by_peer.count("prefill-ok"), 0u);

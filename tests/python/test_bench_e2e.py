@@ -1,0 +1,69 @@
+"""Reports that show kvferry, not the demo engine (issue 16, item 6): the demo's report leads with
+the connector's per-request figures, whose bytes add up to what the decode instance read, and
+`bench e2e --chart` plots per-request transfer time and rate against prompt length."""
+import json
+import os
+import subprocess
+
+import pytest
+
+CLI = os.environ.get("KVFERRY_CLI", "")
+SMALL = ["--layers", "2", "--num-blocks", "512", "--no-progress"]
+
+
+def _cli():
+    if not CLI:
+        pytest.skip("KVFERRY_CLI (the kvferry binary) is not set; ctest sets it")
+    return CLI
+
+
+def test_the_demo_report_leads_with_the_connector_and_its_bytes_add_up():
+    cli = _cli()
+    out = subprocess.run([cli, "demo", "--requests", "30", "--max-prompt", "600", "--json"] + SMALL,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    conn = report["connector"]
+    assert report["done"] == 30
+    # Every request read something (no prefix cache before the first requests end is not
+    # guaranteed, so: at least one load, each with bytes and a time).
+    assert 0 < conn["loads"] <= 30
+    assert conn["bytes"] == report["bytes_moved"], "per-request bytes must add up to the " \
+        "decode instance's bytes_read"
+    assert 0 < conn["transfer_ms_p50"] <= conn["transfer_ms_p99"] <= conn["transfer_ms_max"]
+    assert 0 < conn["request_gbps_p10"] <= conn["request_gbps_p50"]
+
+    text = subprocess.run([cli, "demo", "--requests", "10", "--max-prompt", "300"] + SMALL,
+                          capture_output=True, text=True, timeout=240)
+    assert text.returncode == 0, text.stderr[-2000:]
+    lines = [ln for ln in text.stdout.splitlines() if not ln.startswith("kvferry demo:")]
+    assert lines[0].startswith("kvferry "), lines[:3]
+    assert "per request: transfer p50" in lines[0]
+    assert any(ln.startswith("demo engine   its own costs") for ln in lines), lines
+
+
+def test_bench_e2e_charts_the_per_request_figures_without_the_warmup(tmp_path):
+    cli = _cli()
+    chart = tmp_path / "e2e.png"
+    out = subprocess.run([cli, "bench", "e2e", "--prompts", "64,256", "--requests", "6",
+                          "--warmup", "2", "--chart", str(chart), "--json"] + SMALL[:-1],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert [p["prompt_tokens"] for p in report["points"]] == [64, 256]
+    for p in report["points"]:
+        conn = p["connector"]
+        assert p["requests"] == 6 and p["warmup"] == 2
+        # Only the measured requests: six loads of equal prompts, so equal bytes each; the
+        # warm-up's bytes are in the run-wide bytes_moved only.
+        assert conn["loads"] == 6, conn
+        assert conn["bytes"] == 6 * conn["request_bytes_p50"]
+        assert conn["bytes"] < p["bytes_moved"]
+        assert 0 < conn["transfer_ms_p50"] <= conn["transfer_ms_p99"]
+        assert conn["request_gbps_p50"] > 0
+    assert report["points"][1]["connector"]["request_bytes_p50"] > \
+        report["points"][0]["connector"]["request_bytes_p50"]
+    assert any(b["backend"] == "shm" for b in report["transport_baselines"]["results"])
+    with open(chart, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "e2e.png.dat").exists() and not (tmp_path / "e2e.png.gp").exists()
