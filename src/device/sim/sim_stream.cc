@@ -102,36 +102,47 @@ class SimStream final : public Stream {
   }
 
   Status Push(Op op) EXCLUDES(mu_) {
+    bool wake = false;
     {
       MutexLock lock(mu_);
       queue_.push_back(std::move(op));
+      wake = idle_;  // the thread sleeps only when it found the queue empty
+      idle_ = false;
     }
-    queued_.Signal();
+    if (wake) queued_.Signal();
     return Status::Ok();
   }
 
+  // Takes everything queued at once, runs it in order, and sleeps only when nothing is left: a
+  // burst of copies costs one wake-up, not one per copy.
   void Run() EXCLUDES(mu_) {
+    std::deque<Op> ops;
     for (;;) {
-      Op op;
       {
         MutexLock lock(mu_);
-        while (!stopping_ && queue_.empty()) queued_.Wait(mu_);
-        if (queue_.empty()) return;  // stopping and drained
-        op = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      if (auto* copy = std::get_if<CopyOp>(&op)) {
-        const auto start = Clock::now();
-        std::memmove(copy->dst, copy->src, copy->size);
-        Throttle(start, copy->size);
-      } else {
-        auto& state = std::get<std::shared_ptr<SimEventState>>(op);
-        {
-          MutexLock lock(state->mu);
-          state->done = true;
+        while (!stopping_ && queue_.empty()) {
+          idle_ = true;
+          queued_.Wait(mu_);
         }
-        state->done_cv.SignalAll();
+        idle_ = false;
+        if (queue_.empty()) return;  // stopping and drained
+        ops.swap(queue_);
       }
+      for (Op& op : ops) {
+        if (auto* copy = std::get_if<CopyOp>(&op)) {
+          const auto start = Clock::now();
+          std::memmove(copy->dst, copy->src, copy->size);
+          Throttle(start, copy->size);
+        } else {
+          auto& state = std::get<std::shared_ptr<SimEventState>>(op);
+          {
+            MutexLock lock(state->mu);
+            state->done = true;
+          }
+          state->done_cv.SignalAll();
+        }
+      }
+      ops.clear();  // drops the mappings the copies kept alive
     }
   }
 
@@ -153,6 +164,7 @@ class SimStream final : public Stream {
   CondVar queued_;
   std::deque<Op> queue_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
+  bool idle_ GUARDED_BY(mu_) = false;  // the thread waits for queued_
   std::thread thread_;  // last: starts after the members it uses
 };
 
