@@ -151,6 +151,11 @@ struct TransportStats {
   std::uint64_t bytes_read = 0;
   std::uint64_t bytes_served = 0;
   std::uint64_t requests_refused = 0;  ///< reads outside registered memory, bad auth, bad frames
+  /// Now: pinned host memory the backends hold to stage device memory (tcp's buffers at both ends,
+  /// shm's lanes for host memory into a device); 0 with host memory only.
+  std::uint64_t staging_bytes = 0;
+  /// Now: bytes of the regions registered here, by memory kind ("host", "sim:0", "cuda:1").
+  std::map<std::string, std::uint64_t> registered_bytes;
 };
 
 /// The data-plane interface every backend implements. All methods are thread-safe.

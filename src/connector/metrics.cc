@@ -237,6 +237,15 @@ std::string PrometheusText(std::span<const WorkerMetrics> workers,
   w.Simple("kvferry_transport_requests_refused_total", "counter",
            "Data-plane requests refused: reads outside registered memory, bad proof, bad frames",
            [](S s) { return s.transport.requests_refused; });
+  w.Simple("kvferry_transport_staging_bytes", "gauge",
+           "Pinned host memory the data plane holds to stage device memory",
+           [](S s) { return s.transport.staging_bytes; });
+  w.Labelled("kvferry_registered_bytes", "gauge",
+             "Bytes of KV cache registered with the data plane, by memory kind (host, cuda:0, ...)",
+             "memory", [](S s) {
+               return std::vector<std::pair<std::string, std::uint64_t>>(
+                   s.transport.registered_bytes.begin(), s.transport.registered_bytes.end());
+             });
   w.Extra(extra);
   return w.Take();
 }

@@ -69,7 +69,8 @@ class Backend {
   /// with it (their pins then go, and DeregisterMemory returns).
   virtual void RevokeRegion(RegionId /*region*/) {}
 
-  /// Adds this backend's serving counters (bytes_served, requests_refused) to `stats`.
+  /// Adds this backend's serving counters (bytes_served, requests_refused) and the staging memory
+  /// it holds now (staging_bytes) to `stats`.
   virtual void AddStats(TransportStats* /*stats*/) const {}
 };
 

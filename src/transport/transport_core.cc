@@ -436,6 +436,7 @@ TransportStats TransportCore::Stats() {
   s.batches_cancelled = cancelled_.load();
   s.bytes_read = bytes_read_.load();
   s.requests_refused = refused_.load();
+  for (const RegionInfo& r : registry_.List()) s.registered_bytes[r.kind.ToString()] += r.length;
   for (const auto& backend : backends_) backend->AddStats(&s);
   return s;
 }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -183,6 +184,11 @@ TEST_P(DeviceTransportTest, RandomScatteredReadsAreByteExact) {
     next = o.local + o.length;
   }
   EXPECT_EQ(client_->Stats().bytes_read, total);
+  // This side holds pinned staging when bytes land in a device through host memory: tcp's
+  // receive buffers, or shm's lanes for the peer's host memory; IPC copies need none.
+  const Kinds& k = GetParam();
+  const bool stages = k.local != "host" && (k.backend == "tcp" || k.remote == "host");
+  EXPECT_EQ(client_->Stats().staging_bytes > 0, stages) << client_->Stats().staging_bytes;
 }
 
 TEST_P(DeviceTransportTest, CancelWhileStagingEndsTheBatchAndNothingLandsAfter) {
@@ -268,12 +274,29 @@ TEST(DeviceStagingTest, StagingMemoryStaysBoundedWhileManyBatchesRun) {
           << "round " << round << " block " << i;
     }
   }
+  // The transports report what they hold (kvferry_transport_staging_bytes), and what is
+  // registered by memory kind (kvferry_registered_bytes).
+  const TransportStats server_stats = server->Stats();
+  const TransportStats client_stats = client->Stats();
+  EXPECT_GT(server_stats.staging_bytes, 0u);
+  EXPECT_EQ(server_stats.staging_bytes, server_dev->pinned_bytes());
+  EXPECT_GT(client_stats.staging_bytes, 0u);
+  EXPECT_EQ(client_stats.staging_bytes, client_dev->pinned_bytes());
+  EXPECT_EQ(server_stats.registered_bytes,
+            (std::map<std::string, std::uint64_t>{{"sim:0", kBytes}}));
+  EXPECT_EQ(client_stats.registered_bytes,
+            (std::map<std::string, std::uint64_t>{{"sim:1", kBytes}}));
   // 2 connections per peer (MakeTransport), 2 buffers of 2 MiB each on either side.
   constexpr std::uint64_t kBound = 2 * 2 * (std::uint64_t{2} << 20);
   EXPECT_GT(server_dev->pinned_peak_bytes(), 0u);
   EXPECT_LE(server_dev->pinned_peak_bytes(), kBound) << "after " << moved << " bytes";
   EXPECT_GT(client_dev->pinned_peak_bytes(), 0u);
   EXPECT_LE(client_dev->pinned_peak_bytes(), kBound) << "after " << moved << " bytes";
+  // Closed transports hold no staging.
+  client.reset();
+  server.reset();
+  EXPECT_EQ(server_dev->pinned_bytes(), 0u);
+  EXPECT_EQ(client_dev->pinned_bytes(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, DeviceTransportTest,

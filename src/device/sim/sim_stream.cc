@@ -165,7 +165,7 @@ class SimStream final : public Stream {
   std::deque<Op> queue_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
   bool idle_ GUARDED_BY(mu_) = false;  // the thread waits for queued_
-  std::thread thread_;  // last: starts after the members it uses
+  std::thread thread_;                 // last: starts after the members it uses
 };
 
 }  // namespace

@@ -196,8 +196,10 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
 class ShmPeer final : public BackendPeer {
  public:
   ShmPeer(std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions,
-          std::shared_ptr<WorkQueue> pool, std::map<RegionId, ImportedRegion> imported)
-      : state_(std::move(state)),
+          std::shared_ptr<WorkQueue> pool, std::map<RegionId, ImportedRegion> imported,
+          std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge)
+      : staging_gauge_(std::move(staging_gauge)),
+        state_(std::move(state)),
         regions_(std::move(regions)),
         pool_(std::move(pool)),
         imported_(std::make_shared<const std::map<RegionId, ImportedRegion>>(std::move(imported))) {
@@ -339,10 +341,11 @@ class ShmPeer final : public BackendPeer {
   std::shared_ptr<StagingLanes> LanesFor(device::Device* dev) EXCLUDES(lanes_mu_) {
     MutexLock lock(lanes_mu_);
     std::shared_ptr<StagingLanes>& lanes = lanes_[dev];
-    if (!lanes) lanes = std::make_shared<StagingLanes>(dev);
+    if (!lanes) lanes = std::make_shared<StagingLanes>(dev, staging_gauge_);
     return lanes;
   }
 
+  std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge_;  // the backend's staging_bytes
   std::shared_ptr<ShmPeerState> state_;
   RemoteRegionTable regions_;
   std::shared_ptr<WorkQueue> pool_;
@@ -550,8 +553,8 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
   // Device regions: each allocation's handle opened once (shm_ipc.h).
   const RemoteRegionTable table = IndexRegions(peer.regions);
   KVFERRY_ASSIGN_OR_RETURN(auto imported, ImportPeerRegions(section.ipc, table));
-  return std::unique_ptr<BackendPeer>(
-      std::make_unique<ShmPeer>(std::move(state), table, pool_, std::move(imported)));
+  return std::unique_ptr<BackendPeer>(std::make_unique<ShmPeer>(
+      std::move(state), table, pool_, std::move(imported), staging_bytes_));
 }
 
 }  // namespace kvferry

@@ -61,6 +61,8 @@ class ShmBackend final : public Backend {
     return device::KnownDeviceType(remote.type) && (local.is_host() || local == remote);
   }
 
+  void AddStats(TransportStats* stats) const override { stats->staging_bytes += *staging_bytes_; }
+
   /// Whether this backend called prctl(PR_SET_PTRACER_ANY) when it was created.
   bool permitted_any_tracer() const { return permitted_any_tracer_; }
 
@@ -82,6 +84,10 @@ class ShmBackend final : public Backend {
   bool permitted_any_tracer_;
   RegionRegistry* regions_;
   std::shared_ptr<WorkQueue> pool_;
+  // Pinned bytes of the peers' staging lanes (host memory into a device); shared, since units
+  // that hold lanes may outlive a peer.
+  std::shared_ptr<std::atomic<std::uint64_t>> staging_bytes_ =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
 };
 
 }  // namespace kvferry

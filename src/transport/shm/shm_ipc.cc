@@ -38,10 +38,11 @@ Result<std::unique_ptr<StagingLane>> StagingLanes::Take() {
       return lane;
     }
   }
-  auto lane = std::make_unique<StagingLane>();
+  auto lane = std::make_unique<StagingLane>(gauge_.get());
   KVFERRY_ASSIGN_OR_RETURN(lane->stream, device_->CreateStream());
   for (auto& buffer : lane->buffers) {
     KVFERRY_ASSIGN_OR_RETURN(buffer, device_->AllocatePinned(kBufferBytes));
+    gauge_->fetch_add(buffer->size());
   }
   return lane;
 }

@@ -3,6 +3,7 @@
 // allocation once and copies from it on its own streams of that device.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -62,6 +63,15 @@ struct StagedRead {
 /// What a unit that stages host memory into a device holds: a stream and two pinned buffers of
 /// StagingLanes::kBufferBytes.
 struct StagingLane {
+  explicit StagingLane(std::atomic<std::uint64_t>* counter) : gauge(counter) {}
+  StagingLane(const StagingLane&) = delete;
+  StagingLane& operator=(const StagingLane&) = delete;
+  ~StagingLane() {
+    for (const auto& b : buffers) {
+      if (b) gauge->fetch_sub(b->size());
+    }
+  }
+  std::atomic<std::uint64_t>* gauge;  // the pinned bytes lanes hold (TransportStats)
   std::unique_ptr<device::Stream> stream;
   std::unique_ptr<device::PinnedBuffer> buffers[2];
 };
@@ -71,12 +81,15 @@ struct StagingLane {
 class StagingLanes {
  public:
   static constexpr std::uint64_t kBufferBytes = std::uint64_t{2} << 20;
-  explicit StagingLanes(device::Device* device) : device_(device) {}
+  /// `gauge` counts the pinned bytes of its lanes (a lane taken out must end before the lanes).
+  StagingLanes(device::Device* device, std::shared_ptr<std::atomic<std::uint64_t>> gauge)
+      : device_(device), gauge_(std::move(gauge)) {}
   Result<std::unique_ptr<StagingLane>> Take() EXCLUDES(mu_);
   void Give(std::unique_ptr<StagingLane> lane) EXCLUDES(mu_);
 
  private:
   device::Device* device_;
+  std::shared_ptr<std::atomic<std::uint64_t>> gauge_;
   Mutex mu_;
   std::vector<std::unique_ptr<StagingLane>> idle_ GUARDED_BY(mu_);
 };

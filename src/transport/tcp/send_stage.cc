@@ -27,6 +27,7 @@ void SendStage::Reset() {
     if (s.event && !s.event->Wait(DeadlineAfter(kCopyWait)).ok()) {
       (void)s.buffer.release();  // a copy may still write into it: never free it
     }
+    if (s.buffer && gauge_ != nullptr) gauge_->fetch_sub(s.buffer->size());
     s = Slot{};
   }
   stream_.reset();
@@ -53,6 +54,7 @@ Status SendStage::Fill(Slot& slot, const StagedBody& r, std::size_t entry, std::
     Result<std::unique_ptr<device::PinnedBuffer>> buffer = dev_->AllocatePinned(kBytes);
     if (!buffer.ok()) return buffer.status();
     slot.buffer = std::move(buffer).value();
+    if (gauge_ != nullptr) gauge_->fetch_add(slot.buffer->size());
   }
   Status copy;
   for (std::size_t j = entry; j < r.body.size() && slot.total < kBytes; ++j) {

@@ -5,6 +5,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -47,6 +48,9 @@ class SendStage {
 
   /// Pinned bytes held now (0 before the first device response); never above 2 * kBytes.
   std::uint64_t pinned_bytes() const;
+  /// Also keeps `gauge` up to date with the pinned bytes held (a buffer leaked after a copy that
+  /// did not end stays counted). Call before the first Bytes; `gauge` must outlive the stage.
+  void CountIn(std::atomic<std::uint64_t>* gauge) { gauge_ = gauge; }
 
  private:
   struct Piece {
@@ -80,6 +84,7 @@ class SendStage {
   device::Device* dev_ = nullptr;
   std::unique_ptr<device::Stream> stream_;
   Slot slots_[2];
+  std::atomic<std::uint64_t>* gauge_ = nullptr;
   bool broken_ = false;  // a copy failed: the next Bytes call starts afresh
 };
 

@@ -124,8 +124,13 @@ bool ClosedByPeer(int fd) {
 // kPipelineDepth of them, then receives the oldest response into its destination memory.
 class Connection {
  public:
-  Connection(TcpEndpoint endpoint, const ClientOptions& options, Fd fd)
-      : endpoint_(std::move(endpoint)), options_(options), fd_(std::move(fd)) {
+  // `staging_gauge` counts the pinned bytes this connection holds (TransportStats::staging_bytes).
+  Connection(TcpEndpoint endpoint, const ClientOptions& options, Fd fd,
+             std::atomic<std::uint64_t>* staging_gauge)
+      : endpoint_(std::move(endpoint)),
+        options_(options),
+        fd_(std::move(fd)),
+        staging_gauge_(staging_gauge) {
     thread_ = std::thread([this] { Run(); });
     pthread_setname_np(thread_.native_handle(), "kvferry-tcpcli");
   }
@@ -136,6 +141,11 @@ class Connection {
     }
     cv_.SignalAll();
     thread_.join();
+    for (auto& [dev, staging] : staging_) {
+      for (StageSlot& slot : staging.slots) {
+        if (slot.buffer) staging_gauge_->fetch_sub(slot.buffer->size());
+      }
+    }
   }
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -395,6 +405,7 @@ class Connection {
     for (StageSlot& slot : st.slots) {
       if (!slot.buffer) {
         KVFERRY_ASSIGN_OR_RETURN(slot.buffer, dev.AllocatePinned(kStageBytes));
+        staging_gauge_->fetch_add(slot.buffer->size());
       }
     }
     return &st;
@@ -503,7 +514,8 @@ class Connection {
 
   const TcpEndpoint endpoint_;
   const ClientOptions& options_;
-  Fd fd_;                                       // used by the thread only
+  Fd fd_;  // used by the thread only
+  std::atomic<std::uint64_t>* const staging_gauge_;
   std::deque<std::uint64_t> sent_ids_;          // thread only
   std::map<device::Device*, Staging> staging_;  // thread only
   std::uint64_t next_id_ = 1;                   // thread only
@@ -654,6 +666,7 @@ void TcpBackend::RevokeRegion(RegionId region) {
 void TcpBackend::AddStats(TransportStats* stats) const {
   stats->bytes_served += counters_.bytes_served.load();
   stats->requests_refused += counters_.refused.load();
+  stats->staging_bytes += counters_.staging_bytes.load();
 }
 
 Result<std::unique_ptr<BackendPeer>> TcpBackend::Connect(const PeerView& peer, Deadline deadline) {
@@ -665,7 +678,8 @@ Result<std::unique_ptr<BackendPeer>> TcpBackend::Connect(const PeerView& peer, D
     Result<Fd> fd = tcp::Connect(endpoint.host, endpoint.port, deadline, client.user_timeout);
     if (!fd.ok()) return fd.status();
     KVFERRY_RETURN_IF_ERROR(Handshake(fd->get(), endpoint, client.secret, deadline));
-    conns.push_back(std::make_unique<Connection>(endpoint, client, std::move(fd).value()));
+    conns.push_back(std::make_unique<Connection>(endpoint, client, std::move(fd).value(),
+                                                 &counters_.staging_bytes));
   }
   return std::unique_ptr<BackendPeer>(std::make_unique<TcpPeer>(client, std::move(conns)));
 }

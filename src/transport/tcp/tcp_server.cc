@@ -134,6 +134,7 @@ class Loop {
       ++from_source;
       ConfigureStream(fd, std::chrono::milliseconds(5000));
       auto conn = std::make_unique<Connection>();
+      conn->stage.CountIn(&counters_->staging_bytes);
       conn->fd = Fd(fd);
       conn->source = std::move(source);
       conn->accepted = Clock::now();

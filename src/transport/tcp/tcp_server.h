@@ -26,6 +26,9 @@ struct ServerCounters {
   std::atomic<std::uint64_t> stalled_closed{0};
   std::atomic<std::uint64_t> accept_exhausted{0};  ///< accept4 failed with EMFILE/ENFILE
   std::atomic<std::uint64_t> connections_open{0};  ///< now, not monotonic
+  /// Now: pinned bytes held to stage device memory, by the server's connections and by the
+  /// backend's client connections (TransportStats::staging_bytes).
+  std::atomic<std::uint64_t> staging_bytes{0};
 };
 
 /// What one server allows each client (docs/reliability.md, "Hostile input"). Every connection
