@@ -138,6 +138,8 @@ py::dict MetricsDict(const WorkerMetrics& m) {
   t["bytes_read"] = s.transport.bytes_read;
   t["bytes_served"] = s.transport.bytes_served;
   t["requests_refused"] = s.transport.requests_refused;
+  t["staging_bytes"] = s.transport.staging_bytes;
+  t["registered_bytes"] = s.transport.registered_bytes;
   d["transport"] = t;
   return d;
 }
@@ -146,8 +148,9 @@ py::dict MetricsDict(const WorkerMetrics& m) {
 
 PYBIND11_MODULE(_kvferry, m) {
   m.def("transport_backends", &TransportBackendNames,
-        "The transport backends of this build, in the order 'auto' tries them; each accepts the "
-        "transport_options '<backend>.<option>' listed in docs/transport.md");
+        "The transport backends of this build ('auto' tries the ones it includes in this order; "
+        "others run when named, as in 'shm,ucx,tcp'); each accepts the transport_options "
+        "'<backend>.<option>' listed in docs/transport.md");
   m.doc() = "kvferry: KV-cache transfer for disaggregated prefill/decode serving";
 
   py::object base = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
@@ -438,6 +441,23 @@ PYBIND11_MODULE(_kvferry, m) {
                d["code"] = StatusCodeName(e.status.code());
                d["message"] = std::string(e.status.message());
                d["recompute"] = e.recompute;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("take_load_transfers",
+           [](Worker& w) {
+             std::vector<LoadTransfer> transfers;
+             {
+               py::gil_scoped_release release;
+               transfers = w.TakeLoadTransfers();
+             }
+             py::list out;
+             for (const LoadTransfer& t : transfers) {
+               py::dict d;
+               d["request_id"] = t.request_id;
+               d["bytes"] = t.bytes;
+               d["duration_us"] = t.duration.count();
                out.append(d);
              }
              return out;

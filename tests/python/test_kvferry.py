@@ -141,6 +141,13 @@ def test_transfer_between_two_processes_and_failure_reporting():
         assert t["count"] == 1 and t["buckets"][-1] == (None, 1)
         assert t["min_us"] <= t["p50_us"] <= t["p99_us"] <= t["max_us"]
         assert m["transport"]["bytes_read"] >= m["bytes_read"]
+        assert m["transport"]["staging_bytes"] == 0  # host memory: nothing staged
+        assert m["transport"]["registered_bytes"] == {"host": LAYERS * 2 * BLOCKS * TOKENS * HEADS * DIM * 4}
+        # Per-transfer records: this load once, with the bytes it read.
+        [rec] = worker.take_load_transfers()
+        assert rec["request_id"] == "d-1" and rec["bytes"] == worker.stats()["bytes_read"]
+        assert rec["duration_us"] > 0
+        assert worker.take_load_transfers() == []
         text = worker.metrics_text()
         assert "# TYPE kvferry_transfer_latency_seconds histogram" in text
         assert 'kvferry_loads_total{engine_id="py-decode",role="decode",dp_rank="0",tp_rank="0",' \
