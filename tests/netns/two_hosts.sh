@@ -270,11 +270,11 @@ for ns in "$ns_p" "$ns_d"; do ip netns exec "$ns" nft delete table inet kvferry_
 # later, past the proxy's 5 s request timeout, so at most the 16 in flight may fail, each with
 # "no answer" (CI saw one).
 fault_during link_flap 1.0 link_down_for 3
-run link_flap 16 delay:2400 --seed 3 --requests 200 --max-prompt 2048 || status=1
+run link_flap 16 delay:2400 --seed 3 --requests 1000 --max-prompt 2048 || status=1
 # The prefill instance frozen for 2 s (SIGSTOP): its reads and answers wait, then resume; the
 # requests in flight wait: TTFT p99 of at least 1.6 s.
 fault_during sigstop_prefill 1.0 freeze_for "$(cat "$work/prefill.pid")" 2
-run sigstop_prefill 0 delay:1600 --seed 4 --requests 200 --max-prompt 2048 || status=1
+run sigstop_prefill 0 delay:1600 --seed 4 --requests 1000 --max-prompt 2048 || status=1
 # kill_and_restart ROLE NS IP: the instance killed (SIGKILL, confirmed gone within 10 s) and
 # started again (ready within 10 s).
 kill_and_restart() {
@@ -298,10 +298,10 @@ kill_and_restart() {
 # flight at the kill, plus those the proxy dispatched to it before the new instance answered
 # (more on a loaded machine, where the restart is slower): 32.
 fault_during kill_decode 1.0 kill_and_restart decode "$ns_d" "$ip_d"
-run kill_decode 32 failed:decode:1 --seed 5 --requests 200 --max-prompt 2048 || status=1
+run kill_decode 32 failed:decode:1 --seed 5 --requests 1000 --max-prompt 2048 || status=1
 # The prefill instance killed and started again: requests it had fail; decode loads from it
 # fail and are recomputed; loads naming the old engine are refused by the new one's id.
 fault_during kill_prefill 1.0 kill_and_restart prefill "$ns_p" "$ip_p"
-run kill_prefill 16 cost:1 --seed 6 --requests 200 --max-prompt 2048 || status=1
+run kill_prefill 16 cost:1 --seed 6 --requests 1000 --max-prompt 2048 || status=1
 [ $status -eq 0 ] || for f in "$work"/*.err; do echo "== $f"; tail -5 "$f"; done
 exit $status

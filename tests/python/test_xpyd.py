@@ -35,7 +35,7 @@ def test_a_killed_decode_instance_costs_only_its_own_requests():
     try:
         demo = subprocess.Popen(
             [CLI, "demo", "--prefill-control", ",".join(c for _, c in prefills),
-             "--decode-control", ",".join(c for _, c in decodes), "--requests", "1200",
+             "--decode-control", ",".join(c for _, c in decodes), "--requests", "4000",
              "--max-prompt", "800", "--layers", "2", "--num-blocks", "512", "--concurrency", "8",
              "--request-timeout-ms", "2000", "--hold-lease-ms", "3000", "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -58,7 +58,7 @@ def test_a_killed_decode_instance_costs_only_its_own_requests():
         # Exit status 1: some requests failed, as they must here; the report says which.
         assert demo.wait(timeout=180) == 1, out
         r = json.loads(out)
-        assert r["done"] + r["failed"] + r["aborted"] == r["requests"] == 1200
+        assert r["done"] + r["failed"] + r["aborted"] == r["requests"] == 4000
         assert r["failed"] >= 1, "the kill landed after the run: nothing was tested"
         for e in r["errors"]:
             assert "no answer from the decode instance 1 " in e, e
