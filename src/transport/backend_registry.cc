@@ -2,14 +2,15 @@
 // (docs/transport.md, "Writing a backend").
 #include "transport/shm/shm_backend.h"
 #include "transport/tcp/tcp_backend.h"
+#include "transport/ucx/ucx_backend.h"
 
 namespace kvferry {
 
 const std::vector<BackendFactory>& RegisteredBackends() {
   // In the order `auto` tries them: the cheapest path first.
   static const std::vector<BackendFactory> backends = {
-      ShmBackend::Factory(),
-      tcp::TcpBackend::Factory(),
+      ShmBackend::Factory(), tcp::TcpBackend::Factory(),
+      UcxBackend::Factory(),  // only when named (in_auto false)
   };
   return backends;
 }

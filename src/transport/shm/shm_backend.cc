@@ -99,8 +99,10 @@ const std::uint64_t& InstanceNonce() {
   return nonce;
 }
 
-// Field 22 of /proc/PID/stat: the process's start time in clock ticks since boot. The command
-// name (field 2) may hold spaces and parentheses, so fields are counted after the last ')'.
+}  // namespace
+
+// The command name (field 2) may hold spaces and parentheses, so fields are counted after the
+// last ')'.
 Result<std::uint64_t> ProcessStartTime(pid_t pid) {
   const std::string path = "/proc/" + std::to_string(pid) + "/stat";
   std::ifstream file(path);
@@ -125,6 +127,8 @@ Result<std::uint64_t> ProcessStartTime(pid_t pid) {
   }
   return ticks;
 }
+
+namespace {
 
 // What /proc/sys/kernel/yama/ptrace_scope says, for error messages.
 std::string YamaScopeText() {
