@@ -13,6 +13,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <thread>
 
@@ -48,6 +50,20 @@ TEST(UcxSectionTest, RoundTrips) {
   Result<UcxSection> back = DecodeUcxSection(EncodeUcxSection(s));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, s);
+}
+
+// The descriptor fuzzer's ucx seed is a valid section, so that fuzzing starts inside the format.
+TEST(UcxSectionTest, TheFuzzSeedDecodes) {
+  std::ifstream f(std::string(KVFERRY_TEST_DATA_DIR) +
+                      "/../../fuzz/seeds/descriptor_decode/ucx_section.msgpack",
+                  std::ios::binary);
+  const std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(f)),
+                                        std::istreambuf_iterator<char>());
+  ASSERT_FALSE(bytes.empty());
+  Result<UcxSection> s = DecodeUcxSection(bytes);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->keys.size(), 2u);
+  EXPECT_EQ(s->host.pid, 4242);
 }
 
 TEST(UcxSectionTest, MalformedSectionsAreRefused) {
