@@ -9,8 +9,10 @@ namespace kvferry {
 const std::vector<BackendFactory>& RegisteredBackends() {
   // In the order `auto` tries them: the cheapest path first.
   static const std::vector<BackendFactory> backends = {
-      ShmBackend::Factory(), tcp::TcpBackend::Factory(),
-      UcxBackend::Factory(),  // only when named (in_auto false)
+      ShmBackend::Factory(),
+      tcp::TcpBackend::Factory(),
+      // Only when named: in_auto is false.
+      UcxBackend::Factory(),
   };
   return backends;
 }
