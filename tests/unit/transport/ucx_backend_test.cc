@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "common/clock.h"
@@ -321,6 +322,37 @@ TEST_P(UcxPeerTest, ManyConcurrentBatchesFromSeveralThreadsQueueBehindASmallWind
   }
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(done.load(), kThreads * kBatches);
+}
+
+// CPU time (user + system, clock ticks) of process `pid` so far: fields 14 and 15 of its stat.
+std::uint64_t CpuTicks(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::istringstream rest(text.substr(text.rfind(')') + 2));
+  std::string field;
+  std::uint64_t ticks = 0;
+  for (int i = 3; i <= 15; ++i) {
+    rest >> field;
+    if (i >= 14) ticks += std::stoull(field);
+  }
+  return ticks;
+}
+
+// The progress threads sleep in poll when nothing is to be done (woken at most every 50 ms),
+// on both sides of a connected, idle peer: no busy spin.
+TEST_P(UcxPeerTest, AnIdleConnectedPeerSpinsOnNeitherSide) {
+  Connect();
+  LocalMemory warm(4u << 20);
+  ExpectAWorkingPeer(warm);
+  const std::uint64_t self_before = CpuTicks(getpid());
+  const std::uint64_t peer_before = CpuTicks(peer_.process->pid());
+  // Measuring CPU use over an interval is the one thing here that needs a sleep.
+  std::this_thread::sleep_for(milliseconds(1000));
+  const long ticks_per_second = sysconf(_SC_CLK_TCK);
+  // A spinning thread would use the whole second; allow 10%.
+  EXPECT_LT(CpuTicks(getpid()) - self_before, static_cast<std::uint64_t>(ticks_per_second / 10));
+  EXPECT_LT(CpuTicks(peer_.process->pid()) - peer_before,
+            static_cast<std::uint64_t>(ticks_per_second / 10));
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxPeerTest, ::testing::Values("default", "tcp", "sm_self"),
