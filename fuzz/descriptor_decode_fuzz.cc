@@ -7,6 +7,7 @@
 #include "transport/descriptor.h"
 #include "transport/shm/shm_section.h"
 #include "transport/tcp/tcp_section.h"
+#include "transport/ucx/ucx_section.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::span<const std::uint8_t> bytes(data, size);
@@ -19,6 +20,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     auto again = kvferry::DecodeTcpSection(kvferry::EncodeTcpSection(*tcp));
     if (!again.ok() || !(*again == *tcp)) std::abort();
   }
+  if (auto ucx = kvferry::DecodeUcxSection(bytes); ucx.ok()) {
+    auto again = kvferry::DecodeUcxSection(kvferry::EncodeUcxSection(*ucx));
+    if (!again.ok() || !(*again == *ucx)) std::abort();
+  }
   auto d = kvferry::DecodeDescriptor(bytes);
   if (!d.ok()) return 0;
   auto again = kvferry::DecodeDescriptor(kvferry::EncodeDescriptor(*d));
@@ -26,6 +31,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (const auto& [name, section] : d->sections) {
     (void)kvferry::DecodeShmSection(section);
     (void)kvferry::DecodeTcpSection(section);
+    (void)kvferry::DecodeUcxSection(section);
   }
   return 0;
 }

@@ -14,6 +14,7 @@ PACKAGES=(
   libzmq3-dev cppzmq-dev               # side channel
   libcli11-dev                         # CLI
   libcpp-httplib-dev                   # GET /metrics, kvferry top
+  libucx-dev ucx-utils                 # the ucx backend (ucp, ucs; ucx_info)
   libgtest-dev libgmock-dev            # tests
   libbenchmark-dev                     # micro-benchmarks
   gnuplot-nox                          # bench e2e --chart

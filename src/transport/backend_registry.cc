@@ -2,6 +2,7 @@
 // (docs/transport.md, "Writing a backend").
 #include "transport/shm/shm_backend.h"
 #include "transport/tcp/tcp_backend.h"
+#include "transport/ucx/ucx_backend.h"
 
 namespace kvferry {
 
@@ -10,6 +11,8 @@ const std::vector<BackendFactory>& RegisteredBackends() {
   static const std::vector<BackendFactory> backends = {
       ShmBackend::Factory(),
       tcp::TcpBackend::Factory(),
+      // Only when named: in_auto is false.
+      UcxBackend::Factory(),
   };
   return backends;
 }

@@ -29,7 +29,7 @@ def test_errors_map_to_exception_classes():
 def test_transport_backends_and_options_come_from_the_registry():
     # Issue 13: backends are listed by the transport's registry, and their options are a map of
     # "<backend>.<option>" strings checked by the backend, with errors that name the key.
-    assert kvferry.transport_backends() == ["shm", "tcp"]
+    assert kvferry.transport_backends() == ["shm", "tcp", "ucx"]
     worker = kvferry.Worker("kv_consumer", "py-opts", base_port=free_port(),
                             transport_options={"tcp.connections": "2", "shm.threads": "1"})
     assert worker.stats()["bytes_read"] == 0

@@ -95,33 +95,6 @@ const std::uint64_t& InstanceNonce() {
   return nonce;
 }
 
-// Field 22 of /proc/PID/stat: the process's start time in clock ticks since boot. The command
-// name (field 2) may hold spaces and parentheses, so fields are counted after the last ')'.
-Result<std::uint64_t> ProcessStartTime(pid_t pid) {
-  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
-  std::ifstream file(path);
-  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  if (text.empty()) {
-    return Status::PeerDisconnected("cannot read " + path + ": process " + std::to_string(pid) +
-                                    " does not exist (any more)");
-  }
-  const std::size_t name_end = text.rfind(')');
-  std::istringstream rest(name_end == std::string::npos ? std::string()
-                                                        : text.substr(name_end + 1));
-  std::string field;
-  for (int i = 3; i <= 22; ++i) {
-    if (!(rest >> field)) {
-      return Status::Internal(path + " has fewer than 22 fields; is /proc a procfs?");
-    }
-  }
-  std::uint64_t ticks = 0;
-  const auto [end, ec] = std::from_chars(field.data(), field.data() + field.size(), ticks);
-  if (ec != std::errc() || end != field.data() + field.size()) {
-    return Status::Internal(path + ": field 22 (start time) is '" + field + "', expected a number");
-  }
-  return ticks;
-}
-
 // What /proc/sys/kernel/yama/ptrace_scope says, for error messages.
 std::string YamaScopeText() {
   std::ifstream file("/proc/sys/kernel/yama/ptrace_scope");

@@ -3,8 +3,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <fstream>
+#include <iterator>
 #include <limits>
+#include <sstream>
 
 #include "wire/msgpack_reader.h"
 
@@ -100,6 +103,33 @@ Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes) {
     }
   }
   return s;
+}
+
+// The command name (field 2) may hold spaces and parentheses, so fields are counted after the
+// last ')'.
+Result<std::uint64_t> ProcessStartTime(pid_t pid) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  std::ifstream file(path);
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (text.empty()) {
+    return Status::PeerDisconnected("cannot read " + path + ": process " + std::to_string(pid) +
+                                    " does not exist (any more)");
+  }
+  const std::size_t name_end = text.rfind(')');
+  std::istringstream rest(name_end == std::string::npos ? std::string()
+                                                        : text.substr(name_end + 1));
+  std::string field;
+  for (int i = 3; i <= 22; ++i) {
+    if (!(rest >> field)) {
+      return Status::Internal(path + " has fewer than 22 fields; is /proc a procfs?");
+    }
+  }
+  std::uint64_t ticks = 0;
+  const auto [end, ec] = std::from_chars(field.data(), field.data() + field.size(), ticks);
+  if (ec != std::errc() || end != field.data() + field.size()) {
+    return Status::Internal(path + ": field 22 (start time) is '" + field + "', expected a number");
+  }
+  return ticks;
 }
 
 Result<HostIdentity> LocalHostIdentity() {

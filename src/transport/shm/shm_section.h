@@ -3,6 +3,8 @@
 // descriptor. Its own msgpack map, versioned here (docs/transport.md, "Descriptor").
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <span>
 #include <string>
@@ -60,6 +62,11 @@ std::vector<std::uint8_t> EncodeShmSection(const ShmSection& section);
 /// positive, a zero nonce address and an "ipc" entry that is not [region id, handle bytes of at
 /// most 4 KiB] are refused.
 Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes);
+
+/// Field 22 of /proc/PID/stat: the process's start time in clock ticks since boot.
+/// PeerDisconnected when the process does not exist (any more). Shared with the ucx backend's
+/// liveness check.
+Result<std::uint64_t> ProcessStartTime(pid_t pid);
 
 /// This process's identity: /proc/sys/kernel/random/boot_id, the inode of /proc/self/ns/pid, and
 /// getpid().

@@ -1,0 +1,60 @@
+// ucx: one-sided reads with UCX's UCP (ucp_get_nbx) from the serving process's registered memory
+// into the destination blocks, over whatever transport UCX picks from UCX_TLS (tcp and shared
+// memory on a host without RDMA; rc, dc, ud over verbs where there is hardware). Runs only when
+// named in TransportOptions::backend: its endpoints do not authenticate, so the operator must
+// choose its fabric knowingly (docs/transport.md, "ucx").
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "transport/backend.h"
+#include "transport/ucx/ucx_engine.h"
+
+namespace kvferry {
+
+/// The ucx.* options over their defaults; InvalidArgument naming the key for an unknown key or
+/// a bad value.
+Result<UcxOptions> ParseUcxOptions(const TransportOptions& options, const TransportOptionMap& own);
+
+class UcxBackend final : public Backend {
+ public:
+  /// `serve`: whether this process publishes its regions (TransportOptions::serve). `regions`
+  /// are the transport's; they outlive the backend.
+  UcxBackend(std::unique_ptr<UcxEngine> engine, HostIdentity self, bool serve,
+             RegionRegistry* regions);
+  /// The registry's entry: name "ucx", not in auto.
+  static BackendFactory Factory();
+
+  const char* name() const override { return "ucx"; }
+  /// When serving: the worker address, this process's identity and one packed rkey per host
+  /// region (each mapped with ucp_mem_map on first use). Empty when not serving.
+  std::vector<std::uint8_t> DescriptorSection() override;
+  /// OK for any peer with a ucx section that decodes (UCX itself finds out at Connect whether a
+  /// transport reaches it); Unavailable without one.
+  Status CanReach(const PeerView& peer) override;
+  /// Creates the endpoint and unpacks the keys; on the same host first proves, through a pidfd
+  /// and the process start time, that the peer's pid still names the process that wrote the
+  /// descriptor (PeerDisconnected otherwise). Unavailable when UCX reaches the peer over none of
+  /// its transports.
+  Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
+  /// Host memory into host memory only: device memory types are not mapped by this backend yet,
+  /// and the sim device's memory is never readable by UCX (its addresses are PROT_NONE).
+  bool CanRead(const MemoryKind& remote, const MemoryKind& local) const override {
+    return remote.is_host() && local.is_host();
+  }
+  /// Unmaps the region (ucp_mem_unmap): its rkey stops working where UCX checks keys in
+  /// hardware; see docs/transport.md on emulated gets.
+  void RevokeRegion(RegionId region) override;
+  // No AddStats: one-sided gets never run the serving process's code (or, where UCX emulates
+  // them, run inside UCX), so bytes served cannot be counted.
+
+ private:
+  std::unique_ptr<UcxEngine> engine_;
+  HostIdentity self_;
+  bool serve_;
+  RegionRegistry* regions_;
+};
+
+}  // namespace kvferry

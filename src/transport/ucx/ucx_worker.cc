@@ -1,0 +1,175 @@
+#include "transport/ucx/ucx_worker.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "common/errno_text.h"
+#include "common/log.h"
+
+namespace kvferry {
+
+std::string UcsText(ucs_status_t status) {
+  return std::string(ucs_status_string(status)) + " (UCS status " +
+         std::to_string(static_cast<int>(status)) + ")";
+}
+
+namespace {
+
+Status UcxCallFailed(const char* call, ucs_status_t status) {
+  return Status::Unavailable(std::string(call) + " failed: " + UcsText(status) +
+                             "; check UCX's configuration (UCX_TLS, UCX_NET_DEVICES; `ucx_info "
+                             "-d` lists the transports this host has)");
+}
+
+}  // namespace
+
+Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(std::chrono::milliseconds interval, Tick tick,
+                                                     Tick stop) {
+  std::unique_ptr<UcxWorker> w(new UcxWorker(interval, std::move(tick), std::move(stop)));
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return UcxCallFailed("ucp_config_read", s);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  s = ucp_init(&params, config, &w->context_);
+  ucp_config_release(config);
+  if (s != UCS_OK) {
+    w->context_ = nullptr;
+    return UcxCallFailed("ucp_init", s);
+  }
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+  s = ucp_worker_create(w->context_, &wp, &w->worker_);
+  if (s != UCS_OK) {
+    w->worker_ = nullptr;
+    return UcxCallFailed("ucp_worker_create", s);
+  }
+  s = ucp_worker_get_efd(w->worker_, &w->worker_fd_);
+  if (s != UCS_OK) return UcxCallFailed("ucp_worker_get_efd", s);
+  ucp_address_t* address = nullptr;
+  std::size_t length = 0;
+  s = ucp_worker_get_address(w->worker_, &address, &length);
+  if (s != UCS_OK) return UcxCallFailed("ucp_worker_get_address", s);
+  const auto* a = reinterpret_cast<const std::uint8_t*>(address);
+  w->address_.assign(a, a + length);
+  ucp_worker_release_address(w->worker_, address);
+
+  w->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (w->wake_fd_ < 0) {
+    return Status::Unavailable(std::string("eventfd failed: ") + ErrnoText(errno));
+  }
+  {
+    // The thread's first RunQueued waits for this lock, so it sees thread_id_.
+    MutexLock lock(w->mu_);
+    UcxWorker* raw = w.get();
+    w->thread_ = std::thread([raw] { raw->Loop(); });
+    pthread_setname_np(w->thread_.native_handle(), "kvferry-ucx");
+    w->thread_id_ = w->thread_.get_id();
+  }
+  return w;
+}
+
+UcxWorker::~UcxWorker() {
+  if (thread_.joinable()) {
+    {
+      MutexLock lock(mu_);
+      stopping_ = true;
+    }
+    Wake();
+    thread_.join();
+  }
+  if (wake_fd_ >= 0) close(wake_fd_);
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+bool UcxWorker::Post(std::function<void()> fn) {
+  {
+    MutexLock lock(mu_);
+    if (stopping_) return false;
+    queue_.push_back(std::move(fn));
+  }
+  Wake();
+  return true;
+}
+
+Status UcxWorker::Call(const std::function<void()>& fn, Deadline deadline) {
+  if (OnProgressThread()) {
+    fn();
+    return Status::Ok();
+  }
+  // The closure runs `fn` only while the caller still waits: it holds slot->mu while `fn` runs,
+  // and a caller that gives up marks the slot abandoned under that lock.
+  struct Slot {
+    Mutex mu;
+    CondVar cv;
+    bool done GUARDED_BY(mu) = false;
+    bool abandoned GUARDED_BY(mu) = false;
+  };
+  auto slot = std::make_shared<Slot>();
+  const std::function<void()>* f = &fn;
+  const bool posted = Post([slot, f] {
+    MutexLock lock(slot->mu);
+    if (slot->abandoned) return;
+    (*f)();
+    slot->done = true;
+    slot->cv.SignalAll();
+  });
+  if (!posted) return Status::Cancelled("the ucx progress thread has stopped");
+  MutexLock lock(slot->mu);
+  while (!slot->done) {
+    if (slot->cv.WaitUntil(slot->mu, deadline) && !slot->done) {
+      slot->abandoned = true;
+      return Status::Timeout(
+          "the ucx progress thread did not take the work before its deadline; it is busy or "
+          "stuck in a UCX call");
+    }
+  }
+  return Status::Ok();
+}
+
+void UcxWorker::Wake() {
+  const std::uint64_t one = 1;
+  // EAGAIN: the counter is saturated, so the thread will wake anyway.
+  [[maybe_unused]] const ssize_t n = write(wake_fd_, &one, sizeof(one));
+}
+
+bool UcxWorker::RunQueued() {
+  std::vector<std::function<void()>> work;
+  {
+    MutexLock lock(mu_);
+    if (stopping_) return false;
+    work.swap(queue_);
+  }
+  for (std::function<void()>& fn : work) fn();
+  return true;
+}
+
+void UcxWorker::Loop() {
+  const int timeout_ms = static_cast<int>(interval_.count());
+  while (RunQueued()) {
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    tick_(worker_);
+    // The tick may have issued operations or completed some: progress before sleeping.
+    if (ucp_worker_progress(worker_) != 0) continue;
+    const ucs_status_t armed = ucp_worker_arm(worker_);
+    if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile
+    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};
+    // Bounded: the tick sweeps deadlines, cancels and liveness at least this often.
+    if (poll(fds, 2, timeout_ms) > 0 && (fds[0].revents & POLLIN) != 0) {
+      std::uint64_t count = 0;
+      [[maybe_unused]] const ssize_t n = read(wake_fd_, &count, sizeof(count));
+    }
+  }
+  // Closures queued after stop are dropped; Call's callers never wait for them (see ~UcxWorker).
+  stop_(worker_);
+}
+
+}  // namespace kvferry
