@@ -9,6 +9,7 @@
 #include "common/clock.h"
 #include "common/errno_text.h"
 #include "common/log.h"
+#include "transport/ucx/ucx_api.h"
 
 namespace kvferry {
 namespace {
@@ -71,31 +72,31 @@ Result<UcxEngine::Mapping> UcxEngine::Map(const RegionInfo& region) {
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   mp.address = region.addr;
   mp.length = region.length;
-  ucs_status_t s = ucp_mem_map(context_, &mp, &m.memh);
+  ucs_status_t s = Ucx().ucp_mem_map(context_, &mp, &m.memh);
   if (s != UCS_OK) {
     return Status::Unavailable("ucp_mem_map of region " + std::to_string(region.id) + " (" +
                                std::to_string(region.length) + " bytes) failed: " + UcsText(s));
   }
   void* packed = nullptr;
   std::size_t size = 0;
-  s = ucp_rkey_pack(context_, m.memh, &packed, &size);
+  s = Ucx().ucp_rkey_pack(context_, m.memh, &packed, &size);
   if (s != UCS_OK || size == 0 || size > kMaxUcxRkeyBytes) {
-    if (s == UCS_OK) ucp_rkey_buffer_release(packed);
-    ucp_mem_unmap(context_, m.memh);
+    if (s == UCS_OK) Ucx().ucp_rkey_buffer_release(packed);
+    Ucx().ucp_mem_unmap(context_, m.memh);
     return Status::Unavailable(
         "ucp_rkey_pack of region " + std::to_string(region.id) + " failed: " +
         (s != UCS_OK ? UcsText(s) : std::to_string(size) + " bytes, expected 1 to 1024"));
   }
   const auto* p = static_cast<const std::uint8_t*>(packed);
   m.rkey.assign(p, p + size);
-  ucp_rkey_buffer_release(packed);
+  Ucx().ucp_rkey_buffer_release(packed);
   return m;
 }
 
 void UcxEngine::UnmapOnThread(RegionId id) {
   auto it = mapped_.find(id);
   if (it == mapped_.end()) return;
-  ucp_mem_unmap(context_, it->second.memh);
+  Ucx().ucp_mem_unmap(context_, it->second.memh);
   mapped_.erase(it);
 }
 

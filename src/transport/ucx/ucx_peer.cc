@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "transport/ucx/ucx_api.h"
 #include "transport/ucx/ucx_worker.h"
 
 namespace kvferry {
@@ -114,14 +115,14 @@ Status UcxPeerState::EnsureEp(ucp_worker_h worker) {
     p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
   }
   ucp_ep_h ep = nullptr;
-  ucs_status_t s = ucp_ep_create(worker, &p, &ep);
+  ucs_status_t s = Ucx().ucp_ep_create(worker, &p, &ep);
   if (s == UCS_ERR_UNREACHABLE && peer_mode_) {
     // UCX 1.13's shared-memory transports have no peer failure handler: without error handling
     // they reach the peer; liveness then comes from the pidfd and the deadline (ucx_peer.h).
     peer_mode_ = false;
     p.field_mask &= ~static_cast<std::uint64_t>(UCP_EP_PARAM_FIELD_ERR_HANDLER);
     p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    s = ucp_ep_create(worker, &p, &ep);
+    s = Ucx().ucp_ep_create(worker, &p, &ep);
     if (s == UCS_OK) {
       Log().info(
           "ucx: no transport of UCX_TLS reaches the peer with peer error handling; its endpoint "
@@ -138,7 +139,7 @@ Status UcxPeerState::EnsureEp(ucp_worker_h worker) {
   ep_ = ep;
   for (const UcxRegionKey& k : section_.keys) {
     ucp_rkey_h rkey = nullptr;
-    s = ucp_ep_rkey_unpack(ep_, k.rkey.data(), &rkey);
+    s = Ucx().ucp_ep_rkey_unpack(ep_, k.rkey.data(), &rkey);
     if (s != UCS_OK) {
       CloseEp();
       return Status::Unavailable("ucp_ep_rkey_unpack of the peer's key for region " +
@@ -160,11 +161,11 @@ bool UcxPeerState::CloseEp() {
   // Force needs peer error handling; without it UCX refuses it (UCS_ERR_INVALID_PARAM), so that
   // endpoint is flushed and closed, which it does once its gets completed.
   p.flags = peer_mode_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-  const ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+  const ucs_status_ptr_t r = Ucx().ucp_ep_close_nbx(ep, &p);
   // A close still in progress completes, and is released, on its own.
-  if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) Ucx().ucp_request_free(r);
   // After the close: its gets, which used the keys, have completed (forced) or are flushed.
-  for (auto& [id, rkey] : rkeys_) ucp_rkey_destroy(rkey);
+  for (auto& [id, rkey] : rkeys_) Ucx().ucp_rkey_destroy(rkey);
   rkeys_.clear();
   return true;
 }
@@ -193,7 +194,8 @@ void UcxPeerState::Issue(UcxUnit& u, const UcxChunk& c) {
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &UcxPeerState::OnGetDone;
   p.user_data = g.get();
-  const ucs_status_ptr_t r = ucp_get_nbx(ep_, dst, c.length, c.remote, rkeys_.at(c.region), &p);
+  const ucs_status_ptr_t r =
+      Ucx().ucp_get_nbx(ep_, dst, c.length, c.remote, rkeys_.at(c.region), &p);
   if (r == nullptr) {  // completed at once; no callback follows
     if (g->stage) std::memcpy(c.local, g->stage.get(), c.length);
     u.bytes += c.length;
@@ -215,7 +217,7 @@ void UcxPeerState::Drain() {
     for (UcxGet* raw : done) {
       const std::unique_ptr<UcxGet> g(raw);
       gets_.erase(raw);
-      ucp_request_free(g->request);
+      Ucx().ucp_request_free(g->request);
       UcxUnit* u = g->unit;
       if (u == nullptr) continue;  // abandoned: it landed (or not) in its own staging buffer
       u->gets.erase(raw);
@@ -270,7 +272,7 @@ bool UcxPeerState::SweepUnits(ucp_worker_h worker, std::chrono::steady_clock::ti
         u.gets.clear();
       } else {
         if (!u.cancel_sent) {
-          for (UcxGet* g : u.gets) ucp_request_cancel(worker, g->request);
+          for (UcxGet* g : u.gets) Ucx().ucp_request_cancel(worker, g->request);
           u.cancel_sent = true;
         }
         if (now - u.stop_since >= kStopGrace || shut_ || !failed_.ok()) force = true;

@@ -9,12 +9,14 @@
 
 #include "common/errno_text.h"
 #include "common/log.h"
+#include "transport/ucx/ucx_api.h"
 
 namespace kvferry {
 
 std::string UcsText(ucs_status_t status) {
-  return std::string(ucs_status_string(status)) + " (UCS status " +
-         std::to_string(static_cast<int>(status)) + ")";
+  Result<const UcxApi*> ucx = LoadUcx();
+  return (ucx.ok() ? std::string((*ucx)->ucs_status_string(status)) + " " : std::string()) +
+         "(UCS status " + std::to_string(static_cast<int>(status)) + ")";
 }
 
 namespace {
@@ -29,15 +31,16 @@ Status UcxCallFailed(const char* call, ucs_status_t status) {
 
 Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(std::chrono::milliseconds interval, Tick tick,
                                                      Tick stop) {
+  KVFERRY_RETURN_IF_ERROR(LoadUcx().status());  // the first use of UCX in this process
   std::unique_ptr<UcxWorker> w(new UcxWorker(interval, std::move(tick), std::move(stop)));
   ucp_config_t* config = nullptr;
-  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  ucs_status_t s = Ucx().ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcxCallFailed("ucp_config_read", s);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
-  s = ucp_init(&params, config, &w->context_);
-  ucp_config_release(config);
+  s = Ucx().ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &w->context_);
+  Ucx().ucp_config_release(config);
   if (s != UCS_OK) {
     w->context_ = nullptr;
     return UcxCallFailed("ucp_init", s);
@@ -45,20 +48,20 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(std::chrono::milliseconds i
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
-  s = ucp_worker_create(w->context_, &wp, &w->worker_);
+  s = Ucx().ucp_worker_create(w->context_, &wp, &w->worker_);
   if (s != UCS_OK) {
     w->worker_ = nullptr;
     return UcxCallFailed("ucp_worker_create", s);
   }
-  s = ucp_worker_get_efd(w->worker_, &w->worker_fd_);
+  s = Ucx().ucp_worker_get_efd(w->worker_, &w->worker_fd_);
   if (s != UCS_OK) return UcxCallFailed("ucp_worker_get_efd", s);
   ucp_address_t* address = nullptr;
   std::size_t length = 0;
-  s = ucp_worker_get_address(w->worker_, &address, &length);
+  s = Ucx().ucp_worker_get_address(w->worker_, &address, &length);
   if (s != UCS_OK) return UcxCallFailed("ucp_worker_get_address", s);
   const auto* a = reinterpret_cast<const std::uint8_t*>(address);
   w->address_.assign(a, a + length);
-  ucp_worker_release_address(w->worker_, address);
+  Ucx().ucp_worker_release_address(w->worker_, address);
 
   w->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (w->wake_fd_ < 0) {
@@ -85,8 +88,8 @@ UcxWorker::~UcxWorker() {
     thread_.join();
   }
   if (wake_fd_ >= 0) close(wake_fd_);
-  if (worker_ != nullptr) ucp_worker_destroy(worker_);
-  if (context_ != nullptr) ucp_cleanup(context_);
+  if (worker_ != nullptr) Ucx().ucp_worker_destroy(worker_);
+  if (context_ != nullptr) Ucx().ucp_cleanup(context_);
 }
 
 bool UcxWorker::Post(std::function<void()> fn) {
@@ -154,12 +157,12 @@ bool UcxWorker::RunQueued() {
 void UcxWorker::Loop() {
   const int timeout_ms = static_cast<int>(interval_.count());
   while (RunQueued()) {
-    while (ucp_worker_progress(worker_) != 0) {
+    while (Ucx().ucp_worker_progress(worker_) != 0) {
     }
     tick_(worker_);
     // The tick may have issued operations or completed some: progress before sleeping.
-    if (ucp_worker_progress(worker_) != 0) continue;
-    const ucs_status_t armed = ucp_worker_arm(worker_);
+    if (Ucx().ucp_worker_progress(worker_) != 0) continue;
+    const ucs_status_t armed = Ucx().ucp_worker_arm(worker_);
     if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile
     pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};
     // Bounded: the tick sweeps deadlines, cancels and liveness at least this often.

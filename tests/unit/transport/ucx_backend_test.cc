@@ -46,6 +46,30 @@ UcxSection ValidSection() {
   return s;
 }
 
+bool UcxMapped() {
+  std::ifstream maps("/proc/self/maps");
+  const std::string text((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
+  return text.find("libucp.so") != std::string::npos;
+}
+
+// UCX is opened only when a transport creates the ucx backend: a process that never names ucx
+// does not load it (nor its signal handlers and memory hooks, which broke every ThreadSanitizer
+// test of this project while UCX was linked in).
+TEST(UcxLoadTest, UcxIsLoadedOnlyWhenAUcxTransportIsCreated) {
+  // The first test of this file, and ctest runs each test in a process of its own: nothing has
+  // created a transport yet.
+  ASSERT_FALSE(UcxMapped()) << "UCX is loaded before any transport exists: is it linked in?";
+  TransportOptions o;
+  o.backend = "auto";
+  auto plain = CreateTransport(o);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_FALSE(UcxMapped()) << "UCX was loaded by a transport that does not use it";
+  o.backend = "ucx";
+  auto ucx = CreateTransport(o);
+  ASSERT_TRUE(ucx.ok()) << ucx.status().ToString();
+  EXPECT_TRUE(UcxMapped());
+}
+
 TEST(UcxSectionTest, RoundTrips) {
   const UcxSection s = ValidSection();
   Result<UcxSection> back = DecodeUcxSection(EncodeUcxSection(s));
