@@ -12,15 +12,15 @@
 namespace kvferry {
 
 // Every UCX function the backend calls. ucp_init is an inline wrapper of ucp_init_version.
-#define KVFERRY_UCX_FUNCTIONS(X)                                                                   \
-  X(ucp_config_read)                                                                               \
-  X(ucp_config_release)                                                                            \
-  X(ucp_init_version) X(ucp_cleanup) X(ucp_worker_create) X(ucp_worker_destroy)                    \
-      X(ucp_worker_get_efd) X(ucp_worker_arm) X(ucp_worker_progress) X(ucp_worker_get_address)     \
-          X(ucp_worker_release_address) X(ucp_ep_create) X(ucp_ep_close_nbx) X(ucp_ep_rkey_unpack) \
-              X(ucp_rkey_destroy) X(ucp_rkey_pack) X(ucp_rkey_buffer_release) X(ucp_mem_map)       \
-                  X(ucp_mem_unmap) X(ucp_get_nbx) X(ucp_request_cancel) X(ucp_request_free)        \
-                      X(ucs_status_string)
+// clang-format off
+#define KVFERRY_UCX_FUNCTIONS(X) \
+  X(ucp_config_read) X(ucp_config_release) X(ucp_init_version) X(ucp_cleanup) \
+  X(ucp_worker_create) X(ucp_worker_destroy) X(ucp_worker_get_efd) X(ucp_worker_arm) \
+  X(ucp_worker_progress) X(ucp_worker_get_address) X(ucp_worker_release_address) \
+  X(ucp_ep_create) X(ucp_ep_close_nbx) X(ucp_ep_rkey_unpack) X(ucp_rkey_destroy) \
+  X(ucp_rkey_pack) X(ucp_rkey_buffer_release) X(ucp_mem_map) X(ucp_mem_unmap) \
+  X(ucp_get_nbx) X(ucp_request_cancel) X(ucp_request_free) X(ucs_status_string)
+// clang-format on
 
 struct UcxApi {
 #define KVFERRY_UCX_FIELD(name) decltype(&::name) name = nullptr;
