@@ -7,6 +7,7 @@
 //           stats             -> prints "STATS holds=H allocated=A"
 //   stdout: READY; RELEASED RANK REQ (one rank's hold ended); FREED REQ (all ranks: blocks freed)
 #include <atomic>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -51,6 +52,10 @@ int main(int argc, char** argv) {
     c.base_port = base_port;
     c.secret = secret;
     c.hold_lease = lease;
+    // The data plane the test runs over (ctest's connector_test_ucx sets ucx; default auto).
+    if (const char* t = std::getenv("KVFERRY_TEST_TRANSPORT"); t != nullptr) {  // NOLINT
+      c.transport.backend = t;
+    }
     Result<std::unique_ptr<Worker>> w = Worker::Create(c);
     if (!w.ok()) {
       std::cerr << w.status().ToString() << "\n";

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <cstdlib>
 #include <future>
 #include <map>
 #include <mutex>
@@ -196,6 +197,11 @@ class DecodeInstance {
       c.transfer_timeout = transfer_timeout;
       c.handshake_timeout = handshake_timeout;
       c.notice_timeout = milliseconds(1000);
+      // The data plane the test runs over (ctest's connector_test_ucx sets ucx; default auto);
+      // the prefill peer process reads the same variable.
+      if (const char* t = std::getenv("KVFERRY_TEST_TRANSPORT"); t != nullptr) {  // NOLINT
+        c.transport.backend = t;
+      }
       if (configure) configure(c);
       Result<std::unique_ptr<Worker>> w = Worker::Create(c);
       EXPECT_TRUE(w.ok()) << w.status().ToString();
