@@ -19,14 +19,7 @@ std::vector<std::uint8_t> EncodeShmSection(const ShmSection& s) {
   pk.pack_map(s.ipc.empty() ? 7 : 8);
   pk.pack(std::string("v"));
   pk.pack_uint32(kShmSectionVersion);
-  pk.pack(std::string("boot_id"));
-  pk.pack(s.host.boot_id);
-  pk.pack(std::string("pidns"));
-  pk.pack_uint64(s.host.pid_namespace);
-  pk.pack(std::string("pid"));
-  pk.pack_int64(s.host.pid);
-  pk.pack(std::string("start"));
-  pk.pack_uint64(s.proof.start_time);
+  PackProcessFields(pk, s.host, s.proof.start_time);
   pk.pack(std::string("nonce_at"));
   pk.pack_uint64(s.proof.nonce_addr);
   pk.pack(std::string("nonce"));
@@ -57,23 +50,7 @@ Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes) {
   }
   ShmSection s;
   constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
-  KVFERRY_ASSIGN_OR_RETURN(s.host.boot_id, m.Str("boot_id", 64));
-  KVFERRY_ASSIGN_OR_RETURN(s.host.pid_namespace, m.Uint("pidns", kMax));
-  if (const msgpack::object* pid = m.Find("pid");
-      pid != nullptr && pid->type == msgpack::type::NEGATIVE_INTEGER) {
-    return Status::InvalidArgument(m.At("pid") +
-                                   ": expected the serving process's pid (> 0), found " +
-                                   std::to_string(pid->via.i64));
-  }
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pid,
-                           m.Uint("pid", std::numeric_limits<std::int32_t>::max()));
-  if (pid == 0) {
-    // Pid 0 names no process a reader could prove.
-    return Status::InvalidArgument(m.At("pid") +
-                                   ": expected the serving process's pid (> 0), found 0");
-  }
-  s.host.pid = static_cast<std::int64_t>(pid);
-  KVFERRY_ASSIGN_OR_RETURN(s.proof.start_time, m.Uint("start", kMax));
+  KVFERRY_RETURN_IF_ERROR(ReadProcessFields(m, &s.host, &s.proof.start_time));
   KVFERRY_ASSIGN_OR_RETURN(s.proof.nonce_addr, m.Uint("nonce_at", kMax));
   KVFERRY_ASSIGN_OR_RETURN(s.proof.nonce, m.Uint("nonce", kMax));
   if (s.proof.nonce_addr == 0) {
@@ -103,6 +80,40 @@ Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes) {
     }
   }
   return s;
+}
+
+void PackProcessFields(msgpack::packer<msgpack::sbuffer>& pk, const HostIdentity& host,
+                       std::uint64_t start_time) {
+  pk.pack(std::string("boot_id"));
+  pk.pack(host.boot_id);
+  pk.pack(std::string("pidns"));
+  pk.pack_uint64(host.pid_namespace);
+  pk.pack(std::string("pid"));
+  pk.pack_int64(host.pid);
+  pk.pack(std::string("start"));
+  pk.pack_uint64(start_time);
+}
+
+Status ReadProcessFields(const wire::MapView& m, HostIdentity* host, std::uint64_t* start_time) {
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  KVFERRY_ASSIGN_OR_RETURN(host->boot_id, m.Str("boot_id", 64));
+  KVFERRY_ASSIGN_OR_RETURN(host->pid_namespace, m.Uint("pidns", kMax));
+  if (const msgpack::object* pid = m.Find("pid");
+      pid != nullptr && pid->type == msgpack::type::NEGATIVE_INTEGER) {
+    return Status::InvalidArgument(m.At("pid") +
+                                   ": expected the serving process's pid (> 0), found " +
+                                   std::to_string(pid->via.i64));
+  }
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pid,
+                           m.Uint("pid", std::numeric_limits<std::int32_t>::max()));
+  if (pid == 0) {
+    // Pid 0 names no process a reader could prove.
+    return Status::InvalidArgument(m.At("pid") +
+                                   ": expected the serving process's pid (> 0), found 0");
+  }
+  host->pid = static_cast<std::int64_t>(pid);
+  KVFERRY_ASSIGN_OR_RETURN(*start_time, m.Uint("start", kMax));
+  return Status::Ok();
 }
 
 // The command name (field 2) may hold spaces and parentheses, so fields are counted after the

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvferry/status.h"
+#include "wire/msgpack_reader.h"
 
 namespace kvferry {
 
@@ -62,6 +63,14 @@ std::vector<std::uint8_t> EncodeShmSection(const ShmSection& section);
 /// positive, a zero nonce address and an "ipc" entry that is not [region id, handle bytes of at
 /// most 4 KiB] are refused.
 Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes);
+
+/// The fields of a section that names the process serving it, four map entries: "boot_id",
+/// "pidns", "pid" (of `host`) and "start" (the process's start time). The shm and ucx sections
+/// both carry them, so that a same-host reader can tell the very process that wrote them.
+void PackProcessFields(msgpack::packer<msgpack::sbuffer>& pk, const HostIdentity& host,
+                       std::uint64_t start_time);
+/// Reads those fields of `m`; a pid that is not positive is InvalidArgument naming the field.
+Status ReadProcessFields(const wire::MapView& m, HostIdentity* host, std::uint64_t* start_time);
 
 /// Field 22 of /proc/PID/stat: the process's start time in clock ticks since boot.
 /// PeerDisconnected when the process does not exist (any more). Shared with the ucx backend's

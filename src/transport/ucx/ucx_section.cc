@@ -17,14 +17,7 @@ std::vector<std::uint8_t> EncodeUcxSection(const UcxSection& s) {
   pk.pack_bin(static_cast<std::uint32_t>(s.worker_address.size()));
   pk.pack_bin_body(reinterpret_cast<const char*>(s.worker_address.data()),
                    static_cast<std::uint32_t>(s.worker_address.size()));
-  pk.pack(std::string("boot_id"));
-  pk.pack(s.host.boot_id);
-  pk.pack(std::string("pidns"));
-  pk.pack_uint64(s.host.pid_namespace);
-  pk.pack(std::string("pid"));
-  pk.pack_int64(s.host.pid);
-  pk.pack(std::string("start"));
-  pk.pack_uint64(s.start_time);
+  PackProcessFields(pk, s.host, s.start_time);
   pk.pack(std::string("rkeys"));
   pk.pack_array(static_cast<std::uint32_t>(s.keys.size()));
   for (const UcxRegionKey& k : s.keys) {
@@ -48,21 +41,11 @@ Result<UcxSection> DecodeUcxSection(std::span<const std::uint8_t> bytes) {
                                 std::to_string(kUcxSectionVersion));
   }
   UcxSection s;
-  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
   KVFERRY_ASSIGN_OR_RETURN(s.worker_address, m.Bin("worker", kMaxUcxWorkerAddressBytes));
   if (s.worker_address.empty()) {
     return Status::InvalidArgument(m.At("worker") + ": expected a packed UCP worker address");
   }
-  KVFERRY_ASSIGN_OR_RETURN(s.host.boot_id, m.Str("boot_id", 64));
-  KVFERRY_ASSIGN_OR_RETURN(s.host.pid_namespace, m.Uint("pidns", kMax));
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pid,
-                           m.Uint("pid", std::numeric_limits<std::int32_t>::max()));
-  if (pid == 0) {
-    return Status::InvalidArgument(m.At("pid") +
-                                   ": expected the serving process's pid (> 0), found 0");
-  }
-  s.host.pid = static_cast<std::int64_t>(pid);
-  KVFERRY_ASSIGN_OR_RETURN(s.start_time, m.Uint("start", kMax));
+  KVFERRY_RETURN_IF_ERROR(ReadProcessFields(m, &s.host, &s.start_time));
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* keys, m.Require("rkeys"));
   const std::string path = m.At("rkeys");
   if (keys->type != msgpack::type::ARRAY) {
