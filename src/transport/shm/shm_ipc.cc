@@ -84,13 +84,18 @@ Status StageToDevice(const std::function<Status(std::vector<HostRead>&, std::uin
     // One buffer's worth: the rest of pieces[next] and the pieces after it, the last maybe cut.
     std::byte* buffer = lane->buffers[slot]->data();
     std::vector<HostRead> reads;
-    std::vector<StagedRead> copies;
+    struct Copy {
+      device::DeviceAddress dst;
+      std::uint64_t at;  // in the buffer
+      std::uint64_t len;
+    };
+    std::vector<Copy> copies;
     std::uint64_t total = 0;
     while (next < pieces.size() && total < StagingLanes::kBufferBytes) {
       const StagedRead& p = pieces[next];
       const std::uint64_t len = std::min(StagingLanes::kBufferBytes - total, p.length - done);
       reads.push_back({buffer + total, p.remote_addr + done, len});
-      copies.push_back({p.local + done, total, len});  // remote_addr: the offset in the buffer
+      copies.push_back({p.local + done, total, len});
       total += len;
       done += len;
       if (done == p.length) {
@@ -101,8 +106,8 @@ Status StageToDevice(const std::function<Status(std::vector<HostRead>&, std::uin
     std::uint64_t read_bytes = 0;
     result = read(reads, &read_bytes);
     if (!result.ok()) break;
-    for (const StagedRead& c : copies) {
-      result = lane->stream->CopyHostToDevice(c.local, buffer + c.remote_addr, c.length);
+    for (const Copy& c : copies) {
+      result = lane->stream->CopyHostToDevice(c.dst, buffer + c.at, c.len);
       if (!result.ok()) break;
     }
     // Recorded even after a failed copy, so that the copies issued are waited for below.
