@@ -60,10 +60,15 @@ soak: build
 	  --max-prompt 2048 --num-blocks 2048 --hold-lease-ms 2000 --no-progress
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer.
+# intercept_tls_get_addr=0: GCC 12's runtime misreads some dynamic TLS blocks (those of libraries
+# loaded with dlopen, such as UCX's) as carrying a header glibc dropped in 2.25, and the leak check
+# at exit then faults ("Tracer caught signal 11"), by chance, after every test passed. The test
+# asan_dynamic_tls_at_exit (tests/unit/sanitizer/dtls_exit.cc) makes that chance certain and fails
+# without the option. With it, pointers held only in such blocks are not leak-check roots.
 asan: deps
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=address,undefined
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:intercept_tls_get_addr=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --test-dir $(ASAN_BUILD) --output-on-failure -j $(JOBS) -LE netns $(CTEST_ARGS)
 
 # The same tests under ThreadSanitizer (suppressions, if any, in tsan.supp with a reason each).
