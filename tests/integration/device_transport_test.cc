@@ -312,6 +312,33 @@ INSTANTIATE_TEST_SUITE_P(CudaKinds, DeviceTransportTest,
                                            Kinds{"cuda:0", "cuda:0"}),
                          KindsName);
 
+// Connects with backend list `backends`, expects the peer carried by k.backend, and reads 1 MiB
+// of k.remote memory into k.local memory through it, checked byte for byte.
+void ReadOverTheChosenBackend(const std::string& backends, const Kinds& k) {
+  SCOPED_TRACE(k.remote + " -> " + k.local + " with " + backends);
+  Memory remote(k.remote, true);
+  Memory local(k.local, false);
+  TransportOptions o;
+  o.backend = backends;
+  Result<std::unique_ptr<Transport>> server = CreateTransport(o);
+  o.serve = false;
+  Result<std::unique_ptr<Transport>> client = CreateTransport(o);
+  ASSERT_TRUE(server.ok() && client.ok());
+  ASSERT_TRUE((*server)->RegisterMemory(kRemoteRegion, remote.base(), kBytes, remote.kind()).ok());
+  ASSERT_TRUE((*client)->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
+  Result<PeerId> p =
+      (*client)->Connect(*(*server)->Descriptor(), DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(*(*client)->PeerBackend(*p), k.backend);
+  Result<BatchId> b = (*client)->SubmitReads(*p, {{local.base(), kRemoteRegion, 4096, 1u << 20}},
+                                             DeadlineAfter(milliseconds(10000)));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ((*client)->Wait(*b, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
+  (*client)->Release(*b);
+  const std::vector<std::byte> got = local.Contents();
+  EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, 4096), -1);
+}
+
 // With backend auto on one host, a backend that cannot read the peer's kinds into ours is passed
 // over.
 TEST(DeviceAutoTest, AutoOnOneHostPicksABackendThatReadsTheKinds) {
@@ -320,29 +347,17 @@ TEST(DeviceAutoTest, AutoOnOneHostPicksABackendThatReadsTheKinds) {
   // another's: tcp does.
   for (const Kinds& k : {Kinds{"sim:0", "host", "shm"}, Kinds{"sim:0", "sim:0", "shm"},
                          Kinds{"host", "sim:1", "shm"}, Kinds{"sim:0", "sim:1", "tcp"}}) {
-    SCOPED_TRACE(k.remote + " -> " + k.local);
-    Memory remote(k.remote, true);
-    Memory local(k.local, false);
-    TransportOptions o;
-    o.backend = "auto";
-    Result<std::unique_ptr<Transport>> server = CreateTransport(o);
-    o.serve = false;
-    Result<std::unique_ptr<Transport>> client = CreateTransport(o);
-    ASSERT_TRUE(server.ok() && client.ok());
-    ASSERT_TRUE(
-        (*server)->RegisterMemory(kRemoteRegion, remote.base(), kBytes, remote.kind()).ok());
-    ASSERT_TRUE((*client)->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
-    Result<PeerId> p =
-        (*client)->Connect(*(*server)->Descriptor(), DeadlineAfter(milliseconds(5000)));
-    ASSERT_TRUE(p.ok()) << p.status().ToString();
-    EXPECT_EQ(*(*client)->PeerBackend(*p), k.backend);
-    Result<BatchId> b = (*client)->SubmitReads(*p, {{local.base(), kRemoteRegion, 4096, 1u << 20}},
-                                               DeadlineAfter(milliseconds(10000)));
-    ASSERT_TRUE(b.ok()) << b.status().ToString();
-    EXPECT_EQ((*client)->Wait(*b, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
-    (*client)->Release(*b);
-    const std::vector<std::byte> got = local.Contents();
-    EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, 4096), -1);
+    ReadOverTheChosenBackend("auto", k);
+  }
+}
+
+// With a preference list that names ucx first (docs/transport.md, "ucx"), memory UCX cannot read
+// (the sim device's here; cuda too where the loaded UCX has no CUDA) goes over the next backend,
+// and host memory over ucx.
+TEST(DeviceAutoTest, UcxFirstPassesDeviceMemoryOnToTcp) {
+  for (const Kinds& k : {Kinds{"host", "host", "ucx"}, Kinds{"sim:0", "host", "tcp"},
+                         Kinds{"host", "sim:1", "tcp"}}) {
+    ReadOverTheChosenBackend("ucx,tcp", k);
   }
 }
 

@@ -28,8 +28,9 @@ class UcxBackend final : public Backend {
   static BackendFactory Factory();
 
   const char* name() const override { return "ucx"; }
-  /// When serving: the worker address, this process's identity and one packed rkey per host
-  /// region (each mapped with ucp_mem_map on first use). Empty when not serving.
+  /// When serving: the worker address, this process's identity and one packed rkey per region
+  /// of a kind UCX reads (UcxReadsKind; each mapped with ucp_mem_map on first use). Empty when
+  /// not serving.
   std::vector<std::uint8_t> DescriptorSection() override;
   /// OK for any peer with a ucx section that decodes (UCX itself finds out at Connect whether a
   /// transport reaches it); Unavailable without one.
@@ -39,10 +40,11 @@ class UcxBackend final : public Backend {
   /// descriptor (PeerDisconnected otherwise). Unavailable when UCX reaches the peer over none of
   /// its transports.
   Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
-  /// Host memory into host memory only: device memory types are not mapped by this backend yet,
-  /// and the sim device's memory is never readable by UCX (its addresses are PROT_NONE).
+  /// The memory types the loaded UCX supports (UcxReadsKind).
+  std::uint64_t memory_types() const { return engine_->memory_types(); }
+  /// UcxCanRead with the memory types of the UCX this process loaded.
   bool CanRead(const MemoryKind& remote, const MemoryKind& local) const override {
-    return remote.is_host() && local.is_host();
+    return UcxCanRead(engine_->memory_types(), remote, local);
   }
   /// Unmaps the region (ucp_mem_unmap): its rkey stops working where UCX checks keys in
   /// hardware; see docs/transport.md on emulated gets.

@@ -22,6 +22,19 @@ constexpr std::chrono::milliseconds kCallTimeout{10000};
 
 }  // namespace
 
+bool UcxReadsKind(std::uint64_t memory_types, const MemoryKind& kind) {
+  if (kind.is_host()) return true;
+  return kind.type == "cuda" && (memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
+bool UcxCanRead(std::uint64_t memory_types, const MemoryKind& remote, const MemoryKind& local) {
+  return UcxReadsKind(memory_types, remote) && UcxReadsKind(memory_types, local);
+}
+
+ucs_memory_type_t UcxMemoryType(const MemoryKind& kind) {
+  return kind.is_host() ? UCS_MEMORY_TYPE_HOST : UCS_MEMORY_TYPE_CUDA;
+}
+
 Result<std::unique_ptr<UcxEngine>> UcxEngine::Create(const UcxOptions& options, HostIdentity self,
                                                      std::uint64_t start_time) {
   std::unique_ptr<UcxEngine> e(new UcxEngine(options, std::move(self), start_time));
@@ -31,6 +44,7 @@ Result<std::unique_ptr<UcxEngine>> UcxEngine::Create(const UcxOptions& options, 
                                            [raw](ucp_worker_h worker) { raw->StopAll(worker); }));
   // Read only by closures posted after Create returns and by StopAll.
   e->context_ = e->worker_->context();
+  e->memory_types_ = e->worker_->memory_types();
   return e;
 }
 
@@ -69,9 +83,11 @@ Result<UcxEngine::Mapping> UcxEngine::Map(const RegionInfo& region) {
   m.addr = region.addr;
   m.length = region.length;
   ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
   mp.address = region.addr;
   mp.length = region.length;
+  mp.memory_type = UcxMemoryType(region.kind);
   ucs_status_t s = Ucx().ucp_mem_map(context_, &mp, &m.memh);
   if (s != UCS_OK) {
     return Status::Unavailable("ucp_mem_map of region " + std::to_string(region.id) + " (" +
@@ -109,8 +125,9 @@ std::vector<std::uint8_t> UcxEngine::Section(const std::vector<RegionInfo>& regi
       [&] {
         std::set<RegionId> listed;
         for (const RegionInfo& r : regions) {
-          // Device memory is not mapped (docs/transport.md, "ucx"): CanRead refuses it.
-          if (!r.kind.is_host()) continue;
+          // Kinds this UCX cannot read are not mapped (docs/transport.md, "ucx"); CanRead
+          // refuses them, so auto reads them over another backend.
+          if (!UcxReadsKind(memory_types_, r.kind)) continue;
           listed.insert(r.id);
           auto it = mapped_.find(r.id);
           if (it != mapped_.end() && (it->second.addr != r.addr || it->second.length != r.length)) {
@@ -202,14 +219,15 @@ void UcxEngine::Start(const std::shared_ptr<UcxPeerState>& peer,
       refused = Status::Unavailable(
           "read " + std::to_string(i) + ": the peer published no ucx key for its region " +
           std::to_string(op.remote_region) +
-          " (device memory, or registered after its descriptor was taken); get a new descriptor "
-          "or read it over another backend");
+          " (memory of a kind its UCX does not read, or registered after its descriptor was "
+          "taken); get a new descriptor or read it over another backend");
       break;
     }
     const std::uint64_t base = peer->regions().at(op.remote_region).addr + op.remote_offset;
+    const ucs_memory_type_t local_type = UcxMemoryType(batch->local_kind(i));
     for (std::uint64_t off = 0; off < op.length;) {
       const std::uint64_t len = std::min(op.length - off, options_.chunk_bytes);
-      unit->chunks.push_back({op.local + off, base + off, len, op.remote_region});
+      unit->chunks.push_back({op.local + off, base + off, len, op.remote_region, local_type});
       off += len;
     }
   }

@@ -35,6 +35,17 @@ struct UcxOptions {
   std::uint64_t chunk_bytes = 1u << 20;
 };
 
+/// Whether the ucx backend maps and reads memory of `kind`, given `memory_types`, the memory types
+/// the loaded UCX supports (ucp_context_query, a bit per ucs_memory_type_t): host memory always;
+/// "cuda" memory only where that UCX was built with CUDA (bit UCS_MEMORY_TYPE_CUDA; Debian's is
+/// not); the sim device's memory, and any other kind, never (sim addresses are PROT_NONE to every
+/// reader but the sim device, UCX included).
+bool UcxReadsKind(std::uint64_t memory_types, const MemoryKind& kind);
+/// Backend::CanRead of the ucx backend: both kinds UcxReadsKind.
+bool UcxCanRead(std::uint64_t memory_types, const MemoryKind& remote, const MemoryKind& local);
+/// The UCS memory type of a kind UcxReadsKind accepts (host or cuda).
+ucs_memory_type_t UcxMemoryType(const MemoryKind& kind);
+
 class UcxPeerState;
 
 /// Thread-safe: every member hands its work to the progress thread.
@@ -48,7 +59,11 @@ class UcxEngine {
   UcxEngine(const UcxEngine&) = delete;
   UcxEngine& operator=(const UcxEngine&) = delete;
 
-  /// This process's section: maps the host regions of `regions` not mapped yet (ucp_mem_map),
+  /// The memory types the loaded UCX supports (UcxReadsKind). Any thread.
+  std::uint64_t memory_types() const { return memory_types_; }
+
+  /// This process's section: maps the regions of `regions` whose kind UCX reads (UcxReadsKind)
+  /// and that are not mapped yet (ucp_mem_map, with the region's memory type),
   /// unmaps those gone, and packs the worker address and each region's rkey. Empty (nothing to
   /// publish) only when the progress thread did not answer in time (logged).
   std::vector<std::uint8_t> Section(const std::vector<RegionInfo>& regions);
@@ -91,6 +106,7 @@ class UcxEngine {
   std::map<RegionId, Mapping> mapped_;
   std::list<std::shared_ptr<UcxPeerState>> peers_;
   ucp_context_h context_ = nullptr;  // worker_'s, usable while worker_ is destroyed
+  std::uint64_t memory_types_ = 0;   // worker_'s; set by Create
   // Last: destroyed first, which stops the thread before the state above goes.
   std::unique_ptr<UcxWorker> worker_;
 };

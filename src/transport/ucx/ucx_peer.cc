@@ -186,14 +186,28 @@ void UcxPeerState::Issue(UcxUnit& u, const UcxChunk& c) {
   g->chunk = c;
   g->generation = generation_;
   void* dst = c.local;
-  if (!peer_mode_) {
-    g->stage = std::make_unique_for_overwrite<std::byte[]>(c.length);
-    dst = g->stage.get();
-  }
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   p.cb.send = &UcxPeerState::OnGetDone;
   p.user_data = g.get();
+  p.memory_type = c.local_type;
+  if (!peer_mode_) {
+    if (c.local_type != UCS_MEMORY_TYPE_HOST) {
+      // The staging buffer is host memory, copied into the destination with memcpy: not into
+      // device memory. Such an endpoint cannot stop its gets either, so refuse the read.
+      if (u.error.ok()) {
+        u.error = Status::Unavailable(
+            "UCX reaches this peer only over transports without peer error handling (shared "
+            "memory), and the ucx backend reads into device memory only over an endpoint that "
+            "has it; let UCX_TLS offer one (tcp, rc, dc, cuda_ipc) or read over another backend");
+      }
+      return;
+    }
+    g->stage = std::make_unique_for_overwrite<std::byte[]>(c.length);
+    dst = g->stage.get();
+    p.memory_type = UCS_MEMORY_TYPE_HOST;
+  }
   const ucs_status_ptr_t r =
       Ucx().ucp_get_nbx(ep_, dst, c.length, c.remote, rkeys_.at(c.region), &p);
   if (r == nullptr) {  // completed at once; no callback follows

@@ -36,6 +36,7 @@ struct UcxChunk {
   std::uint64_t remote;
   std::uint64_t length;
   RegionId region;
+  ucs_memory_type_t local_type;  // of the destination: host, or cuda where UCX reads it
 };
 
 class UcxPeerState;

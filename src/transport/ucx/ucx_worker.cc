@@ -45,6 +45,11 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(std::chrono::milliseconds i
     w->context_ = nullptr;
     return UcxCallFailed("ucp_init", s);
   }
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  s = Ucx().ucp_context_query(w->context_, &attr);
+  if (s != UCS_OK) return UcxCallFailed("ucp_context_query", s);
+  w->memory_types_ = attr.memory_types;
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it

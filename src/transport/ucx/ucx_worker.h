@@ -58,6 +58,9 @@ class UcxWorker {
   ucp_worker_h worker() const { return worker_; }
   /// The worker's packed address, taken once at creation.
   const std::vector<std::uint8_t>& address() const { return address_; }
+  /// The memory types the loaded UCX supports (ucp_context_query: a bit per ucs_memory_type_t),
+  /// taken once at creation. Any thread.
+  std::uint64_t memory_types() const { return memory_types_; }
 
  private:
   UcxWorker(std::chrono::milliseconds interval, Tick tick, Tick stop)
@@ -71,6 +74,7 @@ class UcxWorker {
   int worker_fd_ = -1;  // owned by the worker
   int wake_fd_ = -1;    // eventfd, ours
   std::vector<std::uint8_t> address_;
+  std::uint64_t memory_types_ = 0;
   const std::chrono::milliseconds interval_;
   const Tick tick_;
   const Tick stop_;

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <random>
 #include <sstream>
@@ -146,20 +147,50 @@ TEST(UcxBackendTest, RunsOnlyWhenNamed) {
   EXPECT_FALSE(f->in_auto);
 }
 
-TEST(UcxBackendTest, ReadsHostMemoryOnlyAndNeverSimMemory) {
+// The memory kinds the backend reads follow the memory types the loaded UCX reports: host always,
+// cuda only with CUDA's bit, sim never.
+TEST(UcxKindsTest, CudaOnlyWhereUcxReportsItAndSimNever) {
+  const MemoryKind host = MemoryKind::Host();
+  const MemoryKind cuda{"cuda", 1};
+  const MemoryKind sim{"sim", 0};
+  const std::uint64_t host_only = UCS_BIT(UCS_MEMORY_TYPE_HOST);
+  const std::uint64_t with_cuda = host_only | UCS_BIT(UCS_MEMORY_TYPE_CUDA);
+  EXPECT_TRUE(UcxCanRead(host_only, host, host));
+  EXPECT_FALSE(UcxCanRead(host_only, cuda, host));
+  EXPECT_FALSE(UcxCanRead(host_only, host, cuda));
+  EXPECT_TRUE(UcxCanRead(with_cuda, cuda, host));
+  EXPECT_TRUE(UcxCanRead(with_cuda, host, cuda));
+  EXPECT_TRUE(UcxCanRead(with_cuda, cuda, cuda));
+  for (const std::uint64_t types : {host_only, with_cuda, ~std::uint64_t{0}}) {
+    EXPECT_FALSE(UcxCanRead(types, sim, host));
+    EXPECT_FALSE(UcxCanRead(types, host, sim));
+    EXPECT_FALSE(UcxCanRead(types, MemoryKind{"rocm", 0}, host));
+  }
+  EXPECT_EQ(UcxMemoryType(host), UCS_MEMORY_TYPE_HOST);
+  EXPECT_EQ(UcxMemoryType(cuda), UCS_MEMORY_TYPE_CUDA);
+}
+
+TEST(UcxBackendTest, ReadsTheKindsTheLoadedUcxSupportsAndNeverSimMemory) {
   TransportOptions o;
   o.serve = false;
   RegionRegistry regions;
   const TransportOptionMap own;
   Result<std::unique_ptr<Backend>> b = FindBackend("ucx")->create(BackendContext{o, own, &regions});
   ASSERT_TRUE(b.ok()) << b.status().ToString();
+  const auto* ucx = dynamic_cast<const UcxBackend*>(b->get());
+  ASSERT_NE(ucx, nullptr);
+  const std::uint64_t types = ucx->memory_types();
+  EXPECT_NE(types & UCS_BIT(UCS_MEMORY_TYPE_HOST), 0u) << "UCX reports no host memory";
+  const bool has_cuda = (types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  std::cout << "the loaded UCX " << (has_cuda ? "supports" : "does not support")
+            << " CUDA memory (memory types 0x" << std::hex << types << std::dec << ")\n";
   const MemoryKind host = MemoryKind::Host();
   const MemoryKind sim{"sim", 0};
   EXPECT_TRUE((*b)->CanRead(host, host));
   EXPECT_FALSE((*b)->CanRead(sim, host));
   EXPECT_FALSE((*b)->CanRead(host, sim));
   EXPECT_FALSE((*b)->CanRead(sim, sim));
-  EXPECT_FALSE((*b)->CanRead({"cuda", 0}, host));
+  EXPECT_EQ((*b)->CanRead({"cuda", 0}, host), has_cuda);
   // Not serving: nothing to publish.
   EXPECT_TRUE((*b)->DescriptorSection().empty());
   const std::vector<RemoteRegion> none;
