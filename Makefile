@@ -12,6 +12,10 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS = wire_decode ranktable_parse tcp_frames descriptor_decode
 PREFIX      ?= /usr/local
 CTEST_ARGS  ?=
+# full, or lines (-g1: line tables only; builds about a quarter faster, sanitizer reports and
+# backtraces keep their file:line). .ci/run sets lines; it applies when a build is configured.
+DEBUG_INFO  ?= full
+CMAKE_CONFIGURE = cmake -S . -DKVFERRY_DEBUG_INFO=$(DEBUG_INFO)
 SOURCES      = $(shell git ls-files '*.cc' '*.h' 2>/dev/null || find include src tools tests fuzz -name '*.cc' -o -name '*.h')
 
 .PHONY: all deps configure build test test-gpu netns soak asan tsan tsa fuzz format format-check tidy install demo clean
@@ -22,7 +26,7 @@ deps:
 	@bash scripts/deps.sh
 
 $(BUILD)/CMakeCache.txt: | deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	$(CMAKE_CONFIGURE) -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
 
 configure: deps $(BUILD)/CMakeCache.txt
 
@@ -66,7 +70,7 @@ soak: build
 # asan_dynamic_tls_at_exit (tests/unit/sanitizer/dtls_exit.cc) makes that chance certain and fails
 # without the option. With it, pointers held only in such blocks are not leak-check roots.
 asan: deps
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=address,undefined
+	$(CMAKE_CONFIGURE) -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=address,undefined
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:intercept_tls_get_addr=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --test-dir $(ASAN_BUILD) --output-on-failure -j $(JOBS) -LE netns $(CTEST_ARGS)
@@ -80,7 +84,7 @@ asan: deps
 # loads UCX died with SIGSEGV); the ucx backend registers its memory explicitly and needs no hooks.
 # No TSan suppression names UCX: with ignore_noninstrumented_modules its frames report nothing.
 tsan: deps
-	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=thread
+	$(CMAKE_CONFIGURE) -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=thread
 	cmake --build $(TSAN_BUILD) -j $(JOBS)
 	UCX_MEM_MMAP_HOOK_MODE=none TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$(CURDIR)/tsan.supp" \
 	  ctest --test-dir $(TSAN_BUILD) --output-on-failure -j $(JOBS) -LE "demo|netns|soak" $(CTEST_ARGS)
@@ -89,17 +93,20 @@ tsan: deps
 # and the Python module compiled with clang++ and -Wthread-safety, its findings errors, so a member
 # marked GUARDED_BY read or written without its mutex fails the build. The tests are not built;
 # nothing runs. -Werror=thread-safety is for the Python module, which does not take the project's
-# warning flags (kvferry_warnings, -Werror included, holds for everything else).
+# warning flags (kvferry_warnings, -Werror included, holds for everything else). Nothing runs, so
+# no debug information (-O0 alone: the fastest build that still compiles everything).
 tsa: deps
-	CC=clang CXX=clang++ cmake -S . -B $(TSA_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_BUILD_TESTS=OFF \
+	CC=clang CXX=clang++ $(CMAKE_CONFIGURE) -B $(TSA_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_BUILD_TESTS=OFF \
+	  -DKVFERRY_DEBUG_INFO=full -DCMAKE_CXX_FLAGS_DEBUG=-O0 \
 	  -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety"
 	cmake --build $(TSA_BUILD) -j $(JOBS)
 
 # libFuzzer targets built with clang, each run for FUZZ_SECONDS from the committed seeds.
-# A crash leaves its input in $(FUZZ_BUILD)/findings/ and fails the target.
+# A crash leaves its input in $(FUZZ_BUILD)/findings/ and fails the target. Only the targets and
+# the libraries they link are built (not the CLI, the engine or the control library).
 fuzz: deps
-	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_FUZZ=ON
-	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+	CC=clang CXX=clang++ $(CMAKE_CONFIGURE) -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_FUZZ=ON
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(addprefix fuzz_,$(FUZZ_TARGETS))
 	@for t in $(FUZZ_TARGETS); do \
 	  mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/findings; \
 	  echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
