@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  g++ make cmake pkg-config            # toolchain
+  g++ make cmake pkg-config lld        # toolchain (lld: faster links)
   clang libclang-rt-14-dev             # libFuzzer targets (make fuzz), make tsa
   clang-format clang-tidy              # make format-check, make tidy
   libssl-dev                           # SHA-256, HMAC

@@ -312,6 +312,18 @@ INSTANTIATE_TEST_SUITE_P(CudaKinds, DeviceTransportTest,
                                            Kinds{"cuda:0", "cuda:0"}),
                          KindsName);
 
+// Reads 1 MiB of the peer's region kRemoteRegion from `offset` into the start of `local`, and
+// checks it byte for byte against the pattern.
+void ReadOneMiBAndCheck(Transport& client, PeerId peer, Memory& local, std::uint64_t offset) {
+  Result<BatchId> b = client.SubmitReads(peer, {{local.base(), kRemoteRegion, offset, 1u << 20}},
+                                         DeadlineAfter(milliseconds(10000)));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(client.Wait(*b, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
+  client.Release(*b);
+  const std::vector<std::byte> got = local.Contents();
+  EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, offset), -1);
+}
+
 // Connects with backend list `backends`, expects the peer carried by k.backend, and reads 1 MiB
 // of k.remote memory into k.local memory through it, checked byte for byte.
 void ReadOverTheChosenBackend(const std::string& backends, const Kinds& k) {
@@ -330,13 +342,7 @@ void ReadOverTheChosenBackend(const std::string& backends, const Kinds& k) {
       (*client)->Connect(*(*server)->Descriptor(), DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(*(*client)->PeerBackend(*p), k.backend);
-  Result<BatchId> b = (*client)->SubmitReads(*p, {{local.base(), kRemoteRegion, 4096, 1u << 20}},
-                                             DeadlineAfter(milliseconds(10000)));
-  ASSERT_TRUE(b.ok()) << b.status().ToString();
-  EXPECT_EQ((*client)->Wait(*b, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
-  (*client)->Release(*b);
-  const std::vector<std::byte> got = local.Contents();
-  EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, 4096), -1);
+  ReadOneMiBAndCheck(**client, *p, local, 4096);
 }
 
 // With backend auto on one host, a backend that cannot read the peer's kinds into ours is passed
@@ -441,13 +447,7 @@ TEST(DeviceIpcTest, AHandleThatDoesNotOpenFallsBackToStagedTcp) {
   Result<PeerId> p = (*client)->Connect(EncodeDescriptor(*d), DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(*(*client)->PeerBackend(*p), "tcp");
-  Result<BatchId> b = (*client)->SubmitReads(*p, {{local.base(), kRemoteRegion, 8192, 1u << 20}},
-                                             DeadlineAfter(milliseconds(10000)));
-  ASSERT_TRUE(b.ok()) << b.status().ToString();
-  EXPECT_EQ((*client)->Wait(*b, DeadlineAfter(milliseconds(15000))).state, BatchState::kDone);
-  (*client)->Release(*b);
-  const std::vector<std::byte> got = local.Contents();
-  EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, 8192), -1);
+  ReadOneMiBAndCheck(**client, *p, local, 8192);
   // A forced shm transport says why it cannot read the peer.
   TransportOptions forced;
   forced.backend = "shm";
