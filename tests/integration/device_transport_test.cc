@@ -324,25 +324,36 @@ void ReadOneMiBAndCheck(Transport& client, PeerId peer, Memory& local, std::uint
   EXPECT_EQ(FirstPatternMismatch(got.data(), 1u << 20, kSeed, kRemoteRegion, offset), -1);
 }
 
+// A serving transport with `remote` registered as kRemoteRegion and a reading one with `local` as
+// kLocalRegion, both with backend list `backends`.
+void ServeAndRead(const std::string& backends, Memory& remote, Memory& local,
+                  std::unique_ptr<Transport>* server, std::unique_ptr<Transport>* client) {
+  TransportOptions o;
+  o.backend = backends;
+  Result<std::unique_ptr<Transport>> s = CreateTransport(o);
+  o.serve = false;
+  Result<std::unique_ptr<Transport>> c = CreateTransport(o);
+  ASSERT_TRUE(s.ok() && c.ok());
+  *server = std::move(s).value();
+  *client = std::move(c).value();
+  ASSERT_TRUE((*server)->RegisterMemory(kRemoteRegion, remote.base(), kBytes, remote.kind()).ok());
+  ASSERT_TRUE((*client)->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
+}
+
 // Connects with backend list `backends`, expects the peer carried by k.backend, and reads 1 MiB
 // of k.remote memory into k.local memory through it, checked byte for byte.
 void ReadOverTheChosenBackend(const std::string& backends, const Kinds& k) {
   SCOPED_TRACE(k.remote + " -> " + k.local + " with " + backends);
   Memory remote(k.remote, true);
   Memory local(k.local, false);
-  TransportOptions o;
-  o.backend = backends;
-  Result<std::unique_ptr<Transport>> server = CreateTransport(o);
-  o.serve = false;
-  Result<std::unique_ptr<Transport>> client = CreateTransport(o);
-  ASSERT_TRUE(server.ok() && client.ok());
-  ASSERT_TRUE((*server)->RegisterMemory(kRemoteRegion, remote.base(), kBytes, remote.kind()).ok());
-  ASSERT_TRUE((*client)->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
-  Result<PeerId> p =
-      (*client)->Connect(*(*server)->Descriptor(), DeadlineAfter(milliseconds(5000)));
+  std::unique_ptr<Transport> server;
+  std::unique_ptr<Transport> client;
+  ServeAndRead(backends, remote, local, &server, &client);
+  if (::testing::Test::HasFatalFailure()) return;
+  Result<PeerId> p = client->Connect(*server->Descriptor(), DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
-  EXPECT_EQ(*(*client)->PeerBackend(*p), k.backend);
-  ReadOneMiBAndCheck(**client, *p, local, 4096);
+  EXPECT_EQ(*client->PeerBackend(*p), k.backend);
+  ReadOneMiBAndCheck(*client, *p, local, 4096);
 }
 
 // With backend auto on one host, a backend that cannot read the peer's kinds into ours is passed
@@ -423,15 +434,11 @@ TEST(DeviceIpcTest, ReadsAnotherProcesssDeviceMemoryAndNoticesItsDeath) {
 TEST(DeviceIpcTest, AHandleThatDoesNotOpenFallsBackToStagedTcp) {
   Memory remote("sim:0", true);
   Memory local("host", false);
-  TransportOptions o;
-  o.backend = "auto";
-  Result<std::unique_ptr<Transport>> server = CreateTransport(o);
-  o.serve = false;
-  Result<std::unique_ptr<Transport>> client = CreateTransport(o);
-  ASSERT_TRUE(server.ok() && client.ok());
-  ASSERT_TRUE((*server)->RegisterMemory(kRemoteRegion, remote.base(), kBytes, remote.kind()).ok());
-  ASSERT_TRUE((*client)->RegisterMemory(kLocalRegion, local.base(), kBytes, local.kind()).ok());
-  Result<PeerDescriptor> d = DecodeDescriptor(*(*server)->Descriptor());
+  std::unique_ptr<Transport> server;
+  std::unique_ptr<Transport> client;
+  ServeAndRead("auto", remote, local, &server, &client);
+  if (HasFatalFailure()) return;
+  Result<PeerDescriptor> d = DecodeDescriptor(*server->Descriptor());
   ASSERT_TRUE(d.ok());
   Result<ShmSection> shm = DecodeShmSection(d->Section("shm"));
   ASSERT_TRUE(shm.ok());
@@ -444,10 +451,10 @@ TEST(DeviceIpcTest, AHandleThatDoesNotOpenFallsBackToStagedTcp) {
   std::memset(h->opaque.data() + 4, 0, 4);
   shm->ipc[0].handle = h->Encode();
   d->sections["shm"] = EncodeShmSection(*shm);
-  Result<PeerId> p = (*client)->Connect(EncodeDescriptor(*d), DeadlineAfter(milliseconds(5000)));
+  Result<PeerId> p = client->Connect(EncodeDescriptor(*d), DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
-  EXPECT_EQ(*(*client)->PeerBackend(*p), "tcp");
-  ReadOneMiBAndCheck(**client, *p, local, 8192);
+  EXPECT_EQ(*client->PeerBackend(*p), "tcp");
+  ReadOneMiBAndCheck(*client, *p, local, 8192);
   // A forced shm transport says why it cannot read the peer.
   TransportOptions forced;
   forced.backend = "shm";
