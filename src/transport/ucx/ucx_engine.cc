@@ -44,7 +44,6 @@ Result<std::unique_ptr<UcxEngine>> UcxEngine::Create(const UcxOptions& options, 
                                            [raw](ucp_worker_h worker) { raw->StopAll(worker); }));
   // Read only by closures posted after Create returns and by StopAll.
   e->context_ = e->worker_->context();
-  e->memory_types_ = e->worker_->memory_types();
   return e;
 }
 
@@ -127,7 +126,7 @@ std::vector<std::uint8_t> UcxEngine::Section(const std::vector<RegionInfo>& regi
         for (const RegionInfo& r : regions) {
           // Kinds this UCX cannot read are not mapped (docs/transport.md, "ucx"); CanRead
           // refuses them, so auto reads them over another backend.
-          if (!UcxReadsKind(memory_types_, r.kind)) continue;
+          if (!UcxReadsKind(memory_types(), r.kind)) continue;
           listed.insert(r.id);
           auto it = mapped_.find(r.id);
           if (it != mapped_.end() && (it->second.addr != r.addr || it->second.length != r.length)) {

@@ -60,7 +60,7 @@ class UcxEngine {
   UcxEngine& operator=(const UcxEngine&) = delete;
 
   /// The memory types the loaded UCX supports (UcxReadsKind). Any thread.
-  std::uint64_t memory_types() const { return memory_types_; }
+  std::uint64_t memory_types() const { return worker_->memory_types(); }
 
   /// This process's section: maps the regions of `regions` whose kind UCX reads (UcxReadsKind)
   /// and that are not mapped yet (ucp_mem_map, with the region's memory type),
@@ -106,7 +106,6 @@ class UcxEngine {
   std::map<RegionId, Mapping> mapped_;
   std::list<std::shared_ptr<UcxPeerState>> peers_;
   ucp_context_h context_ = nullptr;  // worker_'s, usable while worker_ is destroyed
-  std::uint64_t memory_types_ = 0;   // worker_'s; set by Create
   // Last: destroyed first, which stops the thread before the state above goes.
   std::unique_ptr<UcxWorker> worker_;
 };

@@ -205,8 +205,7 @@ void UcxPeerState::Issue(UcxUnit& u, const UcxChunk& c) {
       return;
     }
     g->stage = std::make_unique_for_overwrite<std::byte[]>(c.length);
-    dst = g->stage.get();
-    p.memory_type = UCS_MEMORY_TYPE_HOST;
+    dst = g->stage.get();  // host memory, as c.local_type says
   }
   const ucs_status_ptr_t r =
       Ucx().ucp_get_nbx(ep_, dst, c.length, c.remote, rkeys_.at(c.region), &p);
