@@ -145,12 +145,12 @@ Result<Json> MeasureLoads(const ControlArgs& a, const std::string& backend) {
     const std::string held = "r" + std::to_string(i);
     const std::string loaded = "d" + std::to_string(i);
     ConnectorMetadata hold;
-    hold.holds.push_back({held, 60000});
+    hold.holds.push_back({held, 60000, ""});
     prefill->StartLoadKv(hold);
     ConnectorMetadata load;
     const std::int64_t block = i % kBlocks;
     load.loads.push_back(
-        {loaded, {block}, {block}, "bench-prefill", "127.0.0.1", prefill_port, 1, held});
+        {loaded, {block}, {block}, "bench-prefill", "127.0.0.1", prefill_port, 1, held, ""});
     const Clock::time_point start = Clock::now();
     decode->StartLoadKv(load);
     KVFERRY_RETURN_IF_ERROR(WaitReceived(*decode, loaded));
@@ -376,11 +376,18 @@ Result<Json> MeasureHandshakes(const ControlArgs& a, const std::string& backend)
                                         FreeLoopbackPorts(1), backend, decode_cache));
     const std::string held = "h" + std::to_string(i);
     ConnectorMetadata hold;
-    hold.holds.push_back({held, 60000});
+    hold.holds.push_back({held, 60000, ""});
     prefill->StartLoadKv(hold);
     ConnectorMetadata load;
-    load.loads.push_back(
-        {"l" + std::to_string(i), {0}, {0}, "bench-prefill", "127.0.0.1", prefill_port, 1, held});
+    load.loads.push_back({"l" + std::to_string(i),
+                          {0},
+                          {0},
+                          "bench-prefill",
+                          "127.0.0.1",
+                          prefill_port,
+                          1,
+                          held,
+                          ""});
     decode->StartLoadKv(load);
     KVFERRY_RETURN_IF_ERROR(WaitReceived(*decode, "l" + std::to_string(i)));
     const WorkerStats st = decode->Stats();

@@ -141,12 +141,15 @@ int RunDemo(const DemoArgs& a) {
     std::cerr << "kvferry demo: " << r.status().ToString() << "\n";
     return 1;
   }
-  std::vector<double> load, ttft, prefill, decode;
+  std::vector<double> load, ttft, prefill, decode, exposed;
+  int layerwise = 0;
   for (const RequestTiming& t : r->timings) {
     load.push_back(t.load_ms);
     ttft.push_back(t.ttft_ms);
-    prefill.push_back(t.prefill_ms);
+    prefill.push_back(t.compute_ms);
     decode.push_back(t.decode_ms);
+    exposed.push_back(t.exposed_ms());
+    layerwise += t.layerwise ? 1 : 0;
   }
   const double gb = static_cast<double>(r->bytes_moved) / 1e9;
   const ConnectorFigures conn = FiguresOf(r->timings);
@@ -177,6 +180,9 @@ int RunDemo(const DemoArgs& a) {
       {"ttft_p50_ms", Percentile(ttft, 0.5)},
       {"ttft_p99_ms", Percentile(ttft, 0.99)},
       {"prefill_p50_ms", Percentile(prefill, 0.5)},
+      {"layerwise_requests", layerwise},
+      {"exposed_p50_ms", Percentile(exposed, 0.5)},
+      {"exposed_p99_ms", Percentile(exposed, 0.99)},
       {"decode_p50_ms", Percentile(decode, 0.5)},
       {"prefix_hit_blocks", r->prefix_hit_blocks},
       {"recomputed_blocks", r->recomputed_blocks},
@@ -208,6 +214,14 @@ int RunDemo(const DemoArgs& a) {
         Percentile(ttft, 0.5), Percentile(ttft, 0.99), gb, r->wall_s,
         r->wall_s > 0 ? gb / r->wall_s : 0);
     std::cout << line;
+    if (a.pipeline.layerwise) {
+      std::printf(
+          "layer-wise    %d of %zu requests sent to both instances at once (shorter than %lld "
+          "tokens: whole-request); exposed transfer p50 %.2f ms, p99 %.2f ms (TTFT less the "
+          "prefill's compute and the decode's first step)\n",
+          layerwise, r->timings.size(), static_cast<long long>(a.pipeline.layerwise_min_tokens),
+          Percentile(exposed, 0.5), Percentile(exposed, 0.99));
+    }
     for (std::size_t i = 0; i < std::min<std::size_t>(r->errors.size(), 10); ++i) {
       std::cout << "error         " << r->errors[i] << "\n";
     }
@@ -255,7 +269,20 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
   cmd.add_option("--seed", p.seed, "Seed of the prompts and of the abort choices")
       ->capture_default_str();
   cmd.add_option("--compute-us-per-token", p.compute_us_per_token,
-                 "Simulated prefill compute per token");
+                 "Simulated prefill compute per token (layer-wise requests: spread over the "
+                 "layers)");
+  cmd.add_option("--layerwise-min-tokens", p.layerwise_min_tokens,
+                 "With layer-wise transfer: shorter prompts take the whole-request path")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--prefill-chunk-tokens", p.prefill_chunk_tokens,
+                 "Prefill instances: chunked prefill of layer-wise requests (0: whole prompts)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--layers-per-notice", p.layers_per_notice,
+                 "Prefill instances: layers per layer-wise announcement")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   cmd.add_option("--memory", p.memory,
                  "Where both instances keep their KV caches: host, or a device (sim:0, cuda:0); "
                  "every byte is verified by copying it back")
@@ -270,6 +297,8 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
 
 struct E2eArgs {
   PipelineArgs pipeline;
+  /// off (whole-request), on (layer-wise), or both, measured one after the other per length.
+  std::string layerwise = "off";
   std::vector<int> prompts = {128, 512, 2048};
   int requests = 24;
   int warmup = 8;
@@ -357,53 +386,125 @@ Status WriteChart(const E2eArgs& a, const Json& points, const Json& baselines) {
   return Status::Ok();
 }
 
+// Two panels against prompt length, whole-request and layer-wise side by side: TTFT p50, and the
+// exposed transfer p50 (TTFT less the prefill's compute and the decode's first step).
+Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
+  const std::string data = a.chart + ".dat";
+  {
+    std::ofstream out(data);
+    std::map<int, std::map<std::string, const Json*>> by_len;
+    for (const Json& pt : points) by_len[pt["prompt_tokens"].get<int>()][pt["mode"]] = &pt;
+    for (const auto& [len, modes] : by_len) {
+      if (modes.size() != 2) continue;
+      const Json& w = *modes.at("whole");
+      const Json& l = *modes.at("layerwise");
+      out << len << " " << w["ttft_p50_ms"].get<double>() << " " << l["ttft_p50_ms"].get<double>()
+          << " " << w["exposed_p50_ms"].get<double>() << " " << l["exposed_p50_ms"].get<double>()
+          << "\n";
+    }
+    if (!out) return Status::Internal("cannot write " + data);
+  }
+  const std::string script = a.chart + ".gp";
+  {
+    std::ofstream gp(script);
+    gp << "set terminal png size 1200,500\n"
+       << "set output '" << a.chart << "'\n"
+       << "set multiplot layout 1,2 title 'whole-request against layer-wise transfer: "
+       << a.pipeline.model.layers << " layers, prefill TP " << a.pipeline.prefill_tp
+       << " -> decode TP " << a.pipeline.decode_tp << ", transport " << a.pipeline.transport << ", "
+       << a.pipeline.compute_us_per_token << " us/token prefill compute, " << a.requests
+       << " requests per point'\n"
+       << "set logscale x 2\nset grid\nset key top left\nset xlabel 'prompt length (tokens)'\n"
+       << "set ylabel 'TTFT p50 (ms)'\nset yrange [0:*]\n"
+       << "plot '" << data << "' using 1:2 with linespoints lw 2 pt 7 title 'whole-request', '"
+       << data << "' using 1:3 with linespoints lw 2 pt 5 title 'layer-wise'\n"
+       << "set ylabel 'exposed transfer p50 (ms): TTFT - prefill compute - first decode step'\n"
+       << "plot '" << data << "' using 1:4 with linespoints lw 2 pt 7 title 'whole-request', '"
+       << data << "' using 1:5 with linespoints lw 2 pt 5 title 'layer-wise'\n"
+       << "unset multiplot\n";
+    if (!gp) return Status::Internal("cannot write " + script);
+  }
+  const std::string cmd = "gnuplot " + script;
+  if (std::system(cmd.c_str()) != 0) {  // NOLINT(concurrency-mt-unsafe): one thread here
+    return Status::Internal("gnuplot failed; is gnuplot installed (make deps)?");
+  }
+  std::filesystem::remove(data);
+  std::filesystem::remove(script);
+  return Status::Ok();
+}
+
 int RunE2e(const E2eArgs& a) {
   Json points = Json::array();
+  std::vector<bool> modes;
+  if (a.layerwise != "on") modes.push_back(false);
+  if (a.layerwise != "off") modes.push_back(true);
   for (int len : a.prompts) {
-    // The warm-up requests go first (fresh instances: first handshakes, first touches of the
-    // caches' pages) and are left out of the per-request figures.
-    const auto prompts =
-        MakePrompts(a.warmup + a.requests, len, len, 0.0, static_cast<std::uint32_t>(len));
-    PipelineArgs p = a.pipeline;
-    p.progress = false;
-    Result<PipelineResult> r = RunPipeline(p, prompts);
-    if (!r.ok()) {
-      std::cerr << "kvferry bench e2e: " << r.status().ToString() << "\n";
-      return 1;
+    for (bool layerwise : modes) {
+      // The warm-up requests go first (fresh instances: first handshakes, first touches of the
+      // caches' pages) and are left out of the per-request figures.
+      const auto prompts =
+          MakePrompts(a.warmup + a.requests, len, len, 0.0, static_cast<std::uint32_t>(len));
+      PipelineArgs p = a.pipeline;
+      p.progress = false;
+      p.layerwise = layerwise;
+      Result<PipelineResult> r = RunPipeline(p, prompts);
+      if (!r.ok()) {
+        std::cerr << "kvferry bench e2e: " << r.status().ToString() << "\n";
+        return 1;
+      }
+      std::vector<double> ttft, exposed;
+      std::vector<RequestTiming> measured;
+      int took_layerwise = 0;
+      for (const RequestTiming& t : r->timings) {
+        if (t.index < static_cast<std::size_t>(a.warmup)) continue;
+        ttft.push_back(t.ttft_ms);
+        exposed.push_back(t.exposed_ms());
+        measured.push_back(t);
+        took_layerwise += t.layerwise ? 1 : 0;
+      }
+      const double gb = static_cast<double>(r->bytes_moved) / 1e9;
+      const ConnectorFigures conn = FiguresOf(measured);
+      const char* mode = layerwise ? "layerwise" : "whole";
+      points.push_back({{"prompt_tokens", len},
+                        {"mode", mode},
+                        {"layerwise_requests", took_layerwise},
+                        {"connector", FiguresJson(conn)},
+                        {"requests", a.requests},
+                        {"warmup", a.warmup},
+                        {"failed", r->failed},
+                        {"leaked", r->leaked},
+                        {"bytes_moved", r->bytes_moved},
+                        {"wall_s", r->wall_s},
+                        {"gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
+                        {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
+                        {"transfer_p90_us", r->decode_end.value("transfer_p90_us", 0)},
+                        {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
+                        {"transfer_max_us", r->decode_end.value("transfer_max_us", 0)},
+                        {"ttft_p50_ms", Percentile(ttft, 0.5)},
+                        {"ttft_p99_ms", Percentile(ttft, 0.99)},
+                        {"exposed_p50_ms", Percentile(exposed, 0.5)},
+                        {"exposed_p99_ms", Percentile(exposed, 0.99)}});
+      if (!a.json) {
+        std::fprintf(stdout,
+                     "prompt %6d tokens, %-9s: %3d requests, %d failed; kvferry per request: "
+                     "%.2f MB, transfer p50 %.2f p99 %.2f ms, rate p50 %.2f p10 %.2f GB/s; "
+                     "TTFT p50 %.1f p99 %.1f ms, exposed transfer p50 %.2f p99 %.2f ms\n",
+                     len, mode, a.requests, r->failed, static_cast<double>(conn.bytes_p50) / 1e6,
+                     conn.ms_p50, conn.ms_p99, conn.gbps_p50, conn.gbps_p10, Percentile(ttft, 0.5),
+                     Percentile(ttft, 0.99), Percentile(exposed, 0.5), Percentile(exposed, 0.99));
+        std::fflush(stdout);
+      }
     }
-    std::vector<double> ttft;
-    std::vector<RequestTiming> measured;
-    for (const RequestTiming& t : r->timings) {
-      if (t.index < static_cast<std::size_t>(a.warmup)) continue;
-      ttft.push_back(t.ttft_ms);
-      measured.push_back(t);
-    }
-    const double gb = static_cast<double>(r->bytes_moved) / 1e9;
-    const ConnectorFigures conn = FiguresOf(measured);
-    points.push_back({{"prompt_tokens", len},
-                      {"connector", FiguresJson(conn)},
-                      {"requests", a.requests},
-                      {"warmup", a.warmup},
-                      {"failed", r->failed},
-                      {"leaked", r->leaked},
-                      {"bytes_moved", r->bytes_moved},
-                      {"wall_s", r->wall_s},
-                      {"gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
-                      {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
-                      {"transfer_p90_us", r->decode_end.value("transfer_p90_us", 0)},
-                      {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
-                      {"transfer_max_us", r->decode_end.value("transfer_max_us", 0)},
-                      {"ttft_p50_ms", Percentile(ttft, 0.5)},
-                      {"ttft_p99_ms", Percentile(ttft, 0.99)}});
-    if (!a.json) {
+    if (modes.size() == 2 && !a.json) {
+      const Json& w = points[points.size() - 2];
+      const Json& l = points[points.size() - 1];
+      const double we = w["exposed_p50_ms"].get<double>();
+      const double wt = w["ttft_p50_ms"].get<double>();
       std::fprintf(stdout,
-                   "prompt %6d tokens: %3d requests, %d failed; kvferry per request: %.2f MB, "
-                   "transfer p50 %.2f p99 %.2f ms, rate p50 %.2f p10 %.2f GB/s; demo engine: "
-                   "TTFT p50 %.1f ms, %.2f GB/s across the run\n",
-                   len, a.requests, r->failed, static_cast<double>(conn.bytes_p50) / 1e6,
-                   conn.ms_p50, conn.ms_p99, conn.gbps_p50, conn.gbps_p10, Percentile(ttft, 0.5),
-                   r->wall_s > 0 ? gb / r->wall_s : 0);
-      std::fflush(stdout);
+                   "prompt %6d tokens: layer-wise exposed transfer %.1f %% of whole-request's, "
+                   "TTFT p50 %.1f %% of whole-request's\n",
+                   len, we > 0 ? 100.0 * l["exposed_p50_ms"].get<double>() / we : 0.0,
+                   wt > 0 ? 100.0 * l["ttft_p50_ms"].get<double>() / wt : 0.0);
     }
   }
   const Json baselines = TransportBaselines(a.pipeline.model, a.pipeline.decode_tp);
@@ -419,7 +520,9 @@ int RunE2e(const E2eArgs& a) {
     }
   }
   if (!a.chart.empty()) {
-    if (Status c = WriteChart(a, points, baselines); !c.ok()) {
+    Status c =
+        modes.size() == 2 ? WriteLayerwiseChart(a, points) : WriteChart(a, points, baselines);
+    if (!c.ok()) {
       std::cerr << "kvferry bench e2e: " << c.ToString() << "\n";
       return 1;
     }
@@ -445,6 +548,9 @@ void AddDemoCommands(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   demo->add_flag("--json", a->json, "Machine-readable report");
   demo->add_flag("!--no-progress", a->pipeline.progress, "No progress line");
+  demo->add_flag("--layerwise", a->pipeline.layerwise,
+                 "Layer-wise transfer: both legs of a request at once, the decode side reading "
+                 "each layer as the prefill side writes it (docs/layerwise.md)");
   AddPipelineOptions(*demo, a->pipeline);
   demo->callback([a, &exit_code] { exit_code = RunDemo(*a); });
 
@@ -460,6 +566,11 @@ void AddDemoCommands(CLI::App& app, int& exit_code) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   e2e->add_flag("--json", e->json, "Machine-readable output");
+  e2e->add_option("--layerwise", e->layerwise,
+                  "off: whole-request transfer; on: layer-wise; both: each prompt length both "
+                  "ways in this run, with the exposed transfer of each (docs/layerwise.md)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"off", "on", "both"}));
   e2e->add_option("--chart", e->chart,
                   "Write a PNG chart (gnuplot) of kvferry's per-request transfer time and rate "
                   "against prompt length, with the transport's same-run rate");

@@ -140,6 +140,7 @@ Json ParamsToJson(const KvTransferParams& p) {
   if (p.remote_port) j["remote_port"] = *p.remote_port;
   if (p.remote_tp_size) j["remote_tp_size"] = *p.remote_tp_size;
   if (p.remote_request_id) j["remote_request_id"] = *p.remote_request_id;
+  if (p.transfer_id) j["transfer_id"] = *p.transfer_id;
   return j;
 }
 
@@ -177,6 +178,9 @@ Result<KvTransferParams> ParamsFromJson(const Json& j, std::string_view where) {
   }
   if (const Json* v = Member(j, "remote_request_id", true)) {
     KVFERRY_ASSIGN_OR_RETURN(p.remote_request_id, Text(*v, Field(where, "remote_request_id")));
+  }
+  if (const Json* v = Member(j, "transfer_id", true)) {
+    KVFERRY_ASSIGN_OR_RETURN(p.transfer_id, Text(*v, Field(where, "transfer_id")));
   }
   if (const Json* v = Member(j, "remote_port", true)) {
     KVFERRY_ASSIGN_OR_RETURN(std::int64_t port, Integer(*v, Field(where, "remote_port"), 1, 65535));

@@ -153,6 +153,10 @@ class Deployment {
                                      std::to_string(a.hold_lease_ms),
                                      "--compute-us-per-token",
                                      std::to_string(a.compute_us_per_token),
+                                     "--prefill-chunk-tokens",
+                                     std::to_string(a.prefill_chunk_tokens),
+                                     "--layers-per-notice",
+                                     std::to_string(a.layers_per_notice),
                                      "--memory",
                                      a.memory,
                                      "--exit-on-stdin-eof"};
@@ -183,7 +187,7 @@ class Deployment {
 class Proxy {
  public:
   Proxy(const PipelineArgs& a, const std::vector<std::vector<std::int32_t>>& prompts, Deployment& d,
-        std::uint64_t block_bytes)
+        std::uint64_t block_bytes, std::vector<Json> prefill_connectors)
       : a_(a),
         prompts_(prompts),
         prefill_(d.prefill()),
@@ -194,7 +198,8 @@ class Proxy {
         decode_down_until_(d.decode().size()),
         block_bytes_(block_bytes),
         rng_(a.seed),
-        request_timeout_(a.request_timeout_ms) {}
+        request_timeout_(a.request_timeout_ms),
+        prefill_connectors_(std::move(prefill_connectors)) {}
 
   // Runs until every prompt ended or the run's deadline passed.
   PipelineResult Run() {
@@ -240,6 +245,13 @@ class Proxy {
     Clock::time_point forwarded;  // unset until the prefill answer went on to decode
     AbortAt abort_at = AbortAt::kNone;
     std::size_t instance = 0;  // of the role the request waits on now
+    // Layer-wise: both legs sent at once; the request ends when both have answered (the decode
+    // answer decides its outcome).
+    bool layerwise = false;
+    std::size_t prefill_instance = 0;
+    bool prefill_answered = false;
+    bool decode_answered = false;
+    double compute_ms = 0;
     bool at_decode() const { return forwarded != Clock::time_point{}; }
     // When the answer awaited now was asked for.
     Clock::time_point stage_start() const { return at_decode() ? forwarded : sent; }
@@ -253,7 +265,19 @@ class Proxy {
   using Iter = std::map<std::string, InFlight>::iterator;
 
   void End(Iter it) {
-    --(it->second.at_decode() ? decode_load_ : prefill_load_)[it->second.instance];
+    if (auto t = pending_timings_.find(it->first); t != pending_timings_.end()) {
+      if (it->second.prefill_answered) {
+        t->second.compute_ms = it->second.compute_ms;
+        out_.timings.push_back(t->second);
+      }
+      pending_timings_.erase(t);
+    }
+    if (!it->second.layerwise) {
+      --(it->second.at_decode() ? decode_load_ : prefill_load_)[it->second.instance];
+    } else {
+      if (!it->second.prefill_answered) --prefill_load_[it->second.prefill_instance];
+      if (!it->second.decode_answered) --decode_load_[it->second.instance];
+    }
     inflight_.erase(it);
     ++finished_;
   }
@@ -283,11 +307,45 @@ class Proxy {
       InFlight f;
       f.instance = LeastLoaded(prefill_load_, prefill_down_until_);
       ++prefill_load_[f.instance];
+      f.layerwise = a_.layerwise &&
+                    static_cast<std::int64_t>(prompts_[next_].size()) >= a_.layerwise_min_tokens &&
+                    !prefill_connectors_[f.instance].is_null();
+      Json decode_params;
+      if (f.layerwise) {
+        // One transfer id for both legs; the decode leg names the prefill instance's connector,
+        // as a proxy knows it from its configuration.
+        const std::string transfer = "xfer-" + std::to_string(next_) + "-" + run_tag_;
+        params["transfer_id"] = transfer;
+        const Json& c = prefill_connectors_[f.instance];
+        decode_params = {{"do_remote_prefill", true},          {"transfer_id", transfer},
+                         {"remote_engine_id", c["engine_id"]}, {"remote_host", c["host"]},
+                         {"remote_port", c["port"]},           {"remote_tp_size", c["tp_size"]}};
+      }
       (void)prefill_[f.instance]->Send({{"op", "generate"},
                                         {"request_id", id},
                                         {"prompt", prompts_[next_]},
                                         {"kv_transfer_params", params}});
       f.sent = Clock::now();
+      if (f.layerwise) {
+        f.prefill_instance = f.instance;
+        f.forwarded = f.sent;
+        f.instance = LeastLoaded(decode_load_, decode_down_until_);
+        ++decode_load_[f.instance];
+        (void)decode_[f.instance]->Send({{"op", "generate"},
+                                         {"request_id", id},
+                                         {"prompt", prompts_[next_]},
+                                         {"kv_transfer_params", decode_params}});
+        if (a_.abort_rate > 0 && unit_(rng_) < a_.abort_rate) {
+          // The client goes away: a proxy aborts both legs.
+          f.abort_at = AbortAt::kDecode;
+          const auto due = Clock::now() + RandomDelay(20000);
+          aborts_.push_back({due, false, f.prefill_instance, id});
+          aborts_.push_back({due, true, f.instance, id});
+        }
+        inflight_[id] = f;
+        ++next_;
+        continue;
+      }
       if (a_.abort_rate > 0 && unit_(rng_) < a_.abort_rate) {
         f.abort_at = static_cast<AbortAt>(1 + rng_() % 3);
         if (f.abort_at == AbortAt::kPrefill) {
@@ -317,6 +375,16 @@ class Proxy {
     const std::string id = r.value("request_id", "");
     auto it = inflight_.find(id);
     if (it == inflight_.end()) return;
+    if (it->second.layerwise) {
+      // Its outcome is the decode leg's: a failed or aborted prefill fails the decode's load,
+      // which the decode recomputes or reports.
+      if (it->second.prefill_answered) return;
+      it->second.prefill_answered = true;
+      it->second.compute_ms = r.value("compute_ms", 0.0);
+      --prefill_load_[it->second.prefill_instance];
+      if (it->second.decode_answered) End(it);
+      return;
+    }
     if (r.value("aborted", false)) {
       ++out_.aborted_at_prefill;
       End(it);
@@ -333,6 +401,7 @@ class Proxy {
       End(it);
       return;
     }
+    it->second.compute_ms = r.value("compute_ms", 0.0);
     --prefill_load_[it->second.instance];
     it->second.forwarded = Clock::now();
     it->second.instance = LeastLoaded(decode_load_, decode_down_until_);
@@ -350,7 +419,7 @@ class Proxy {
   void OnDecodeAnswer(const Json& r) {
     const std::string id = r.value("request_id", "");
     auto it = inflight_.find(id);
-    if (it == inflight_.end()) return;
+    if (it == inflight_.end() || it->second.decode_answered) return;
     const auto now = Clock::now();
     if (r.value("aborted", false)) {
       ++out_.aborted_at_decode;
@@ -369,13 +438,26 @@ class Proxy {
       t.loaded_bytes = static_cast<std::uint64_t>(r.value("loaded_blocks", 0)) * block_bytes_;
       t.transfer_bytes = r.value("transfer_bytes", std::uint64_t{0});
       t.transfer_ms = r.value("transfer_ms", 0.0);
-      out_.timings.push_back(t);
+      t.first_step_ms = r.value("first_step_ms", 0.0);
+      t.layerwise = it->second.layerwise;
+      if (!it->second.layerwise) {
+        t.compute_ms = it->second.compute_ms;
+        out_.timings.push_back(t);
+      } else {
+        // The prefill's compute arrives with its own answer, which may come later.
+        pending_timings_[id] = t;
+      }
       out_.bytes_verified += r.value("verified_bytes", std::uint64_t{0});
       out_.prefix_hit_blocks += r.value("prefix_hit_blocks", 0);
       out_.recomputed_blocks += r.value("recomputed_blocks", 0);
     } else {
       ++out_.failed;
       out_.errors.push_back(id + " (decode): " + r.value("error", ""));
+    }
+    if (it->second.layerwise) {
+      it->second.decode_answered = true;
+      --decode_load_[it->second.instance];
+      if (!it->second.prefill_answered) return;
     }
     End(it);
   }
@@ -388,6 +470,13 @@ class Proxy {
     for (auto it = inflight_.begin(); it != inflight_.end();) {
       auto next_it = std::next(it);
       if (now - it->second.stage_start() > request_timeout_) {
+        if (it->second.layerwise && it->second.decode_answered) {
+          // Answered by the decode leg (counted then); the prefill leg's answer never came.
+          prefill_down_until_[it->second.prefill_instance] = now + request_timeout_;
+          End(it);
+          it = next_it;
+          continue;
+        }
         const bool decode = it->second.at_decode();
         const bool several = (decode ? decode_ : prefill_).size() > 1;
         ++out_.failed;
@@ -428,6 +517,13 @@ class Proxy {
   const milliseconds request_timeout_;
   PipelineResult out_;
   std::map<std::string, InFlight> inflight_;
+  std::map<std::string, RequestTiming> pending_timings_;  // layer-wise, until the prefill answers
+  // The prefill instances' connectors (stats "connector"), for layer-wise decode legs; null for
+  // an instance that did not say (an older kvferry serve: it gets whole-request legs).
+  const std::vector<Json> prefill_connectors_;
+  // Makes transfer ids unique across runs against the same instances.
+  const std::string run_tag_ = std::to_string(getpid()) + "-" +
+                               std::to_string(Clock::now().time_since_epoch().count() % 1000000);
   std::vector<PendingAbort> aborts_;
   std::size_t next_ = 0;
   int finished_ = 0;
@@ -519,7 +615,18 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
     if (!s.ok()) return s.status().WithContext("asking " + a.decode_control + " for its stats");
     bytes_before = s->value("bytes_read", std::uint64_t{0});
   }
-  PipelineResult out = Proxy(a, prompts, *d, block_bytes).Run();
+  // Where each prefill instance's connector listens, for layer-wise decode legs.
+  std::vector<Json> connectors;
+  for (auto& c : d->prefill()) {
+    Json info;
+    if (a.layerwise) {
+      Result<Json> s = c->Call({{"op", "stats"}}, milliseconds(5000));
+      if (!s.ok()) return s.status().WithContext("asking a prefill instance for its connector");
+      info = s->value("connector", Json());
+    }
+    connectors.push_back(std::move(info));
+  }
+  PipelineResult out = Proxy(a, prompts, *d, block_bytes, std::move(connectors)).Run();
   KVFERRY_RETURN_IF_ERROR(Settle(*d, a, bytes_before, out));
   return out;
 }

@@ -27,6 +27,14 @@ struct PipelineArgs {
   int concurrency = 16;
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
+  /// Layer-wise transfer (docs/layerwise.md): requests whose prompt has at least
+  /// `layerwise_min_tokens` tokens go to a prefill and a decode instance at once with a shared
+  /// transfer id; shorter ones, and all when off, take the whole-request path.
+  bool layerwise = false;
+  std::int64_t layerwise_min_tokens = 0;
+  /// Prefill instances: chunked prefill of layer-wise requests, and layers per announcement.
+  std::int64_t prefill_chunk_tokens = 0;
+  int layers_per_notice = 1;
   std::string memory = "host";
   bool progress = true;
   /// Share of requests the client abandons: at the prefill instance, between prefill and decode,
@@ -42,11 +50,17 @@ struct PipelineArgs {
 };
 
 struct RequestTiming {
-  std::size_t index = 0;  // of its prompt in RunPipeline's list
-  double prefill_ms = 0;  // proxy sent to prefill -> prefill answered
-  double decode_ms = 0;   // proxy sent to decode -> decode answered (load and verify)
-  double load_ms = 0;     // decode side: load started -> finished
-  double ttft_ms = 0;     // proxy sent to prefill -> decode answered
+  std::size_t index = 0;     // of its prompt in RunPipeline's list
+  double prefill_ms = 0;     // proxy sent to prefill -> prefill answered
+  double decode_ms = 0;      // proxy sent to decode -> decode answered (load and verify)
+  double load_ms = 0;        // decode side: load started -> finished
+  double ttft_ms = 0;        // proxy sent to prefill -> decode answered
+  double compute_ms = 0;     // prefill side: its compute (layer by layer for a layer-wise one)
+  double first_step_ms = 0;  // decode side: its first step after the load (verification)
+  bool layerwise = false;    // both legs sent at once
+  // TTFT less the prefill's compute and the decode's first step: what the transfer (and the hops
+  // around it) adds to time-to-first-token.
+  double exposed_ms() const { return ttft_ms - compute_ms - first_step_ms; }
   std::uint64_t loaded_bytes = 0;
   // In the connector (every rank): bytes read and the transfer's time, 0 when nothing was read.
   std::uint64_t transfer_bytes = 0;

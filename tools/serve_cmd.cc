@@ -42,6 +42,8 @@ struct ServeArgs {
   ModelArgs model;
   int hold_lease_ms = 30000;
   int compute_us_per_token = 0;
+  std::int64_t prefill_chunk_tokens = 0;
+  int layers_per_notice = 1;
   std::string memory = "host";
   bool exit_on_stdin_eof = false;
   std::string metrics_host = "127.0.0.1";
@@ -121,6 +123,8 @@ int RunServe(const ServeArgs& a) {
   c.model = *model;
   c.hold_lease = std::chrono::milliseconds(a.hold_lease_ms);
   c.compute_per_token = std::chrono::microseconds(a.compute_us_per_token);
+  c.prefill_chunk_tokens = a.prefill_chunk_tokens;
+  c.layers_per_notice = a.layers_per_notice;
   c.memory = a.memory;
   if (!a.rank_table.empty()) {
     Result<RankTable> t = RankTable::Load(a.rank_table);
@@ -267,7 +271,15 @@ int RunServe(const ServeArgs& a) {
                {"transfer_p50_us", s.transfer_p50_us},
                {"transfer_p90_us", s.transfer_p90_us},
                {"transfer_p99_us", s.transfer_p99_us},
-               {"transfer_max_us", s.transfer_max_us}});
+               {"transfer_max_us", s.transfer_max_us},
+               // Where its connector listens, for a proxy that sends layer-wise decode legs
+               // (kv_transfer_params remote_*) before this instance has answered anything.
+               {"connector",
+                {{"engine_id", c.engine_id},
+                 {"host", c.host},
+                 {"port", c.base_port + c.dp_rank * c.tp_size},
+                 {"tp_size", c.tp_size},
+                 {"features", {"layerwise"}}}}});
         return;
       }
       case ControlOp::kShutdown:
@@ -326,6 +338,7 @@ int RunServe(const ServeArgs& a) {
              {"queue_ms", r.queue_ms},
              {"compute_ms", r.compute_ms},
              {"load_ms", r.load_ms},
+             {"first_step_ms", r.first_step_ms},
              {"transfer_bytes", r.transfer_bytes},
              {"transfer_ms", r.transfer_ms}});
       reply_to.erase(it);
@@ -383,6 +396,16 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   serve->add_option("--compute-us-per-token", a->compute_us_per_token,
                     "Simulated prefill compute time per token");
+  serve
+      ->add_option("--prefill-chunk-tokens", a->prefill_chunk_tokens,
+                   "Prefill: compute layer-wise requests in chunks of this many tokens (chunked "
+                   "prefill; 0: whole prompts)")
+      ->check(CLI::NonNegativeNumber);
+  serve
+      ->add_option("--layers-per-notice", a->layers_per_notice,
+                   "Prefill: announce layer-wise progress every this many layers")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   serve
       ->add_option("--memory", a->memory,
                    "Where the KV caches are: host, or a device such as sim:0 or cuda:0 "

@@ -36,6 +36,13 @@ struct KvTransferParams {
   std::optional<int> remote_tp_size;
   /// The request id on the prefill side, for engines that rename requests.
   std::optional<std::string> remote_request_id;
+  /// Layer-wise transfer (docs/layerwise.md): the id the proxy gives both legs of one request,
+  /// which it dispatches to a prefill and a decode instance at once. On the prefill leg (with
+  /// do_remote_decode) the prefill side announces each layer's KV under it as it is written; on
+  /// the decode leg (with do_remote_prefill and the prefill instance's remote_engine_id,
+  /// remote_host, remote_port, remote_tp_size, but no remote_block_ids) the decode side reads
+  /// each layer as it is announced. 1 to 1,024 bytes, unique per request.
+  std::optional<std::string> transfer_id;
 
   friend bool operator==(const KvTransferParams&, const KvTransferParams&) = default;
 };
@@ -58,6 +65,9 @@ struct LoadSpec {
   int remote_port = 0;
   int remote_tp_size = 1;
   std::string remote_request_id;
+  /// Non-empty: a layer-wise load (remote_block_ids empty; the prefill side announces them with
+  /// each layer). remote_request_id is then the transfer id too.
+  std::string transfer_id;
 
   friend bool operator==(const LoadSpec&, const LoadSpec&) = default;
 };
@@ -67,8 +77,37 @@ struct LoadSpec {
 struct HoldSpec {
   std::string request_id;
   std::int64_t lease_ms = 0;
+  /// Non-empty for a layer-wise request: its readers' notices name this id instead of the
+  /// request id, and the hold also completes the transfer's announcements (every layer written).
+  std::string transfer_id;
 
   friend bool operator==(const HoldSpec&, const HoldSpec&) = default;
+};
+
+/// Prefill side, layer-wise: a request whose KV this step writes, so that the worker announces
+/// each layer of it as Worker::SaveKvLayer reports the layer written.
+struct LayerwiseSave {
+  std::string request_id;
+  std::string transfer_id;
+  /// All the request's blocks so far, in prompt order (block i holds tokens
+  /// [i * tokens_per_block, (i + 1) * tokens_per_block)).
+  std::vector<std::int64_t> block_ids;
+  /// This step writes the KV of prompt tokens [first_token, end_token); tokens before
+  /// first_token are already written (earlier chunks, or the prefill side's prefix cache).
+  std::int64_t first_token = 0;
+  std::int64_t end_token = 0;
+  std::int64_t prompt_tokens = 0;
+
+  friend bool operator==(const LayerwiseSave&, const LayerwiseSave&) = default;
+};
+
+/// Prefill side, layer-wise: a request that ended without a hold (aborted, failed, stopped before
+/// its length cap, preempted): its transfer fails, and readers that confirm it are refused.
+struct TransferEnd {
+  std::string transfer_id;
+  std::string reason;
+
+  friend bool operator==(const TransferEnd&, const TransferEnd&) = default;
 };
 
 /// What the scheduler hands the workers every step (DESIGN rule 3). A plain value; Encode and
@@ -76,6 +115,9 @@ struct HoldSpec {
 struct ConnectorMetadata {
   std::vector<LoadSpec> loads;
   std::vector<HoldSpec> holds;
+  /// Prefill side, layer-wise: the requests this step writes, and those that ended without KV.
+  std::vector<LayerwiseSave> saves;
+  std::vector<TransferEnd> transfer_ends;
 
   std::vector<std::uint8_t> Encode() const;
   /// Never trusts its input (bounded msgpack, like the side channel).
@@ -117,13 +159,25 @@ class Scheduler {
   /// and clears params.do_remote_prefill, so it is never loaded twice. Incomplete params
   /// (remote_block_ids, remote_engine_id, remote_host, remote_port, remote_tp_size) are
   /// InvalidArgument naming the missing fields: nothing is queued, the flag is cleared too, and
-  /// the engine should fail the request. Requests without do_remote_prefill are ignored (OK). The
-  /// scheduler keeps no reference to the span (rule 2).
+  /// the engine should fail the request. With a transfer_id the load is layer-wise and
+  /// remote_block_ids is not needed (the prefill side announces them). Requests without
+  /// do_remote_prefill are ignored (OK). The scheduler keeps no reference to the span (rule 2).
   Status UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
                                std::span<const std::int64_t> new_block_ids);
 
-  /// The loads and holds queued since the last call, for this step's workers (every TP rank
-  /// gets the same metadata); clears them. Call once per engine step (rule 3).
+  /// Prefill side, layer-wise (rule 16): the engine scheduled `num_scheduled_tokens` tokens of
+  /// a request that has `num_computed_tokens` computed, `num_prompt_tokens` in its prompt and
+  /// `block_ids` (all its blocks so far, in prompt order). When its params ask for remote decode
+  /// with a transfer_id and the step writes prompt tokens, a LayerwiseSave is queued for this
+  /// step's metadata; any other request is ignored. Call it for every scheduled request of the
+  /// step, before BuildConnectorMeta. A request whose computed tokens go back (preempted and
+  /// recomputed) fails its transfer: readers may have read blocks it no longer owns.
+  void RequestScheduled(const std::string& request_id, const KvTransferParams& params,
+                        std::span<const std::int64_t> block_ids, std::int64_t num_computed_tokens,
+                        std::int64_t num_scheduled_tokens, std::int64_t num_prompt_tokens);
+
+  /// The loads, holds and layer-wise saves queued since the last call, for this step's workers
+  /// (every TP rank gets the same metadata); clears them. Call once per engine step (rule 3).
   ConnectorMetadata BuildConnectorMeta();
 
   struct FinishedResult {
@@ -133,7 +187,10 @@ class Scheduler {
   /// When a request ends. Prefill side: a request that asked for remote decode and stopped on its
   /// length cap gets delay_free (the engine must keep `block_ids` allocated until GetFinished
   /// reports the request in `sending`) and params telling the decode side where to read them; a
-  /// hold for it is queued for the next metadata. Any other prefill request: no hold, no params.
+  /// hold for it is queued for the next metadata. Any other prefill request: no hold, no params;
+  /// a layer-wise one (with a transfer_id) queues a TransferEnd, so its readers fail at once.
+  /// Layer-wise holds carry the transfer id, and the returned params name it as
+  /// remote_request_id (so whole-request reads of them reach the same hold).
   /// Decode side: a request that ends while its params still ask for remote prefill (aborted
   /// before it was scheduled) queues a load of no blocks, whose finished notices free the prefill
   /// hold at once; no delay_free. The scheduler keeps no reference to the span (rule 4).
@@ -143,6 +200,8 @@ class Scheduler {
  private:
   SchedulerConfig config_;
   ConnectorMetadata pending_;
+  // Layer-wise requests scheduled and not finished: the prompt tokens computed so far.
+  std::map<std::string, std::int64_t> layerwise_computed_;
 };
 
 /// What to do with a load that failed.
@@ -187,6 +246,25 @@ struct WorkerConfig {
   int max_agents = 256;
   std::size_t max_queued_notices = 16384;
   LoadFailurePolicy failure_policy = LoadFailurePolicy::kRecompute;
+
+  /// Layer-wise transfer (docs/layerwise.md). Prefill side: one announcement per this many
+  /// layers written (and one after the last layer).
+  int layerwise_layers_per_notice = 1;
+  /// Decode side: a layer-wise load fails (to be recomputed) when the prefill side has not
+  /// started the request `layerwise_start_timeout` after the subscription (the prefill leg never
+  /// arrived, or waits behind a long queue), or when, once started, no announcement comes for
+  /// `layerwise_progress_timeout` (the prefill instance died or stopped); and like every load at
+  /// `transfer_timeout` from its start.
+  std::chrono::milliseconds layerwise_start_timeout{30000};
+  std::chrono::milliseconds layerwise_progress_timeout{5000};
+  /// Decode side: layer-wise loads waiting for announcements at once (each holds a thread that
+  /// sleeps between them); more wait in the load queue.
+  int layerwise_threads = 64;
+  /// Prefill side caps on what peers can make this worker keep (docs/reliability.md): transfers
+  /// subscribed to before this worker started their request, and subscribers per transfer.
+  /// Past them a subscription is refused with ResourceExhausted.
+  std::size_t max_waiting_subscriptions = 4096;
+  std::size_t max_subscribers_per_transfer = 256;
 };
 
 /// One part of one layer of a KV cache, as RegisterKvCaches takes it.
@@ -301,6 +379,16 @@ class Worker {
   /// never fails: a load that cannot even be queued ends failed, and is reported like any other.
   /// A load already running for the same request id is not started twice.
   void StartLoadKv(const ConnectorMetadata& metadata);
+  /// Prefill side, layer-wise (rule 16): the engine has written layer `layer` of every request of
+  /// the step's LayerwiseSaves (vLLM's save_kv_layer), so the worker announces it to their
+  /// subscribers (every layerwise_layers_per_notice layers, and after the last). Call it once per
+  /// layer, in layer order, from the thread that calls StartLoadKv. `stream`: the native stream
+  /// (CUstream) of the caches' device on which the layer's KV was written; the announcement then
+  /// waits for the work queued on it so far, on a worker thread, and the call never blocks. 0
+  /// when the KV is already in memory (host caches, or the engine synchronised). Never blocks on
+  /// the network. InvalidArgument for a layer out of range or a stream with host caches; a
+  /// stream whose work fails fails the step's transfers instead of announcing them.
+  Status SaveKvLayer(int layer, std::uint64_t stream = 0);
   /// What ended since the last call: `sending` (prefill) the requests whose holds ended, whose
   /// blocks the engine may now free; `receiving` (decode) the loads that ended, done or failed,
   /// each reported exactly once (rule 11). Expired holds are swept by this call.

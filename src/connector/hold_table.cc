@@ -10,10 +10,12 @@ namespace kvferry {
 HoldTable::HoldTable(HoldLimits limits, std::function<int(std::uint32_t)> expected_readers)
     : limits_(limits), expected_readers_(std::move(expected_readers)) {}
 
-void HoldTable::Hold(const std::string& id, std::chrono::milliseconds lease,
-                     Clock::time_point now) {
+void HoldTable::Hold(const std::string& request_id, std::chrono::milliseconds lease,
+                     Clock::time_point now, const std::string& key) {
+  const std::string& id = key.empty() ? request_id : key;
   if (holds_.count(id) != 0) return;
   Held& h = holds_[id];
+  h.id = request_id;
   h.expiry = now + std::min(lease, limits_.max_lease);
   auto early = early_.find(id);
   if (early == early_.end()) return;
@@ -160,18 +162,39 @@ void HoldTable::TryComplete(const std::string& id) {
   }
 }
 
+std::vector<std::string> HoldTable::TakeReleasedKeys() {
+  std::vector<std::string> out;
+  out.swap(released_keys_);
+  return out;
+}
+
+void HoldTable::Invalidate(const std::string& key) {
+  if (holds_.count(key) != 0) {
+    Release(key, &by_abort_);
+    return;
+  }
+  early_.erase(key);
+  RememberEnded(key);
+}
+
+void HoldTable::RememberEnded(const std::string& key) {
+  if (!ended_.insert(key).second) return;
+  ended_order_.push_back(key);
+  if (ended_order_.size() > 65536) {
+    ended_.erase(ended_order_.front());
+    ended_order_.pop_front();
+  }
+}
+
 void HoldTable::Release(const std::string& id, std::uint64_t* counter) {
   // A copy: callers may pass the key of the very entry erased here.
   std::string key = id;
+  auto it = holds_.find(key);
+  std::string request_id = it != holds_.end() ? std::move(it->second.id) : key;
   holds_.erase(key);
-  if (counter != &by_readers_ && ended_.insert(key).second) {
-    ended_order_.push_back(key);
-    if (ended_order_.size() > 65536) {
-      ended_.erase(ended_order_.front());
-      ended_order_.pop_front();
-    }
-  }
-  released_.push_back(std::move(key));
+  if (counter != &by_readers_) RememberEnded(key);
+  released_.push_back(std::move(request_id));
+  released_keys_.push_back(std::move(key));
   ++*counter;
 }
 

@@ -38,9 +38,16 @@ class HoldTable {
   /// read this rank's blocks of one request (at least 1).
   HoldTable(HoldLimits limits, std::function<int(std::uint32_t)> expected_readers);
 
-  /// The engine holds `id`'s blocks until its readers report or `lease` passes. Early notices
-  /// for it apply now (it may be released at once). A second Hold of a held id is ignored.
-  void Hold(const std::string& id, std::chrono::milliseconds lease, Clock::time_point now);
+  /// The engine holds `id`'s blocks until its readers report or `lease` passes. Readers' notices
+  /// name the hold by `key` (a layer-wise request's transfer id), or by `id` when `key` is
+  /// empty; TakeReleased reports `id`. Early notices for the key apply now (it may be released at
+  /// once). A second Hold of a held key is ignored.
+  void Hold(const std::string& id, std::chrono::milliseconds lease, Clock::time_point now,
+            const std::string& key = {});
+  /// The request behind `key` ended without a hold (a layer-wise request aborted or preempted
+  /// while readers read it): a finished notice naming it is answered NotFound from now on, as
+  /// for a hold ended by its lease, and early notices for it are dropped.
+  void Invalidate(const std::string& key);
 
   /// Reader `reader` (engine/dp/tp) of a decode instance with TP size `reader_tp` has read `ids`.
   /// Returns how many ids were applied; ResourceExhausted (after applying the rest) when early
@@ -60,6 +67,8 @@ class HoldTable {
 
   /// Ids whose holds ended since the last call, in the order they ended.
   std::vector<std::string> TakeReleased();
+  /// The keys of the same holds (equal to the ids but for layer-wise holds), since the last call.
+  std::vector<std::string> TakeReleasedKeys();
 
   std::size_t holds() const { return holds_.size(); }
   std::size_t early() const { return early_.size(); }
@@ -70,6 +79,7 @@ class HoldTable {
 
  private:
   struct Held {
+    std::string id;  // what TakeReleased reports
     Clock::time_point expiry;
     std::set<std::string> readers;
     int expected = -1;  // unknown until the first notice tells the readers' TP size
@@ -85,7 +95,8 @@ class HoldTable {
   // The refusal of `refused` of `total` notices of `kind` that did not fit under max_early.
   Status EarlyTableFull(const char* kind, std::size_t refused, std::size_t total) const;
   void TryComplete(const std::string& id);
-  void Release(const std::string& id, std::uint64_t* counter);
+  void Release(const std::string& key, std::uint64_t* counter);
+  void RememberEnded(const std::string& key);
 
   // Ids whose holds ended by lease or abort (not by their readers), the latest 65536: a finished
   // notice for one of them reports that the reads it confirms may have seen reused blocks.
@@ -96,6 +107,7 @@ class HoldTable {
   std::map<std::string, Held> holds_;
   std::map<std::string, Early> early_;
   std::vector<std::string> released_;
+  std::vector<std::string> released_keys_;
   std::uint64_t by_readers_ = 0;
   std::uint64_t by_abort_ = 0;
   std::uint64_t expired_ = 0;

@@ -53,6 +53,8 @@ LoadRunner::LoadRunner(const LoadRunnerContext& context)
                                             WorkQueue::OnStop::kDrop);
   transfers_ =
       std::make_unique<WorkQueue>(cfg_.transfer_threads, "kvferry-load", cfg_.max_queued_loads);
+  layerwise_ = std::make_unique<WorkQueue>(std::max(1, cfg_.layerwise_threads), "kvferry-lw",
+                                           cfg_.max_queued_loads);
   lease_thread_ = std::thread([this] { RenewLeases(); });
 }
 
@@ -61,6 +63,7 @@ LoadRunner::~LoadRunner() {
   // In this order, before any member goes: queued loads run (and fail fast, posting abort
   // notices), then the notifier flushes, then queued notices are dropped.
   transfers_.reset();
+  layerwise_.reset();
   notifier_.reset();
   background_.reset();
 }
@@ -69,15 +72,22 @@ void LoadRunner::Stop() {
   {
     MutexLock lock(mu_);
     stopping_ = true;
+    for (const auto& [id, watch] : watches_) {
+      MutexLock w(watch->mu);
+      watch->wake = true;
+      watch->cv.SignalAll();
+    }
   }
   stop_cv_.SignalAll();
   if (lease_thread_.joinable()) lease_thread_.join();
 }
 
-void LoadRunner::SetCaches(const CacheSpec& spec, const CacheAddresses& addresses) {
+void LoadRunner::SetCaches(const CacheSpec& spec, const CacheAddresses& addresses,
+                           const std::string& listener_endpoint) {
   MutexLock lock(mu_);
   spec_ = spec;
   addresses_ = addresses;
+  listener_endpoint_ = listener_endpoint;
 }
 
 void LoadRunner::Start(const std::vector<LoadSpec>& loads) {
@@ -91,7 +101,11 @@ void LoadRunner::Start(const std::vector<LoadSpec>& loads) {
     }
   }
   for (const LoadSpec& load : to_start) {
-    Status queued = transfers_->TryPost([this, load] { Run(load); });
+    // A layer-wise load sleeps between announcements: it takes a thread of its own pool, so it
+    // never keeps whole-request loads waiting.
+    WorkQueue& queue =
+        load.transfer_id.empty() || load.local_block_ids.empty() ? *transfers_ : *layerwise_;
+    Status queued = queue.TryPost([this, load] { Run(load); });
     if (!queued.ok()) {
       // Every load ends (rule 11): one that cannot even queue fails now, its blocks recomputed.
       Status s = queued.WithContext("queueing the load of request " + load.request_id);
@@ -143,6 +157,7 @@ Status LoadRunner::Abort(const std::string& request_id, const std::string& reaso
     if (it->second.aborted) return Status::Ok();
     it->second.aborted = reason;  // DoLoad submits nothing more for it from now on
     running = it->second.batches;
+    if (!it->second.spec.transfer_id.empty()) WakeWatch(it->second.spec.transfer_id);
   }
   // Cancelled outside mu_ (rule 14: no wait on I/O under a lock other requests need). DoLoad
   // drops a batch from the list only after it ended, so every batch that may still write into the
@@ -223,8 +238,7 @@ std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const
   return out;
 }
 
-Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
-  const Deadline deadline = DeadlineAfter(cfg_.transfer_timeout);
+Result<LoadRunner::LoadPlan> LoadRunner::Plan(const LoadSpec& load) {
   std::optional<CacheSpec> spec;
   std::optional<CacheAddresses> addresses;
   {
@@ -237,137 +251,176 @@ Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
     return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
   }
   KVFERRY_RETURN_IF_ERROR(CheckRemoteRanks(load.remote_tp_size, load.remote_port));
-  // Rule 8: which prefill ranks, which bytes; the tail rule for decode-side prefix hits.
+  // Rule 8: which prefill ranks, which bytes.
   KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
                            PlanTpSources(*spec, load.remote_tp_size, cfg_.tp_size, cfg_.tp_rank));
-  KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
-                           TailOfRemote(load.remote_block_ids, load.local_block_ids));
-  const std::vector<std::string> endpoints = NoticeEndpoints(load, *spec, sources);
+  std::vector<std::string> endpoints = NoticeEndpoints(load, *spec, sources);
   {
     MutexLock lock(mu_);
     KVFERRY_RETURN_IF_ERROR(AbortedLocked(load.request_id));  // aborted while queued
     auto it = loads_.find(load.request_id);
     if (it != loads_.end()) it->second.endpoints = endpoints;
   }
+  return LoadPlan{*spec, *addresses, std::move(sources), std::move(endpoints)};
+}
 
-  if (!load.local_block_ids.empty()) {
-    struct Submitted {
-      BatchId batch;
-      std::string endpoint;
-      std::shared_ptr<RemoteAgent> agent;
-    };
-    std::vector<Submitted> batches;
-    Status failure;
-    std::uint64_t bytes = 0;
-    std::uint64_t reads = 0;
-    std::uint64_t runs_total = 0;
-    for (const TpSource& source : sources) {
-      const std::string endpoint =
-          SideChannelEndpoint(load.remote_host, load.remote_port + source.prefill_rank);
-      const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
-      Result<std::shared_ptr<RemoteAgent>> agent = agents_.Get(
-          {endpoint, load.remote_engine_id, source.prefill_rank, load.remote_tp_size}, hs_deadline);
-      if (!agent.ok()) {
-        failure = agent.status();
-        break;
-      }
-      // A restarted prefill instance answers on the same endpoint under a new engine id; its
-      // blocks are not this request's.
-      if ((*agent)->metadata->agent.peer.engine_id != load.remote_engine_id) {
-        failure = Status::Unavailable("the prefill instance at " + endpoint + " is now engine " +
-                                      (*agent)->metadata->agent.peer.engine_id + ", but request " +
-                                      load.request_id + " was held by engine " +
-                                      load.remote_engine_id + ", which is gone");
-        break;
-      }
-      const CacheSpec& remote = (*agent)->metadata->cache;
-      Result<std::vector<BlockRun>> runs =
-          MergeBlockRuns(remote_ids, load.local_block_ids, remote.num_blocks(), spec->num_blocks());
-      if (!runs.ok()) {
-        failure = runs.status();
-        break;
-      }
-      if (Status layout = CheckRegionLayout(remote); !layout.ok()) {
-        failure = layout;
-        break;
-      }
-      std::vector<ReadOp> ops;
-      for (const ByteRange& r :
-           RunByteRanges(*runs, spec->num_layers(), PartBlockGeometryOf(remote, *spec), source)) {
-        const PartRegion region = RegionOfPart(remote, r.layer, r.part);
-        ops.push_back(
-            {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
-                 addresses->Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
-             static_cast<RegionId>(region.id),
-             static_cast<std::uint64_t>(region.offset + r.remote_offset),
-             static_cast<std::uint64_t>(r.length)});
-        bytes += static_cast<std::uint64_t>(r.length);
-      }
-      reads += ops.size();
-      runs_total += runs->size();
-      UniqueLock lock(mu_);
-      if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
-        failure = aborted;
-        break;
-      }
-      // Submitted under mu_ so an AbortLoad either sees this batch or ran before the check above.
-      Result<BatchId> b = transport_.SubmitReads((*agent)->peer, std::move(ops), deadline);
-      if (b.ok()) loads_.at(load.request_id).batches.push_back(*b);
-      lock.Unlock();
-      if (!b.ok()) {
-        failure = b.status();
-        if (PeerFault(failure)) agents_.Invalidate(endpoint, *agent);
-        break;
-      }
-      batches.push_back({*b, endpoint, *agent});
+Result<std::vector<LoadRunner::SourceAgent>> LoadRunner::ResolveSources(const LoadSpec& load,
+                                                                        const LoadPlan& plan,
+                                                                        Deadline deadline,
+                                                                        const char* feature) {
+  std::vector<SourceAgent> out;
+  for (const TpSource& source : plan.sources) {
+    const std::string endpoint =
+        SideChannelEndpoint(load.remote_host, load.remote_port + source.prefill_rank);
+    const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
+    KVFERRY_ASSIGN_OR_RETURN(
+        std::shared_ptr<RemoteAgent> agent,
+        agents_.Get({endpoint, load.remote_engine_id, source.prefill_rank, load.remote_tp_size},
+                    hs_deadline));
+    // A restarted prefill instance answers on the same endpoint under a new engine id; its
+    // blocks are not this request's.
+    if (agent->metadata->agent.peer.engine_id != load.remote_engine_id) {
+      return Status::Unavailable("the prefill instance at " + endpoint + " is now engine " +
+                                 agent->metadata->agent.peer.engine_id + ", but request " +
+                                 load.request_id + " was held by engine " + load.remote_engine_id +
+                                 ", which is gone");
     }
-    for (const Submitted& s : batches) {
-      if (!failure.ok()) {
-        transport_.Cancel(s.batch);
-      } else {
-        BatchResult r = transport_.Wait(s.batch, deadline + std::chrono::seconds(1));
-        if (r.state == BatchState::kInProgress) {
-          transport_.Cancel(s.batch);
-          r = {BatchState::kFailed, Status::Timeout("the read did not finish in time")};
-        }
-        if (r.state == BatchState::kCancelled) {
-          // Not cancelled by this load (an engine abort is reported as such below): another
-          // load found the peer dead and dropped it.
-          r.status = Status::PeerDisconnected("the read was stopped because its peer was dropped");
-        }
-        if (r.state != BatchState::kDone) {
-          failure = r.status.WithContext("reading from " + s.endpoint);
-          // Rule 12: a dead or restarted peer is dropped and re-handshaken on next use.
-          if (PeerFault(r.status)) agents_.Invalidate(s.endpoint, s.agent);
-        }
-      }
-      {
-        MutexLock lock(mu_);
-        std::vector<BatchId>& mine = loads_.at(load.request_id).batches;
-        mine.erase(std::remove(mine.begin(), mine.end(), s.batch), mine.end());
-        if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) failure = aborted;
-      }
-      transport_.Release(s.batch);
+    KVFERRY_RETURN_IF_ERROR(CheckRegionLayout(agent->metadata->cache));
+    if (feature != nullptr && !agent->metadata->Offers(feature)) {
+      return Status::NotSupported("the prefill worker at " + endpoint + " (engine " +
+                                  load.remote_engine_id + ") does not speak " + feature +
+                                  " transfer (an older kvferry); request " + load.request_id +
+                                  " is recomputed here: send it whole-request legs instead");
     }
-    if (!failure.ok()) return failure;
-    *moved = bytes;
-    MutexLock lock(mu_);
-    stats_.bytes_read += bytes;
-    stats_.reads += reads;
-    stats_.merged_runs += runs_total;
+    out.push_back({source, endpoint, std::move(agent)});
   }
+  return out;
+}
+
+Status LoadRunner::AddReads(const LoadPlan& plan, const SourceAgent& s,
+                            std::span<const std::int64_t> remote_ids,
+                            std::span<const std::int64_t> local_ids, int first_layer, int end_layer,
+                            PlannedBatch& batch) const {
+  const CacheSpec& remote = s.agent->metadata->cache;
+  KVFERRY_ASSIGN_OR_RETURN(
+      std::vector<BlockRun> runs,
+      MergeBlockRuns(remote_ids, local_ids, remote.num_blocks(), plan.spec.num_blocks()));
+  for (const ByteRange& r : RunByteRanges(runs, first_layer, end_layer,
+                                          PartBlockGeometryOf(remote, plan.spec), s.source)) {
+    const PartRegion region = RegionOfPart(remote, r.layer, r.part);
+    batch.ops.push_back(
+        {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
+             plan.addresses.Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
+         static_cast<RegionId>(region.id),
+         static_cast<std::uint64_t>(region.offset + r.remote_offset),
+         static_cast<std::uint64_t>(r.length)});
+    batch.bytes += static_cast<std::uint64_t>(r.length);
+  }
+  batch.runs += runs.size();
+  return Status::Ok();
+}
+
+Status LoadRunner::RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& planned,
+                              Deadline deadline, std::uint64_t* moved) {
+  struct Submitted {
+    BatchId batch;
+    const SourceAgent* from;
+  };
+  std::vector<Submitted> batches;
+  Status failure;
+  std::uint64_t bytes = 0;
+  std::uint64_t reads = 0;
+  std::uint64_t runs = 0;
+  for (PlannedBatch& p : planned) {
+    if (p.ops.empty()) continue;
+    bytes += p.bytes;
+    reads += p.ops.size();
+    runs += p.runs;
+    UniqueLock lock(mu_);
+    if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
+      failure = aborted;
+      break;
+    }
+    // Submitted under mu_ so an AbortLoad either sees this batch or ran before the check above.
+    Result<BatchId> b = transport_.SubmitReads(p.from->agent->peer, std::move(p.ops), deadline);
+    if (b.ok()) loads_.at(load.request_id).batches.push_back(*b);
+    lock.Unlock();
+    if (!b.ok()) {
+      failure = b.status();
+      if (PeerFault(failure)) agents_.Invalidate(p.from->endpoint, p.from->agent);
+      break;
+    }
+    batches.push_back({*b, p.from});
+  }
+  for (const Submitted& s : batches) {
+    if (!failure.ok()) {
+      transport_.Cancel(s.batch);
+    } else {
+      BatchResult r = transport_.Wait(s.batch, deadline + std::chrono::seconds(1));
+      if (r.state == BatchState::kInProgress) {
+        transport_.Cancel(s.batch);
+        r = {BatchState::kFailed, Status::Timeout("the read did not finish in time")};
+      }
+      if (r.state == BatchState::kCancelled) {
+        // Not cancelled by this load (an engine abort is reported as such below): another
+        // load found the peer dead and dropped it.
+        r.status = Status::PeerDisconnected("the read was stopped because its peer was dropped");
+      }
+      if (r.state != BatchState::kDone) {
+        failure = r.status.WithContext("reading from " + s.from->endpoint);
+        // Rule 12: a dead or restarted peer is dropped and re-handshaken on next use.
+        if (PeerFault(r.status)) agents_.Invalidate(s.from->endpoint, s.from->agent);
+      }
+    }
+    {
+      MutexLock lock(mu_);
+      std::vector<BatchId>& mine = loads_.at(load.request_id).batches;
+      mine.erase(std::remove(mine.begin(), mine.end(), s.batch), mine.end());
+      if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) failure = aborted;
+    }
+    transport_.Release(s.batch);
+  }
+  if (!failure.ok()) return failure;
+  *moved += bytes;
+  MutexLock lock(mu_);
+  stats_.bytes_read += bytes;
+  stats_.reads += reads;
+  stats_.merged_runs += runs;
+  return Status::Ok();
+}
+
+Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
+  const Deadline deadline = DeadlineAfter(cfg_.transfer_timeout);
+  KVFERRY_ASSIGN_OR_RETURN(LoadPlan plan, Plan(load));
+  if (!load.transfer_id.empty() && !load.local_block_ids.empty()) {
+    return DoLayerwiseLoad(load, plan, deadline, moved);
+  }
+  std::set<std::string> read_from;
+  if (!load.local_block_ids.empty()) {
+    // The tail rule for decode-side prefix hits.
+    KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
+                             TailOfRemote(load.remote_block_ids, load.local_block_ids));
+    KVFERRY_ASSIGN_OR_RETURN(std::vector<SourceAgent> agents,
+                             ResolveSources(load, plan, deadline, nullptr));
+    std::vector<PlannedBatch> batches;
+    for (const SourceAgent& a : agents) {
+      batches.push_back({&a, {}, 0, 0});
+      KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, remote_ids, load.local_block_ids, 0,
+                                       plan.spec.num_layers(), batches.back()));
+      read_from.insert(a.endpoint);
+    }
+    KVFERRY_RETURN_IF_ERROR(RunBatches(load, batches, deadline, moved));
+  }
+  return Confirm(load, plan.endpoints, read_from);
+}
+
+Status LoadRunner::Confirm(const LoadSpec& load, const std::vector<std::string>& endpoints,
+                           const std::set<std::string>& read_from) {
   // Rule 10: every prefill rank read from (and the unread ones this rank covers) is told, also
   // when there was nothing to read. A rank read from is told at once and must confirm that it
   // still held the blocks: a hold that ended by lease or abort during the reads may have had its
   // blocks reused, and bytes read then must not be used (the load fails, to be recomputed). The
   // other ranks' notices are batched.
-  std::set<std::string> read_from;
-  if (!load.local_block_ids.empty()) {
-    for (const TpSource& source : sources) {
-      read_from.insert(
-          SideChannelEndpoint(load.remote_host, load.remote_port + source.prefill_rank));
-    }
-  }
   for (const std::string& endpoint : endpoints) {
     if (read_from.count(endpoint) == 0) {
       notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout));

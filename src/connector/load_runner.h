@@ -1,8 +1,10 @@
-// The decode side's loads (rules 8 to 12): each queued load plans which prefill ranks hold which
-// bytes, reads them as one batch per rank through the data plane, tells the prefill ranks it is
+// The decode side's loads (rules 8 to 12, 16): each queued load plans which prefill ranks hold
+// which bytes, reads them as one batch per rank through the data plane (a layer-wise load: one
+// batch per rank each time the rank announces more layers written), tells the prefill ranks it is
 // done (or aborts their holds when it failed), and is reported exactly once as finished, with an
 // error when it failed. While loads run, their holds' leases are renewed. The engine can abort a
-// load. Used by the worker; the agent cache gives it the prefill ranks.
+// load. Used by the worker; the agent cache gives it the prefill ranks. load_runner.cc holds what
+// both kinds of load share and the whole-request load; layerwise_load.cc the layer-wise load.
 #pragma once
 
 #include <deque>
@@ -10,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,6 +20,7 @@
 #include "common/mutex.h"
 #include "common/work_queue.h"
 #include "connector/agent_cache.h"
+#include "connector/layerwise_plan.h"
 #include "kvferry/connector.h"
 #include "layout/block_runs.h"
 #include "layout/tp_map.h"
@@ -43,8 +47,10 @@ class LoadRunner {
   LoadRunner(const LoadRunner&) = delete;
   LoadRunner& operator=(const LoadRunner&) = delete;
 
-  /// The local caches (RegisterKvCaches), before the first load runs.
-  void SetCaches(const CacheSpec& spec, const CacheAddresses& addresses) EXCLUDES(mu_);
+  /// The local caches (RegisterKvCaches) and the worker's listener, where layer-wise progress is
+  /// pushed; before the first load runs.
+  void SetCaches(const CacheSpec& spec, const CacheAddresses& addresses,
+                 const std::string& listener_endpoint) EXCLUDES(mu_);
 
   /// Queues each load not already running. A load that cannot be queued (max_queued_loads)
   /// ends failed at once, its blocks to recompute: every load ends (rule 11).
@@ -58,6 +64,12 @@ class LoadRunner {
   std::vector<LoadTransfer> TakeTransfers() EXCLUDES(mu_);
   /// Worker::AbortLoad's contract.
   Status Abort(const std::string& request_id, const std::string& reason) EXCLUDES(mu_);
+  /// A prefill rank pushed the progress of a transfer a layer-wise load here reads: Ack 1 when
+  /// taken, Ack 0 when it is not newer than the last one taken from that rank (a duplicate, or
+  /// out of order); NotFound when no load here reads the transfer (the sender stops pushing it);
+  /// InvalidArgument, and nothing changes, when it comes from a rank the load does not read or
+  /// contradicts the load (docs/reliability.md, "Hostile input").
+  wire::Message OnProgress(const wire::Progress& progress) EXCLUDES(mu_);
   /// Its counters, in the decode fields of WorkerStats (loads, failures, bytes, reads, runs,
   /// notices dropped, loads outstanding, transfer latency); the other fields are zero.
   WorkerStats Stats() const EXCLUDES(mu_);
@@ -72,11 +84,63 @@ class LoadRunner {
     std::vector<BatchId> batches;        // submitted and not yet released
     std::optional<std::string> aborted;  // the engine's reason, once Abort was called
   };
+  // A layer-wise load's view of what its prefill ranks announced: written by OnProgress (the
+  // listener's thread), read by the load's thread, which sleeps on `cv` between announcements.
+  struct ProgressWatch {
+    Mutex mu;
+    CondVar cv;
+    std::string engine_id;
+    std::size_t local_blocks = 0;
+    std::map<int, wire::Progress> latest GUARDED_BY(mu);  // by prefill rank, the newest taken
+    bool wake GUARDED_BY(mu) = false;                     // aborted or stopping: look now
+  };
+  // One prefill rank a load reads, handshaken.
+  struct SourceAgent {
+    TpSource source;
+    std::string endpoint;
+    std::shared_ptr<RemoteAgent> agent;
+  };
+  // A batch of reads to submit to one prefill rank.
+  struct PlannedBatch {
+    const SourceAgent* from = nullptr;
+    std::vector<ReadOp> ops;
+    std::uint64_t bytes = 0;
+    std::uint64_t runs = 0;
+  };
+  // What a load needs before it reads: the caches, the plan, the ranks to notify.
+  struct LoadPlan {
+    CacheSpec spec;
+    CacheAddresses addresses;
+    std::vector<TpSource> sources;
+    std::vector<std::string> endpoints;
+  };
 
   // A load's whole life on a transfer thread. Network and batch waits: never under mu_.
   void Run(const LoadSpec& load) EXCLUDES(mu_);
   // `*bytes`: what it read, once every read has ended.
   Status DoLoad(const LoadSpec& load, std::uint64_t* bytes) EXCLUDES(mu_);
+  Status DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, Deadline deadline,
+                         std::uint64_t* bytes) EXCLUDES(mu_);
+  // The caches, the TP plan and the notice endpoints of `load`; fails for an aborted load.
+  Result<LoadPlan> Plan(const LoadSpec& load) EXCLUDES(mu_);
+  // Handshakes with (or finds cached) every prefill rank of `sources`, checking that each is the
+  // engine the load names and that its cache can be read; `feature` too when not empty.
+  Result<std::vector<SourceAgent>> ResolveSources(const LoadSpec& load, const LoadPlan& plan,
+                                                  Deadline deadline, const char* feature)
+      EXCLUDES(mu_);
+  // The reads of blocks `remote_ids` into `local_ids`, layers [first_layer, end_layer), from `s`.
+  Status AddReads(const LoadPlan& plan, const SourceAgent& s,
+                  std::span<const std::int64_t> remote_ids, std::span<const std::int64_t> local_ids,
+                  int first_layer, int end_layer, PlannedBatch& batch) const;
+  // Submits the batches (each registered with the load, so an abort cancels it), waits for all,
+  // releases them and counts what they moved; the first failure (or the engine's abort) wins.
+  Status RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& batches, Deadline deadline,
+                    std::uint64_t* bytes) EXCLUDES(mu_);
+  // Rule 10: tells every prefill rank of `endpoints` the load is done; those it read from
+  // (`read_from`) at once, awaiting their confirmation that they held the blocks throughout.
+  Status Confirm(const LoadSpec& load, const std::vector<std::string>& endpoints,
+                 const std::set<std::string>& read_from) EXCLUDES(mu_);
+  void WakeWatch(const std::string& transfer_id) REQUIRES(mu_);
   // Reports a load's end (the one place, so each ends once); `recompute` false for engine aborts.
   void EndLocked(const LoadSpec& load, const Status& s, bool recompute) REQUIRES(mu_);
   std::vector<std::string> NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
@@ -97,12 +161,15 @@ class LoadRunner {
   std::unique_ptr<sidechannel::FinishedNotifier> notifier_;
   std::unique_ptr<WorkQueue> background_;
   std::unique_ptr<WorkQueue> transfers_;  // after background_: its loads post notices there
+  std::unique_ptr<WorkQueue> layerwise_;  // layer-wise loads, which sleep between announcements
 
   mutable Mutex mu_;
   CondVar stop_cv_;
   bool stopping_ GUARDED_BY(mu_) = false;
   std::optional<CacheSpec> spec_ GUARDED_BY(mu_);
   std::optional<CacheAddresses> addresses_ GUARDED_BY(mu_);
+  std::string listener_endpoint_ GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<ProgressWatch>> watches_ GUARDED_BY(mu_);  // by transfer
   std::map<std::string, LoadState> loads_ GUARDED_BY(mu_);
   std::vector<std::string> finished_ GUARDED_BY(mu_);
   std::vector<LoadError> errors_ GUARDED_BY(mu_);

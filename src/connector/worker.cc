@@ -11,7 +11,11 @@
 #include "common/work_queue.h"
 #include "connector/agent_cache.h"
 #include "connector/hold_table.h"
+#include "connector/layer_announcer.h"
+#include "connector/layerwise_table.h"
 #include "connector/load_runner.h"
+#include "connector/progress_pusher.h"
+#include "device/device.h"
 #include "kvferry/connector.h"
 #include "layout/block_runs.h"
 #include "layout/tp_map.h"
@@ -20,14 +24,6 @@
 #include "sidechannel/notifier.h"
 
 namespace kvferry {
-
-namespace {
-
-std::string ReaderKey(const wire::PeerRef& p) {
-  return p.engine_id + "/" + std::to_string(p.dp_rank) + "/" + std::to_string(p.tp_rank);
-}
-
-}  // namespace
 
 class WorkerImpl {
  public:
@@ -45,7 +41,9 @@ class WorkerImpl {
   Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
                           const MemoryKind& memory);
   void StartLoadKv(const ConnectorMetadata& metadata) EXCLUDES(mu_);
+  Status SaveKvLayer(int layer, std::uint64_t stream) EXCLUDES(mu_);
   FinishedRequests GetFinished() EXCLUDES(mu_);
+  FinishedRequests GetFinishedLocked(std::vector<ProgressPush>& pushes) REQUIRES(mu_);
   std::vector<LoadError> TakeLoadErrors() EXCLUDES(mu_);
   std::vector<LoadTransfer> TakeLoadTransfers() { return loads_->TakeTransfers(); }
   // The load runner cancels outside any lock of the worker's.
@@ -59,15 +57,21 @@ class WorkerImpl {
 
  private:
   wire::Message Handle(const wire::Message& request) EXCLUDES(mu_);
+  wire::Message HandleLocked(const wire::Message& request, std::vector<ProgressPush>& pushes)
+      REQUIRES(mu_);
   int ExpectedReadersLocked(std::uint32_t reader_tp) const REQUIRES(mu_);
+  // Layer `entry.layer` of a step is written (status OK) or its device work failed.
+  void LayerWritten(const LayerAnnouncer::Entry& entry, const Status& status) EXCLUDES(mu_);
 
   const WorkerConfig cfg_;
   wire::PeerRef self_;
   wire::AgentIdentity identity_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<sidechannel::Client> client_;
-  std::unique_ptr<AgentCache> agents_;  // decode: the prefill ranks loads read from
-  std::unique_ptr<LoadRunner> loads_;   // decode: the loads
+  std::unique_ptr<AgentCache> agents_;         // decode: the prefill ranks loads read from
+  std::unique_ptr<LoadRunner> loads_;          // decode: the loads
+  std::unique_ptr<ProgressPusher> pusher_;     // prefill: layer-wise progress to subscribers
+  std::unique_ptr<LayerAnnouncer> announcer_;  // prefill: layers written by device work
   std::unique_ptr<sidechannel::Listener> listener_;
 
   // Prefill side: holds, and what a metadata request is answered with.
@@ -75,6 +79,11 @@ class WorkerImpl {
   std::optional<CacheSpec> spec_ GUARDED_BY(mu_);
   std::optional<wire::AgentMetadata> metadata_ GUARDED_BY(mu_);
   HoldTable holds_ GUARDED_BY(mu_);
+  // Layer-wise transfers (docs/layerwise.md): made when the caches are registered; the saves of
+  // the step StartLoadKv last began, which SaveKvLayer announces.
+  std::optional<LayerwiseTable> layerwise_ GUARDED_BY(mu_);
+  std::shared_ptr<const std::vector<LayerwiseSave>> step_saves_ GUARDED_BY(mu_);
+  MemoryKind memory_ GUARDED_BY(mu_);
   Clock::time_point last_stats_log_ GUARDED_BY(mu_) = Clock::now();
   std::map<std::string, std::uint64_t> notices_received_ GUARDED_BY(mu_);  // by message type
 };
@@ -117,6 +126,9 @@ Status Worker::RegisterKvCaches(const CacheSpec& spec,
   return impl_->RegisterKvCaches(spec, std::move(bases), memory);
 }
 void Worker::StartLoadKv(const ConnectorMetadata& metadata) { impl_->StartLoadKv(metadata); }
+Status Worker::SaveKvLayer(int layer, std::uint64_t stream) {
+  return impl_->SaveKvLayer(layer, stream);
+}
 FinishedRequests Worker::GetFinished() { return impl_->GetFinished(); }
 std::vector<LoadError> Worker::TakeLoadErrors() { return impl_->TakeLoadErrors(); }
 std::vector<LoadTransfer> Worker::TakeLoadTransfers() { return impl_->TakeLoadTransfers(); }
@@ -173,6 +185,15 @@ Status WorkerImpl::Init() {
   agents_ = std::make_unique<AgentCache>(*client_, *transport_, self_, cfg_.max_agents);
   loads_ =
       std::make_unique<LoadRunner>(LoadRunnerContext{cfg_, self_, *transport_, *client_, *agents_});
+  pusher_ = std::make_unique<ProgressPusher>(
+      *client_, ProgressPusherOptions{},
+      [this](const std::string& transfer_id, const std::string& subscriber) {
+        MutexLock lock(mu_);
+        if (layerwise_) layerwise_->Unsubscribe(transfer_id, subscriber);
+      });
+  announcer_ = std::make_unique<LayerAnnouncer>(
+      [this](const LayerAnnouncer::Entry& e, const Status& s) { LayerWritten(e, s); },
+      cfg_.transfer_timeout);
   sidechannel::ListenerOptions lo;
   lo.bind_host = cfg_.host;
   lo.base_port = cfg_.base_port;
@@ -188,9 +209,11 @@ Status WorkerImpl::Init() {
 }
 
 WorkerImpl::~WorkerImpl() {
-  listener_.reset();  // no more notices from peers
-  loads_.reset();     // stops its threads; queued loads end
-  agents_.reset();    // uses client_ and transport_
+  listener_.reset();   // no more notices from peers
+  announcer_.reset();  // no more announcements
+  pusher_.reset();
+  loads_.reset();   // stops its threads; queued loads end
+  agents_.reset();  // uses client_ and transport_
   transport_.reset();
 }
 
@@ -223,14 +246,20 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
   }
   KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> descriptor, transport_->Descriptor());
   agents_->SetLocalCache(spec);
-  loads_->SetCaches(spec, addresses);
+  loads_->SetCaches(spec, addresses, listener_->endpoint());
   MutexLock lock(mu_);
   spec_ = spec;
-  metadata_ = wire::AgentMetadata{identity_,
-                                  listener_->endpoint(),
-                                  {{kTransportKind, std::move(descriptor)}},
-                                  spec,
-                                  spec.Hash()};
+  memory_ = memory;
+  metadata_ = wire::AgentMetadata{
+      identity_, listener_->endpoint(), {{kTransportKind, std::move(descriptor)}},
+      spec,      spec.Hash(),           {wire::kFeatureLayerwise}};
+  LayerwiseLimits limits;
+  limits.num_layers = spec.num_layers();
+  limits.layers_per_notice = std::max(1, cfg_.layerwise_layers_per_notice);
+  limits.max_waiting = cfg_.max_waiting_subscriptions;
+  limits.max_subscribers = cfg_.max_subscribers_per_transfer;
+  limits.max_wait = std::max(cfg_.hold_lease, cfg_.layerwise_start_timeout);
+  layerwise_.emplace(limits, self_);
   Log().info(
       "kvferry {} worker {} tp {}/{}: registered {} layers x {} parts, {} bytes of {} memory; "
       "listening on {}",
@@ -243,7 +272,29 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
 // Prefill side: holds, readers, aborts, leases.
 
 wire::Message WorkerImpl::Handle(const wire::Message& request) {
-  MutexLock lock(mu_);
+  if (const auto* p = std::get_if<wire::Progress>(&request)) {
+    {
+      MutexLock lock(mu_);
+      ++notices_received_[wire::MessageTypeName(request)];
+    }
+    if (cfg_.role != Role::kDecode) {
+      return wire::ErrorReply{StatusCode::kInvalidArgument,
+                              "a prefill worker takes no 'progress' messages"};
+    }
+    return loads_->OnProgress(*p);  // outside mu_: the load runner has its own locks
+  }
+  std::vector<ProgressPush> pushes;
+  wire::Message reply;
+  {
+    MutexLock lock(mu_);
+    reply = HandleLocked(request, pushes);
+  }
+  if (!pushes.empty()) pusher_->Push(std::move(pushes));
+  return reply;
+}
+
+wire::Message WorkerImpl::HandleLocked(const wire::Message& request,
+                                       std::vector<ProgressPush>& pushes) {
   ++notices_received_[wire::MessageTypeName(request)];
   if (std::holds_alternative<wire::MetadataRequest>(request)) {
     if (!metadata_) {
@@ -258,6 +309,18 @@ wire::Message WorkerImpl::Handle(const wire::Message& request) {
                                 wire::MessageTypeName(request) + "' messages"};
   }
   const Clock::time_point now = Clock::now();
+  if (const auto* sub = std::get_if<wire::Subscribe>(&request)) {
+    if (!layerwise_) {
+      return wire::ErrorReply{StatusCode::kUnavailable,
+                              "this worker has not registered its KV caches yet; retry shortly"};
+    }
+    pushes = layerwise_->Expire(now);
+    Result<wire::Progress> progress = layerwise_->Subscribe(*sub, now);
+    if (!progress.ok()) {
+      return wire::ErrorReply{progress.status().code(), std::string(progress.status().message())};
+    }
+    return *progress;
+  }
   Result<std::uint32_t> count = std::uint32_t{0};
   if (const auto* f = std::get_if<wire::FinishedNotice>(&request)) {
     count = holds_.Finished(ReaderKey(f->from), f->tp_size, f->request_ids, now);
@@ -266,6 +329,9 @@ wire::Message WorkerImpl::Handle(const wire::Message& request) {
                a->request_ids.size(), a->request_ids.empty() ? "-" : a->request_ids.front(),
                a->reason);
     count = holds_.Aborted(a->request_ids, now);
+    if (layerwise_) {
+      for (const std::string& id : a->request_ids) layerwise_->Unsubscribe(id, ReaderKey(a->from));
+    }
   } else if (const auto* l = std::get_if<wire::LeaseRenewal>(&request)) {
     // Clamped to this worker's own lease: no peer can pin blocks for longer.
     count = holds_.Renew(l->request_ids, std::chrono::milliseconds(l->lease_ms), now);
@@ -287,20 +353,106 @@ int WorkerImpl::ExpectedReadersLocked(std::uint32_t reader_tp) const {
 }
 
 void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
+  std::vector<ProgressPush> pushes;
+  auto add = [&pushes](std::vector<ProgressPush> more) {
+    pushes.insert(pushes.end(), std::make_move_iterator(more.begin()),
+                  std::make_move_iterator(more.end()));
+  };
   {
     MutexLock lock(mu_);
     const Clock::time_point now = Clock::now();
     for (const HoldSpec& h : metadata.holds) {
-      holds_.Hold(h.request_id, std::chrono::milliseconds(h.lease_ms), now);
+      holds_.Hold(h.request_id, std::chrono::milliseconds(h.lease_ms), now, h.transfer_id);
+      // Held means prefilled: every layer of the prompt is written, whatever was announced.
+      if (!h.transfer_id.empty() && layerwise_) add(layerwise_->Complete(h.transfer_id));
     }
+    for (const TransferEnd& e : metadata.transfer_ends) {
+      // Before this step's forward pass may write into the freed blocks: readers that confirm
+      // from now on are refused.
+      holds_.Invalidate(e.transfer_id);
+      if (layerwise_) add(layerwise_->Fail(e.transfer_id, e.reason));
+    }
+    if (layerwise_) {
+      for (const LayerwiseSave& save : metadata.saves) add(layerwise_->Begin(save, now));
+    }
+    step_saves_ = std::make_shared<const std::vector<LayerwiseSave>>(metadata.saves);
   }
+  if (!pushes.empty()) pusher_->Push(std::move(pushes));
   loads_->Start(metadata.loads);
 }
 
+Status WorkerImpl::SaveKvLayer(int layer, std::uint64_t stream) {
+  LayerAnnouncer::Entry entry;
+  MemoryKind memory;
+  {
+    MutexLock lock(mu_);
+    memory = memory_;
+    if (!spec_) {
+      return Status::InvalidArgument("SaveKvLayer before RegisterKvCaches: no layers yet");
+    }
+    if (layer < 0 || layer >= spec_->num_layers()) {
+      return Status::InvalidArgument("SaveKvLayer: layer " + std::to_string(layer) +
+                                     " is outside the cache's 0.." +
+                                     std::to_string(spec_->num_layers() - 1));
+    }
+    if (stream != 0 && memory_.is_host()) {
+      return Status::InvalidArgument(
+          "SaveKvLayer: a stream was given, but the caches are host memory; pass 0");
+    }
+    if (step_saves_ == nullptr || step_saves_->empty()) return Status::Ok();  // nothing layer-wise
+    entry.saves = step_saves_;
+    entry.layer = layer;
+  }
+  if (stream != 0) {
+    KVFERRY_ASSIGN_OR_RETURN(device::Device * device, device::ProcessDevice(memory.ToString()));
+    KVFERRY_ASSIGN_OR_RETURN(entry.event, device->RecordEventOn(stream));
+  }
+  if (entry.event == nullptr && announcer_->Idle()) {
+    LayerWritten(entry, Status::Ok());  // nothing queued that it would overtake
+  } else {
+    announcer_->Add(std::move(entry));
+  }
+  return Status::Ok();
+}
+
+void WorkerImpl::LayerWritten(const LayerAnnouncer::Entry& entry, const Status& status) {
+  std::vector<ProgressPush> pushes;
+  {
+    MutexLock lock(mu_);
+    if (!layerwise_) return;
+    if (status.ok()) {
+      pushes = layerwise_->LayerWritten(*entry.saves, entry.layer);
+    } else {
+      Log().error("layer-wise: {}; failing the {} transfer(s) of that step", status.ToString(),
+                  entry.saves->size());
+      for (const LayerwiseSave& save : *entry.saves) {
+        std::vector<ProgressPush> more = layerwise_->Fail(save.transfer_id, status.ToString());
+        pushes.insert(pushes.end(), std::make_move_iterator(more.begin()),
+                      std::make_move_iterator(more.end()));
+      }
+    }
+  }
+  if (!pushes.empty()) pusher_->Push(std::move(pushes));
+}
+
 FinishedRequests WorkerImpl::GetFinished() {
-  MutexLock lock(mu_);
+  std::vector<ProgressPush> pushes;
+  FinishedRequests out;
+  {
+    MutexLock lock(mu_);
+    out = GetFinishedLocked(pushes);
+  }
+  if (!pushes.empty()) pusher_->Push(std::move(pushes));
+  return out;
+}
+
+FinishedRequests WorkerImpl::GetFinishedLocked(std::vector<ProgressPush>& pushes) {
   const Clock::time_point now = Clock::now();
   holds_.Expire(now);
+  for (const std::string& key : holds_.TakeReleasedKeys()) {
+    if (layerwise_) layerwise_->Remove(key);
+  }
+  if (layerwise_) pushes = layerwise_->Expire(now);
   if (now - last_stats_log_ > std::chrono::seconds(30)) {
     last_stats_log_ = now;
     const WorkerStats l = loads_->Stats();

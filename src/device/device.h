@@ -118,6 +118,9 @@ class Stream {
   virtual Status CopyDeviceToDevice(DeviceAddress dst, DeviceAddress src, std::uint64_t size) = 0;
   /// An event that completes when every copy enqueued so far has.
   virtual Result<std::unique_ptr<Event>> RecordEvent() = 0;
+  /// The device's own name for this stream (cuda: its CUstream), which Device::RecordEventOn
+  /// takes; valid while the stream lives.
+  virtual std::uint64_t native_handle() const = 0;
 };
 
 /// One device (a GPU, an NPU, a simulated device). Thread-safe. Objects it returns (allocations,
@@ -147,6 +150,12 @@ class Device {
   virtual Result<std::unique_ptr<ImportedMemory>> ImportIpc(const IpcHandle& handle) = 0;
 
   virtual Result<std::unique_ptr<Stream>> CreateStream() = 0;
+  /// An event that completes when the work queued so far on the stream `native_stream` has: a
+  /// stream the engine made itself (cuda: a CUstream of this device's primary context, such as
+  /// torch's current stream), or one of this device's Streams by its native_handle(). The stream
+  /// must live until the call returns. InvalidArgument for a stream this device does not know
+  /// (sim), or the driver's refusal (cuda).
+  virtual Result<std::unique_ptr<Event>> RecordEventOn(std::uint64_t native_stream) = 0;
 };
 
 /// Whether this build has a device implementation called `type` ("sim", "cuda"); whether a

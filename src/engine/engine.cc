@@ -126,6 +126,7 @@ Status Instance::Init() {
     w.transport.backend_options = c.transport_options;
     w.transport.shm_permit_any_tracer = c.shm_permit_any_tracer;
     w.hold_lease = c.hold_lease;
+    w.layerwise_layers_per_notice = c.layers_per_notice;
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));
     KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(spec, bases, kind));
     specs_.push_back(spec);
@@ -287,15 +288,20 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
     if (!blocks.ok()) break;  // wait for holds to end
     r.scheduled = Clock::now();
     r.blocks = std::move(blocks).value();
-    if (Status s = Compute(r, 0, static_cast<std::int64_t>(need)); !s.ok()) {
+    const bool layerwise = r.request.params.do_remote_decode && r.request.params.transfer_id;
+    Status s = layerwise ? ComputeLayerwise(r) : Compute(r, 0, static_cast<std::int64_t>(need));
+    if (!s.ok()) {
       r.result.status = s;
+      // Ends its transfer too: the blocks go back now.
+      (void)scheduler_->RequestFinished(r.request.request_id, r.request.params,
+                                        FinishReason::kError, r.blocks);
       FreeBlocks(r.blocks);
       ++failed_;
       out.push_back(r.result);
       waiting_.pop_front();
       continue;
     }
-    if (config_.compute_per_token.count() > 0) {
+    if (!layerwise && config_.compute_per_token.count() > 0) {
       std::this_thread::sleep_for(config_.compute_per_token * r.request.prompt.size());
     }
     const Clock::time_point computed = Clock::now();
@@ -439,7 +445,9 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
         load_errors_.erase(err);
       }
       Status verify;
+      const Clock::time_point step = Clock::now();
       r.result.verified_bytes = Verify(r, 0, static_cast<std::int64_t>(r.blocks.size()), &verify);
+      r.result.first_step_ms = Ms(step, Clock::now());
       r.result.status = verify;
       if (verify.ok()) {
         ++done_;

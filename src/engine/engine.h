@@ -61,6 +61,13 @@ struct InstanceConfig {
   CacheSpecOptions model;
   std::chrono::milliseconds hold_lease{30000};
   std::chrono::microseconds compute_per_token{0};  ///< simulated prefill compute
+  /// Prefill: a layer-wise request (params with a transfer_id) is computed a layer at a time, each
+  /// layer a share of compute_per_token and then its KV, announced with Worker::SaveKvLayer.
+  /// Its prompt is computed in chunks of this many tokens (0: all at once), each chunk a step of
+  /// its own as far as the connector sees it (vLLM's chunked prefill).
+  std::int64_t prefill_chunk_tokens = 0;
+  /// WorkerConfig::layerwise_layers_per_notice of every worker.
+  int layers_per_notice = 1;
   /// Where the KV caches are: "host", or a device of this process ("sim:0", "cuda:0"; "sim" is
   /// "sim:0"; docs/device.md) holding every rank's caches. With a device the engine computes into a
   /// host mirror and copies the blocks up, and copies them back down to verify them.
@@ -86,6 +93,9 @@ struct EngineResult {
   double queue_ms = 0;    ///< submitted to scheduled
   double compute_ms = 0;  ///< prefill compute
   double load_ms = 0;     ///< decode: load started to finished
+  /// decode: the engine's first step after the load, here the verification of every byte (what
+  /// a real engine's first decode step costs is in its place in TTFT).
+  double first_step_ms = 0;
   /// decode, a load that ended done: what the connector read for it (every rank) and how long
   /// its transfer took in the connector (the slowest rank's; Worker::TakeLoadTransfers).
   std::uint64_t transfer_bytes = 0;
@@ -160,12 +170,23 @@ class Instance {
     std::uint64_t seed = 0;
     bool past_prompt = false;
   };
+  // Layers [first, end) of a cache; All() is every layer.
+  struct Layers {
+    int first = 0;
+    int end = 1 << 30;
+    static Layers All() { return {}; }
+  };
   template <typename Fn>
-  bool ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Fn&& fn);
+  bool ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Layers layers, Fn&& fn);
   Status Compute(const Running& r, std::int64_t first_block_index, std::int64_t count);
   // Device memory: blocks [first, first + count) of `r` on every rank, host mirror -> device
   // (`up`) or back; waits for the copies.
   Status CopyBlocks(const Running& r, std::int64_t first, std::int64_t count, bool up);
+  // The same without waiting, for `layers` only: the copies are queued on stream_.
+  Status EnqueueCopies(const Running& r, std::int64_t first, std::int64_t count, bool up,
+                       Layers layers);
+  // Prefill of a layer-wise request: chunk by chunk, layer by layer, each layer announced.
+  Status ComputeLayerwise(const Running& r);
   std::uint64_t Verify(const Running& r, std::int64_t first_block_index, std::int64_t count,
                        Status* status);
   void FreeBlocks(const std::vector<std::int64_t>& blocks);

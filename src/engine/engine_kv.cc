@@ -1,7 +1,9 @@
 // The KV the reference engine computes and verifies: every element a function of the token
 // prefix, layer, part and model-wide head, so the decode side can check every byte it received.
 // With device memory, blocks are copied up after computing and down before verifying.
+#include <algorithm>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "common/clock.h"
@@ -68,7 +70,8 @@ void FillRow(std::uint8_t* out, std::uint64_t seed, std::int64_t dim, std::int64
 // of a request: `dim` elements of `esize` bytes whose values derive from the token prefix at
 // that slot, the layer, the part and the model-wide head. `fn` returns false to stop.
 template <typename Fn>
-bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Fn&& fn) {
+bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Layers layers,
+                          Fn&& fn) {
   const std::int64_t tpb = config_.model.tokens_per_block;
   for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
     const CacheSpec& spec = specs_[rank];
@@ -78,7 +81,7 @@ bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t cou
     for (std::int64_t bi = first; bi < first + count; ++bi) {
       row.block_index = bi;
       const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
-      for (int l = 0; l < spec.num_layers(); ++l) {
+      for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
         for (int p = 0; p < spec.num_parts(); ++p) {
           row.layer = l;
           row.part = p;
@@ -119,19 +122,66 @@ bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t cou
 
 // Writes the KV of the prompt's tokens in blocks [first, first + count) on every rank.
 Status Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
-  ForEachRow(r, first, count, [](const KvRow& row) {
+  ForEachRow(r, first, count, Layers::All(), [](const KvRow& row) {
     FillRow(row.data, row.seed, row.dim, row.esize);
     return true;
   });
   return device_ == nullptr ? Status::Ok() : CopyBlocks(r, first, count, /*up=*/true);
 }
 
+Status Instance::ComputeLayerwise(const Running& r) {
+  const auto prompt = static_cast<std::int64_t>(r.request.prompt.size());
+  const std::int64_t tpb = config_.model.tokens_per_block;
+  const std::int64_t chunk =
+      config_.prefill_chunk_tokens > 0 ? config_.prefill_chunk_tokens : prompt;
+  const int layers = specs_.front().num_layers();
+  for (std::int64_t begin = 0; begin < prompt; begin += chunk) {
+    const std::int64_t end = std::min(prompt, begin + chunk);
+    // What vLLM's scheduler side does each step, then its workers' start of the step.
+    scheduler_->RequestScheduled(r.request.request_id, r.request.params, r.blocks, begin,
+                                 end - begin, prompt);
+    const ConnectorMetadata meta = scheduler_->BuildConnectorMeta();
+    for (auto& w : workers_) w->StartLoadKv(meta);
+    const std::int64_t first_block = begin / tpb;
+    const std::int64_t blocks = (end + tpb - 1) / tpb - first_block;
+    const auto per_layer = config_.compute_per_token * (end - begin) / layers;
+    for (int l = 0; l < layers; ++l) {
+      if (per_layer.count() > 0) std::this_thread::sleep_for(per_layer);
+      ForEachRow(r, first_block, blocks, Layers{l, l + 1}, [](const KvRow& row) {
+        FillRow(row.data, row.seed, row.dim, row.esize);
+        return true;
+      });
+      std::uint64_t stream = 0;
+      if (device_ != nullptr) {
+        // The layer goes up on the engine's stream; the connector announces it once the stream
+        // has done it, and the engine computes the next layer meanwhile.
+        KVFERRY_RETURN_IF_ERROR(EnqueueCopies(r, first_block, blocks, /*up=*/true, {l, l + 1}));
+        stream = stream_->native_handle();
+      }
+      for (auto& w : workers_) KVFERRY_RETURN_IF_ERROR(w->SaveKvLayer(l, stream));
+    }
+  }
+  if (device_ == nullptr) return Status::Ok();
+  // vLLM's wait_for_save: the step's device work is done before the request finishes.
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> done, stream_->RecordEvent());
+  return done->Wait(DeadlineAfter(std::chrono::seconds(30)))
+      .WithContext("copying KV blocks to " + device_->name());
+}
+
 Status Instance::CopyBlocks(const Running& r, std::int64_t first, std::int64_t count, bool up) {
+  KVFERRY_RETURN_IF_ERROR(EnqueueCopies(r, first, count, up, Layers::All()));
+  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> done, stream_->RecordEvent());
+  return done->Wait(DeadlineAfter(std::chrono::seconds(30)))
+      .WithContext(std::string("copying KV blocks ") + (up ? "to " : "from ") + device_->name());
+}
+
+Status Instance::EnqueueCopies(const Running& r, std::int64_t first, std::int64_t count, bool up,
+                               Layers layers) {
   for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
     const CacheSpec& spec = specs_[rank];
     for (std::int64_t bi = first; bi < first + count; ++bi) {
       const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
-      for (int l = 0; l < spec.num_layers(); ++l) {
+      for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
         for (int p = 0; p < spec.num_parts(); ++p) {
           const auto i = static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
                          static_cast<std::size_t>(p);
@@ -145,9 +195,7 @@ Status Instance::CopyBlocks(const Running& r, std::int64_t first, std::int64_t c
       }
     }
   }
-  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> done, stream_->RecordEvent());
-  return done->Wait(DeadlineAfter(std::chrono::seconds(30)))
-      .WithContext(std::string("copying KV blocks ") + (up ? "to " : "from ") + device_->name());
+  return Status::Ok();
 }
 
 // Checks blocks [first, first + count) on every rank against what Compute wrote; returns the
@@ -163,7 +211,7 @@ std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_
     }
   }
   std::vector<std::uint8_t> expect;
-  ForEachRow(r, first, count, [&](const KvRow& row) {
+  ForEachRow(r, first, count, Layers::All(), [&](const KvRow& row) {
     if (row.past_prompt) return true;  // slots past the prompt are never read
     const auto row_bytes = static_cast<std::size_t>(row.dim * row.esize);
     if (expect.size() < row_bytes) expect.resize(row_bytes);

@@ -150,8 +150,14 @@ std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_lay
 std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
                                      std::span<const PartBlockGeometry> blocks,
                                      const TpSource& source) {
+  return RunByteRanges(runs, 0, num_layers, blocks, source);
+}
+
+std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int first_layer, int end_layer,
+                                     std::span<const PartBlockGeometry> blocks,
+                                     const TpSource& source) {
   std::vector<ByteRange> out;
-  for (int layer = 0; layer < num_layers; ++layer) {
+  for (int layer = first_layer; layer < end_layer; ++layer) {
     for (std::size_t p = 0; p < blocks.size(); ++p) {
       const BlockSlice& slice = source.part_slices[p];
       const PartBlockGeometry& bb = blocks[p];

@@ -74,6 +74,10 @@ std::vector<PartBlockGeometry> PartBlockGeometryOf(const CacheSpec& remote, cons
 std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int num_layers,
                                      std::span<const PartBlockGeometry> blocks,
                                      const TpSource& source);
+/// The same for layers [first_layer, end_layer) only (layer-wise reads).
+std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int first_layer, int end_layer,
+                                     std::span<const PartBlockGeometry> blocks,
+                                     const TpSource& source);
 
 /// How one worker's cache is named in its transport (docs/transport.md, "Region ids"). Packed
 /// parts (every stride equal to its block size): one region per layer and part, id

@@ -167,7 +167,9 @@ void Listener::HandleIncoming() {
   const bool is_request = std::holds_alternative<wire::MetadataRequest>(*msg) ||
                           std::holds_alternative<wire::FinishedNotice>(*msg) ||
                           std::holds_alternative<wire::AbortNotice>(*msg) ||
-                          std::holds_alternative<wire::LeaseRenewal>(*msg);
+                          std::holds_alternative<wire::LeaseRenewal>(*msg) ||
+                          std::holds_alternative<wire::Subscribe>(*msg) ||
+                          std::holds_alternative<wire::Progress>(*msg);
   if (!is_request) {
     Refuse(identity, auth->nonce,
            Status::InvalidArgument(std::string("a listener does not accept '") +

@@ -46,7 +46,8 @@ struct ListenerOptions {
 int ListenerPort(const ListenerOptions& options);
 
 /// Runs on the handler thread for every authenticated, well-formed request (metadata_request,
-/// finished, abort, lease) and returns the reply (agent_metadata, ack or error).
+/// finished, abort, lease, subscribe, progress) and returns the reply (agent_metadata, progress,
+/// ack or error).
 using RequestHandler = std::function<wire::Message(const wire::Message& request)>;
 
 struct ListenerStats {

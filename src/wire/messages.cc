@@ -101,7 +101,7 @@ struct EncodeVisitor {
   }
   void operator()(const AgentMetadata& m) const {
     const AgentIdentity& a = m.agent;
-    PackHeader(pk, "agent_metadata", 5);
+    PackHeader(pk, "agent_metadata", 5 + (m.features.empty() ? 0 : 1));
     PackKey(pk, "agent");
     pk.pack_map(6 + (a.super_pod_id ? 1 : 0) + (a.super_device_id ? 1 : 0));
     PackKey(pk, "peer");
@@ -143,6 +143,10 @@ struct EncodeVisitor {
     pk.pack_bin(static_cast<std::uint32_t>(m.cache_hash.size()));
     pk.pack_bin_body(reinterpret_cast<const char*>(m.cache_hash.data()),
                      static_cast<std::uint32_t>(m.cache_hash.size()));
+    if (!m.features.empty()) {
+      PackKey(pk, "features");
+      PackStrList(pk, m.features);
+    }
   }
   void operator()(const FinishedNotice& m) const {
     PackHeader(pk, "finished", 3);
@@ -170,6 +174,42 @@ struct EncodeVisitor {
     PackStrList(pk, m.request_ids);
     PackKey(pk, "lease_ms");
     pk.pack_uint32(m.lease_ms);
+  }
+  void operator()(const Subscribe& m) const {
+    PackHeader(pk, "subscribe", 5);
+    PackKey(pk, "from");
+    PackPeer(pk, m.from);
+    PackKey(pk, "transfer_id");
+    PackStr(pk, m.transfer_id);
+    PackKey(pk, "tp_size");
+    pk.pack_uint32(m.tp_size);
+    PackKey(pk, "endpoint");
+    PackStr(pk, m.endpoint);
+    PackKey(pk, "wait_ms");
+    pk.pack_uint32(m.wait_ms);
+  }
+  void operator()(const Progress& m) const {
+    PackHeader(pk, "progress", 10);
+    PackKey(pk, "from");
+    PackPeer(pk, m.from);
+    PackKey(pk, "transfer_id");
+    PackStr(pk, m.transfer_id);
+    PackKey(pk, "seq");
+    pk.pack_uint64(m.seq);
+    PackKey(pk, "state");
+    pk.pack_uint8(static_cast<std::uint8_t>(m.state));
+    PackKey(pk, "reason");
+    PackStr(pk, m.reason);
+    PackKey(pk, "prompt_tokens");
+    pk.pack_uint64(m.prompt_tokens);
+    PackKey(pk, "tokens_all");
+    pk.pack_uint64(m.tokens_all);
+    PackKey(pk, "tokens_cur");
+    pk.pack_uint64(m.tokens_cur);
+    PackKey(pk, "layers_cur");
+    pk.pack_uint32(m.layers_cur);
+    PackKey(pk, "block_ids");
+    PackInts(pk, m.block_ids);
   }
   void operator()(const Ack& m) const {
     PackHeader(pk, "ack", 1);
@@ -330,8 +370,55 @@ Result<Message> DecodeAgentMetadata(const MapView& m) {
                                    ": does not match the cache spec it came with (" +
                                    cache.CanonicalText() + ")");
   }
+  std::vector<std::string> features;
+  if (m.Find("features") != nullptr) {
+    KVFERRY_ASSIGN_OR_RETURN(features, m.StrList("features", kMaxFeatures, kMaxIdBytes));
+  }
   return Message{AgentMetadata{std::move(agent), std::move(endpoint), std::move(transports),
-                               std::move(cache), cache_hash}};
+                               std::move(cache), cache_hash, std::move(features)}};
+}
+
+Result<Message> DecodeSubscribe(const MapView& m) {
+  Subscribe s;
+  KVFERRY_ASSIGN_OR_RETURN(s.from, DecodePeer(m, "from"));
+  KVFERRY_ASSIGN_OR_RETURN(s.transfer_id, m.Str("transfer_id", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", kMaxTpSize));
+  if (tp_size == 0 || s.from.tp_rank >= tp_size) {
+    return Status::InvalidArgument(m.At("tp_size") + ": expected from.tp_rank " +
+                                   std::to_string(s.from.tp_rank) + " < tp_size, found " +
+                                   std::to_string(tp_size));
+  }
+  s.tp_size = static_cast<std::uint32_t>(tp_size);
+  KVFERRY_ASSIGN_OR_RETURN(s.endpoint, m.Str("endpoint", kMaxTextBytes));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t wait_ms, m.Uint("wait_ms", kMaxU32));
+  s.wait_ms = static_cast<std::uint32_t>(wait_ms);
+  return Message{std::move(s)};
+}
+
+Result<Message> DecodeProgress(const MapView& m) {
+  Progress p;
+  KVFERRY_ASSIGN_OR_RETURN(p.from, DecodePeer(m, "from"));
+  KVFERRY_ASSIGN_OR_RETURN(p.transfer_id, m.Str("transfer_id", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(p.seq, m.Uint("seq", kMaxI64));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t state, m.Uint("state", 2));
+  p.state = static_cast<Progress::State>(state);
+  KVFERRY_ASSIGN_OR_RETURN(p.reason, m.Str("reason", kMaxTextBytes));
+  // Token counts are bounded by what a prompt of kMaxProgressBlocks blocks of any size could be;
+  // the reader checks them against its own cache.
+  KVFERRY_ASSIGN_OR_RETURN(p.prompt_tokens, m.Uint("prompt_tokens", kMaxI64));
+  KVFERRY_ASSIGN_OR_RETURN(p.tokens_all, m.Uint("tokens_all", kMaxI64));
+  KVFERRY_ASSIGN_OR_RETURN(p.tokens_cur, m.Uint("tokens_cur", kMaxI64));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t layers_cur, m.Uint("layers_cur", kMaxLayers));
+  p.layers_cur = static_cast<std::uint32_t>(layers_cur);
+  KVFERRY_RETURN_IF_ERROR(m.Require("block_ids").status());
+  KVFERRY_ASSIGN_OR_RETURN(p.block_ids, OptionalInts(m, "block_ids", kMaxProgressBlocks));
+  if (p.tokens_all > p.tokens_cur || (p.prompt_tokens > 0 && p.tokens_cur > p.prompt_tokens)) {
+    return Status::InvalidArgument(
+        m.path() + ": expected tokens_all <= tokens_cur <= prompt_tokens, found " +
+        std::to_string(p.tokens_all) + ", " + std::to_string(p.tokens_cur) + ", " +
+        std::to_string(p.prompt_tokens));
+  }
+  return Message{std::move(p)};
 }
 
 Result<Message> DecodeBody(const MapView& m, std::string_view type) {
@@ -362,6 +449,8 @@ Result<Message> DecodeBody(const MapView& m, std::string_view type) {
     return Message{
         LeaseRenewal{std::move(from), std::move(ids), static_cast<std::uint32_t>(lease_ms)}};
   }
+  if (type == "subscribe") return DecodeSubscribe(m);
+  if (type == "progress") return DecodeProgress(m);
   if (type == "ack") {
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t count, m.Uint("count", kMaxU32));
     return Message{Ack{static_cast<std::uint32_t>(count)}};
@@ -376,14 +465,19 @@ Result<Message> DecodeBody(const MapView& m, std::string_view type) {
   }
   return Status::InvalidArgument("message type '" + std::string(type.substr(0, 64)) +
                                  "' is unknown: expected metadata_request, agent_metadata, "
-                                 "finished, abort, lease, ack or error");
+                                 "finished, abort, lease, subscribe, progress, ack or error");
 }
 
 }  // namespace
 
+bool AgentMetadata::Offers(std::string_view feature) const {
+  return std::find(features.begin(), features.end(), feature) != features.end();
+}
+
 const char* MessageTypeName(const Message& message) {
   static constexpr const char* kNames[] = {
-      "metadata_request", "agent_metadata", "finished", "abort", "lease", "ack", "error"};
+      "metadata_request", "agent_metadata", "finished", "abort", "lease", "ack", "error",
+      "subscribe",        "progress"};
   return kNames[message.index()];
 }
 

@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -30,6 +31,13 @@ inline constexpr std::size_t kMaxTransports = 16;
 inline constexpr std::size_t kMaxDescriptorBytes = 64u << 10;
 inline constexpr std::size_t kMaxLayers = 4096;
 inline constexpr std::size_t kMaxDepth = 6;
+inline constexpr std::size_t kMaxFeatures = 16;
+/// Block ids one progress message may carry: a prompt of up to 1,048,576 tokens at 16 per block.
+inline constexpr std::size_t kMaxProgressBlocks = 65536;
+
+/// Features a worker offers in its AgentMetadata (docs/protocol.md, "Features"). A peer uses a
+/// feature's messages only with workers that offer it.
+inline constexpr const char* kFeatureLayerwise = "layerwise";
 
 /// Who sent a message: an engine instance and the worker's place in it.
 struct PeerRef {
@@ -78,7 +86,11 @@ struct AgentMetadata {
   std::vector<TransportDescriptor> transports;
   CacheSpec cache;
   CompatibilityHash cache_hash{};
+  /// What the sender speaks beyond the messages every version-1 peer does (kFeatureLayerwise).
+  /// Optional on the wire: absent, as from an older peer, is none.
+  std::vector<std::string> features;
 
+  bool Offers(std::string_view feature) const;
   friend bool operator==(const AgentMetadata&, const AgentMetadata&) = default;
 };
 
@@ -125,8 +137,55 @@ struct ErrorReply {
   friend bool operator==(const ErrorReply&, const ErrorReply&) = default;
 };
 
+/// Type "subscribe" (feature "layerwise"): a decode worker will read transfer `transfer_id` from
+/// the receiver as its KV is written, and asks to be told of its progress at `endpoint`. The
+/// reply is a Progress with what has been written so far (state kWaiting when the receiver has
+/// not started the request yet: it then keeps the subscription for up to `wait_ms`).
+struct Subscribe {
+  PeerRef from;
+  std::string transfer_id;
+  /// The reader's TP size; from.tp_rank < tp_size.
+  std::uint32_t tp_size = 1;
+  /// The reader's listener, where progress is pushed ("tcp://host:port").
+  std::string endpoint;
+  std::uint32_t wait_ms = 0;
+
+  friend bool operator==(const Subscribe&, const Subscribe&) = default;
+};
+
+/// Type "progress" (feature "layerwise"): how far prefill rank `from` has written the KV of
+/// transfer `transfer_id`, pushed to each subscriber as layers are written and sent as the reply
+/// to a subscribe. Cumulative: each one supersedes every earlier one (a receiver ignores one
+/// whose `seq` is not above the last it took), so a lost one is healed by the next.
+struct Progress {
+  enum class State : std::uint8_t {
+    kWaiting = 0,  ///< the receiver has not started the request yet
+    kRunning = 1,  ///< written as the token and layer fields say
+    kFailed = 2,   ///< ended without its KV (aborted, preempted): `reason` says why
+  };
+  PeerRef from;
+  std::string transfer_id;
+  std::uint64_t seq = 0;
+  State state = State::kWaiting;
+  std::string reason;
+  /// The request's prompt length; 0 while waiting.
+  std::uint64_t prompt_tokens = 0;
+  /// Every layer holds the KV of prompt tokens [0, tokens_all); layers [0, layers_cur) also
+  /// hold [tokens_all, tokens_cur). tokens_all <= tokens_cur <= prompt_tokens. The transfer is
+  /// complete when tokens_all == prompt_tokens > 0.
+  std::uint64_t tokens_all = 0;
+  std::uint64_t tokens_cur = 0;
+  std::uint32_t layers_cur = 0;
+  /// The request's blocks on the sender in prompt order: at least the ones holding tokens
+  /// [0, tokens_cur).
+  std::vector<std::int64_t> block_ids;
+
+  bool complete() const { return prompt_tokens > 0 && tokens_all == prompt_tokens; }
+  friend bool operator==(const Progress&, const Progress&) = default;
+};
+
 using Message = std::variant<MetadataRequest, AgentMetadata, FinishedNotice, AbortNotice,
-                             LeaseRenewal, Ack, ErrorReply>;
+                             LeaseRenewal, Ack, ErrorReply, Subscribe, Progress>;
 
 /// The type name written in "t" for a message.
 const char* MessageTypeName(const Message& message);

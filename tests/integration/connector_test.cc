@@ -434,7 +434,7 @@ TEST(ConnectorTest, PrefillRankWaitsForAllItsReaders) {
   // Now the second reader, decode rank 1, reads the same blocks, which are still intact.
   ConnectorMetadata meta;
   meta.loads.push_back({"req-a", decode.LocalBlocks("req-a"), params.blocks, "prefill-0",
-                        "127.0.0.1", params.port, params.tp, "req-a"});
+                        "127.0.0.1", params.port, params.tp, "req-a", ""});
   decode.worker(1).StartLoadKv(meta);
   ASSERT_TRUE(decode.WaitReceived("req-a", {0, 1}, milliseconds(10000)));
   EXPECT_EQ(decode.Mismatches("req-a"), 0);

@@ -32,7 +32,8 @@ wire::AgentMetadata SampleMetadata() {
                              "tcp://127.0.0.1:1",
                              {{"tcp", {1, 2, 3}}},
                              cache,
-                             cache.Hash()};
+                             cache.Hash(),
+                             {}};
 }
 
 // Records what the handler saw; answers metadata requests with SampleMetadata and notices with

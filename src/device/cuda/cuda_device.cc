@@ -107,6 +107,21 @@ class CudaEvent final : public Event {
   cu::CUevent e_;
 };
 
+// An event recorded on `stream` now, in context `c`.
+Result<std::unique_ptr<Event>> RecordCudaEvent(const CudaCtx& c, cu::CUstream stream) {
+  KVFERRY_RETURN_IF_ERROR(c.MakeCurrent());
+  cu::CUevent e = nullptr;
+  if (const auto r = c.driver->cuEventCreate(&e, cu::kEventDisableTiming); r != cu::CUDA_SUCCESS) {
+    return Status::ResourceExhausted(c.driver->Describe("cuEventCreate", r));
+  }
+  auto event = std::make_unique<CudaEvent>(c, e);
+  if (const auto r = c.driver->cuEventRecord(e, stream); r != cu::CUDA_SUCCESS) {
+    return Status::InvalidArgument(c.driver->Describe("cuEventRecord", r) +
+                                   ": expected a live stream of this device's primary context");
+  }
+  return std::unique_ptr<Event>(std::move(event));
+}
+
 class CudaStream final : public Stream {
  public:
   CudaStream(CudaCtx c, cu::CUstream s) : c_(std::move(c)), s_(s) {}
@@ -126,15 +141,8 @@ class CudaStream final : public Stream {
     KVFERRY_RETURN_IF_ERROR(c_.MakeCurrent());
     return Check("cuMemcpyDtoDAsync", c_.driver->cuMemcpyDtoDAsync_v2(dst, src, size, s_));
   }
-  Result<std::unique_ptr<Event>> RecordEvent() override {
-    KVFERRY_RETURN_IF_ERROR(c_.MakeCurrent());
-    cu::CUevent e = nullptr;
-    KVFERRY_RETURN_IF_ERROR(
-        Check("cuEventCreate", c_.driver->cuEventCreate(&e, cu::kEventDisableTiming)));
-    auto event = std::make_unique<CudaEvent>(c_, e);
-    KVFERRY_RETURN_IF_ERROR(Check("cuEventRecord", c_.driver->cuEventRecord(e, s_)));
-    return std::unique_ptr<Event>(std::move(event));
-  }
+  Result<std::unique_ptr<Event>> RecordEvent() override { return RecordCudaEvent(c_, s_); }
+  std::uint64_t native_handle() const override { return reinterpret_cast<std::uint64_t>(s_); }
 
  private:
   Status Check(const char* call, cu::CUresult r) const {
@@ -283,6 +291,11 @@ Result<std::unique_ptr<Stream>> CudaDevice::CreateStream() {
     return Status::ResourceExhausted(name_ + ": " + driver_->Describe("cuStreamCreate", r));
   }
   return std::unique_ptr<Stream>(new CudaStream(CudaCtx{driver_, ctx_}, s));
+}
+
+Result<std::unique_ptr<Event>> CudaDevice::RecordEventOn(std::uint64_t native_stream) {
+  return RecordCudaEvent(CudaCtx{driver_, ctx_},
+                         reinterpret_cast<cu::CUstream>(native_stream));  // NOLINT
 }
 
 }  // namespace kvferry::device

@@ -42,6 +42,9 @@ class CudaDevice final : public Device {
   Result<std::unique_ptr<ImportedMemory>> ImportIpc(const IpcHandle& handle) override;
   /// cuStreamCreate(CU_STREAM_NON_BLOCKING).
   Result<std::unique_ptr<Stream>> CreateStream() override;
+  /// cuEventRecord on the CUstream `native_stream` (which must belong to this device's primary
+  /// context: torch's streams do).
+  Result<std::unique_ptr<Event>> RecordEventOn(std::uint64_t native_stream) override;
 
  private:
   CudaDevice(std::shared_ptr<const CudaDriver> driver, int index, cu::CUdevice dev,

@@ -144,6 +144,27 @@ void SimTable::ResetPinnedPeak() {
   pinned_peak_ = pinned_;
 }
 
+void SimTable::AddStream(std::uint64_t handle, Stream* stream) {
+  MutexLock lock(mu_);
+  streams_[handle] = stream;
+}
+
+void SimTable::RemoveStream(std::uint64_t handle) {
+  MutexLock lock(mu_);
+  streams_.erase(handle);
+}
+
+Result<std::unique_ptr<Event>> SimTable::RecordOn(std::uint64_t handle) {
+  MutexLock lock(mu_);
+  auto it = streams_.find(handle);
+  if (it == streams_.end()) {
+    return Status::InvalidArgument(device_name_ + ": no live stream has native handle " +
+                                   std::to_string(handle) +
+                                   "; expected the native_handle() of one of its streams");
+  }
+  return it->second->RecordEvent();
+}
+
 std::shared_ptr<SimMapping> SimTable::Find(DeviceAddress address) const {
   MutexLock lock(mu_);
   auto it = by_base_.upper_bound(address);
@@ -283,6 +304,10 @@ Result<std::unique_ptr<ImportedMemory>> SimDevice::ImportIpc(const IpcHandle& ha
 
 Result<std::unique_ptr<Stream>> SimDevice::CreateStream() {
   return CreateSimStream(table_, options_);
+}
+
+Result<std::unique_ptr<Event>> SimDevice::RecordEventOn(std::uint64_t native_stream) {
+  return table_->RecordOn(native_stream);
 }
 
 std::uint64_t SimDevice::pinned_bytes() const { return table_->pinned_bytes(); }

@@ -44,6 +44,8 @@ class SimDevice final : public Device {
   Result<std::unique_ptr<ImportedMemory>> ImportIpc(const IpcHandle& handle) override;
   /// A stream is one thread that runs its copies in order.
   Result<std::unique_ptr<Stream>> CreateStream() override;
+  /// On one of this device's streams, by its native_handle().
+  Result<std::unique_ptr<Event>> RecordEventOn(std::uint64_t native_stream) override;
 
   /// Bytes of pinned buffers alive now, and the most alive at once since the device was created or
   /// ResetPinnedPeak was last called: what tests check staging bounds with.

@@ -56,9 +56,12 @@ class SimStream final : public Stream {
       : table_(std::move(table)),
         latency_(options.copy_latency),
         bytes_per_second_(options.bytes_per_second),
-        thread_([this] { Run(); }) {}
+        thread_([this] { Run(); }) {
+    table_->AddStream(native_handle(), this);
+  }
 
   ~SimStream() override {
+    table_->RemoveStream(native_handle());
     {
       MutexLock lock(mu_);
       stopping_ = true;
@@ -87,6 +90,7 @@ class SimStream final : public Stream {
     KVFERRY_RETURN_IF_ERROR(Push(state));
     return std::unique_ptr<Event>(new SimEvent(std::move(state)));
   }
+  std::uint64_t native_handle() const override { return reinterpret_cast<std::uint64_t>(this); }
 
  private:
   // A host side must be host memory: a sim address there is the bug this device exists to catch.

@@ -60,12 +60,20 @@ class SimTable {
   std::uint64_t pinned_peak_bytes() const EXCLUDES(mu_);
   void ResetPinnedPeak() EXCLUDES(mu_);
 
+  // The device's live streams by native handle, for RecordEventOn. A stream adds itself when it
+  // starts and removes itself before it stops.
+  void AddStream(std::uint64_t handle, Stream* stream) EXCLUDES(mu_);
+  void RemoveStream(std::uint64_t handle) EXCLUDES(mu_);
+  // RecordEvent on the stream `handle` names, under the table's lock so it cannot go meanwhile.
+  Result<std::unique_ptr<Event>> RecordOn(std::uint64_t handle) EXCLUDES(mu_);
+
  private:
   const std::string device_name_;
   mutable Mutex mu_;
   std::map<DeviceAddress, std::shared_ptr<SimMapping>> by_base_ GUARDED_BY(mu_);
   std::uint64_t pinned_ GUARDED_BY(mu_) = 0;
   std::uint64_t pinned_peak_ GUARDED_BY(mu_) = 0;
+  std::map<std::uint64_t, Stream*> streams_ GUARDED_BY(mu_);
 };
 
 struct SimOptions;

@@ -52,11 +52,9 @@ class FakePrefillRank {
       agent.peer.engine_id = engine_;
     }
     agent.tp_size = 1;
-    return wire::AgentMetadata{agent,
-                               listener_->endpoint(),
-                               {{kTransportKind, *transport_->Descriptor()}},
-                               spec_,
-                               spec_.Hash()};
+    return wire::AgentMetadata{
+        agent, listener_->endpoint(), {{kTransportKind, *transport_->Descriptor()}},
+        spec_, spec_.Hash(),          {}};
   }
 
   std::mutex mu_;

@@ -9,6 +9,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 KvTransferParams CompleteRemotePrefill() {
   KvTransferParams p;
@@ -125,7 +126,11 @@ TEST(SchedulerRule3, MetadataIsClearedAndRoundTrips) {
   ConnectorMetadata m = s.BuildConnectorMeta();
   ASSERT_EQ(m.holds.size(), 1u);
   EXPECT_TRUE(s.BuildConnectorMeta().holds.empty()) << "cleared";
-  m.loads.push_back({"x", {1, 2}, {3, 4, 5}, "e", "h", 9, 2, "rx"});
+  m.loads.push_back({"x", {1, 2}, {3, 4, 5}, "e", "h", 9, 2, "rx", ""});
+  m.loads.push_back({"y", {1, 2}, {}, "e", "h", 9, 2, "xfer-y", "xfer-y"});
+  m.holds.push_back({"z", 1000, "xfer-z"});
+  m.saves.push_back({"w", "xfer-w", {7, 8}, 16, 30, 30});
+  m.transfer_ends.push_back({"xfer-v", "aborted"});
   Result<ConnectorMetadata> back = ConnectorMetadata::Decode(m.Encode());
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, m);
@@ -212,6 +217,98 @@ TEST(WorkerConfigTest, RoleAndRankTableEntryAreChecked) {
   EXPECT_THAT(w.status().message(),
               HasSubstr("no decode_device_list entry for TP rank 0 on server_id \"127.0.0.2\""));
   EXPECT_EQ(ParseRole("kv_both").status().code(), StatusCode::kInvalidArgument);
+}
+
+// Rule 16: layer-wise requests on both sides.
+TEST(SchedulerLayerwiseTest, DecodeLegNeedsNoBlockIds) {
+  Scheduler s({Role::kDecode, "decode-0", "127.0.0.1", 6000, 0, 1});
+  KvTransferParams p;
+  p.do_remote_prefill = true;
+  p.transfer_id = "xfer-1";
+  p.remote_engine_id = "prefill-0";
+  p.remote_host = "10.0.0.1";
+  p.remote_port = 5557;
+  p.remote_tp_size = 2;
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("r1", p, std::vector<std::int64_t>{4, 5}).ok());
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u);
+  EXPECT_EQ(m.loads[0].transfer_id, "xfer-1");
+  EXPECT_EQ(m.loads[0].remote_request_id, "xfer-1");
+  EXPECT_TRUE(m.loads[0].remote_block_ids.empty());
+  EXPECT_EQ(m.loads[0].local_block_ids, (std::vector<std::int64_t>{4, 5}));
+  // Still needs where to read from.
+  KvTransferParams q;
+  q.do_remote_prefill = true;
+  q.transfer_id = "xfer-2";
+  Status bad = s.UpdateStateAfterAlloc("r2", q, std::vector<std::int64_t>{1});
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), Not(HasSubstr("remote_block_ids")));
+  EXPECT_THAT(bad.message(), HasSubstr("remote_engine_id"));
+  q.do_remote_prefill = true;
+  q.transfer_id = "";
+  q.remote_engine_id = "e";
+  q.remote_host = "h";
+  q.remote_port = 1;
+  q.remote_tp_size = 1;
+  EXPECT_THAT(s.UpdateStateAfterAlloc("r3", q, std::vector<std::int64_t>{1}).message(),
+              HasSubstr("transfer_id of 0 bytes"));
+}
+
+TEST(SchedulerLayerwiseTest, PrefillQueuesSavesPerStepAndHoldsUnderTheTransferId) {
+  Scheduler s({Role::kPrefill, "prefill-0", "10.0.0.1", 5557, 0, 2});
+  KvTransferParams p;
+  p.do_remote_decode = true;
+  p.transfer_id = "xfer-1";
+  const std::vector<std::int64_t> blocks = {10, 11, 12};
+  s.RequestScheduled("r1", p, blocks, 0, 20, 40);
+  // Not layer-wise: ignored.
+  s.RequestScheduled("r2", KvTransferParams{}, blocks, 0, 20, 40);
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.saves.size(), 1u);
+  EXPECT_EQ(m.saves[0], (LayerwiseSave{"r1", "xfer-1", blocks, 0, 20, 40}));
+  s.RequestScheduled("r1", p, blocks, 20, 30, 40);  // past the prompt: clamped to it
+  m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.saves.size(), 1u);
+  EXPECT_EQ(m.saves[0].first_token, 20);
+  EXPECT_EQ(m.saves[0].end_token, 40);
+  s.RequestScheduled("r1", p, blocks, 40, 1, 40);  // decoding: nothing of the prompt
+  EXPECT_TRUE(s.BuildConnectorMeta().saves.empty());
+  Scheduler::FinishedResult f = s.RequestFinished("r1", p, FinishReason::kLengthCapped, blocks);
+  EXPECT_TRUE(f.delay_free);
+  ASSERT_TRUE(f.params);
+  EXPECT_EQ(f.params->remote_request_id, "xfer-1");
+  EXPECT_EQ(f.params->remote_block_ids, blocks);
+  m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.holds.size(), 1u);
+  EXPECT_EQ(m.holds[0].request_id, "r1");
+  EXPECT_EQ(m.holds[0].transfer_id, "xfer-1");
+  EXPECT_TRUE(m.transfer_ends.empty());
+}
+
+TEST(SchedulerLayerwiseTest, PrefillEndsTheTransferOfARequestItDoesNotHold) {
+  Scheduler s({Role::kPrefill, "prefill-0", "10.0.0.1", 5557, 0, 1});
+  KvTransferParams p;
+  p.do_remote_decode = true;
+  p.transfer_id = "xfer-1";
+  const std::vector<std::int64_t> blocks = {10};
+  for (FinishReason reason :
+       {FinishReason::kAborted, FinishReason::kStopped, FinishReason::kError}) {
+    Scheduler::FinishedResult f = s.RequestFinished("r1", p, reason, blocks);
+    EXPECT_FALSE(f.delay_free);
+    ConnectorMetadata m = s.BuildConnectorMeta();
+    EXPECT_TRUE(m.holds.empty());
+    ASSERT_EQ(m.transfer_ends.size(), 1u);
+    EXPECT_EQ(m.transfer_ends[0].transfer_id, "xfer-1");
+    EXPECT_THAT(m.transfer_ends[0].reason, HasSubstr("without holding"));
+  }
+  // Preempted: computed tokens go back to 0.
+  s.RequestScheduled("r2", p, blocks, 0, 16, 32);
+  s.RequestScheduled("r2", p, blocks, 16, 16, 32);
+  s.RequestScheduled("r2", p, blocks, 0, 16, 32);
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  EXPECT_EQ(m.saves.size(), 2u);
+  ASSERT_EQ(m.transfer_ends.size(), 1u);
+  EXPECT_THAT(m.transfer_ends[0].reason, HasSubstr("preempted"));
 }
 
 }  // namespace

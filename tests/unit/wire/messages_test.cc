@@ -15,7 +15,22 @@ AgentMetadata SampleMetadata() {
   CacheSpec cache = *CacheSpec::Mla(61, 512, 64, 4096, 128, DType::kBFloat16, 2, 1);
   AgentIdentity agent{{"prefill-0", 0, 1}, 2, "127.0.0.1", "1", "127.0.0.1", 2, "0", "104857601"};
   return AgentMetadata{
-      agent, "tcp://127.0.0.1:30001", {{"shm", {1, 2, 3}}, {"tcp", {4, 5}}}, cache, cache.Hash()};
+      agent,        "tcp://127.0.0.1:30001", {{"shm", {1, 2, 3}}, {"tcp", {4, 5}}}, cache,
+      cache.Hash(), {kFeatureLayerwise}};
+}
+
+Progress SampleProgress() {
+  Progress p;
+  p.from = {"prefill-0", 0, 1};
+  p.transfer_id = "xfer-7";
+  p.seq = 12;
+  p.state = Progress::State::kRunning;
+  p.prompt_tokens = 100;
+  p.tokens_all = 32;
+  p.tokens_cur = 64;
+  p.layers_cur = 5;
+  p.block_ids = {3, 4, 5, 6};
+  return p;
 }
 
 std::vector<Message> SampleMessages() {
@@ -25,7 +40,9 @@ std::vector<Message> SampleMessages() {
           AbortNotice{{"decode-0", 0, 0}, {"req-9"}, "client went away"},
           LeaseRenewal{{"decode-0", 0, 0}, {"a", "b"}, 30000},
           Ack{7},
-          ErrorReply{StatusCode::kUnauthenticated, "bad mac"}};
+          ErrorReply{StatusCode::kUnauthenticated, "bad mac"},
+          Subscribe{{"decode-0", 0, 1}, "xfer-7", 2, "tcp://127.0.0.1:7001", 30000},
+          SampleProgress()};
 }
 
 TEST(WireTest, EveryMessageRoundTrips) {
@@ -42,6 +59,7 @@ TEST(WireTest, MetadataWithoutOptionalFieldsRoundTrips) {
   m.agent.super_pod_id.reset();
   m.agent.super_device_id.reset();
   m.transports.clear();
+  m.features.clear();  // an older peer's: no "features" key at all
   Result<Message> back = Decode(Encode(m));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(std::get<AgentMetadata>(*back), m);
@@ -236,6 +254,45 @@ TEST(WireDecodeTest, UnknownKeysAreIgnoredForForwardCompatibility) {
   Result<Message> m = Decode(bytes);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   EXPECT_EQ(std::get<Ack>(*m).count, 3u);
+}
+
+TEST(WireTest, AgentMetadataOffersItsFeatures) {
+  EXPECT_TRUE(SampleMetadata().Offers(kFeatureLayerwise));
+  AgentMetadata old = SampleMetadata();
+  old.features.clear();
+  EXPECT_FALSE(old.Offers(kFeatureLayerwise));
+  EXPECT_EQ(Encode(old).size() + 9 + 1 + 10, Encode(SampleMetadata()).size())
+      << "an agent without features encodes without the key, as before";
+}
+
+TEST(WireDecodeTest, ProgressTokensMustBeOrdered) {
+  Progress p = SampleProgress();
+  p.tokens_all = 65;  // above tokens_cur
+  EXPECT_THAT(DecodeError(Encode(p)).message(), HasSubstr("tokens_all <= tokens_cur"));
+  p = SampleProgress();
+  p.tokens_cur = 101;  // above the prompt
+  EXPECT_THAT(DecodeError(Encode(p)).message(), HasSubstr("<= prompt_tokens"));
+  p = SampleProgress();
+  p.block_ids.assign(kMaxProgressBlocks + 1, 1);  // refused by the unpacker's array bound
+  EXPECT_THAT(DecodeError(Encode(p)).message(), HasSubstr("array size"));
+  auto bytes = Envelope(1, "progress", 1, [](Packer& pk) {
+    Str(pk, "from");
+    Peer(pk);
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("missing"));
+  bytes = Envelope(1, "subscribe", 5, [](Packer& pk) {
+    Str(pk, "from");
+    Peer(pk);
+    Str(pk, "transfer_id");
+    Str(pk, "x");
+    Str(pk, "tp_size");
+    pk.pack(0);
+    Str(pk, "endpoint");
+    Str(pk, "tcp://h:1");
+    Str(pk, "wait_ms");
+    pk.pack(1);
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("tp_rank 0 < tp_size"));
 }
 
 TEST(WireDecodeTest, ErrorReplyCannotCarryOk) {

@@ -1,0 +1,213 @@
+// The decode side of a layer-wise load (DESIGN rule 16, docs/layerwise.md): subscribe at every
+// prefill rank the load reads, then read each group of layers as soon as the rank announces it
+// written, until every layer of every prompt token is read; then confirm, as a whole-request load
+// does. The load fails (to be recomputed) when the prefill side does not start the request in
+// time, stops announcing, announces a failure, or the load's own deadline passes.
+#include <algorithm>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "connector/layerwise_table.h"
+#include "connector/load_runner.h"
+
+namespace kvferry {
+namespace {
+
+std::string Ms(std::chrono::milliseconds d) { return std::to_string(d.count()) + " ms"; }
+
+// What a rank's announcements so far brought every layer to: the cursor CheckLayerwiseProgress
+// holds a newer announcement against.
+LayerwiseCursor AnnouncedCursor(const wire::Progress& p, int num_layers) {
+  LayerwiseCursor c;
+  c.prompt_tokens = static_cast<std::int64_t>(p.prompt_tokens);
+  c.tokens_read.resize(static_cast<std::size_t>(num_layers));
+  for (int l = 0; l < num_layers; ++l) {
+    c.tokens_read[static_cast<std::size_t>(l)] = static_cast<std::int64_t>(
+        static_cast<std::uint32_t>(l) < p.layers_cur ? p.tokens_cur : p.tokens_all);
+  }
+  return c;
+}
+
+}  // namespace
+
+void LoadRunner::WakeWatch(const std::string& transfer_id) {
+  auto it = watches_.find(transfer_id);
+  if (it == watches_.end()) return;
+  MutexLock lock(it->second->mu);
+  it->second->wake = true;
+  it->second->cv.SignalAll();
+}
+
+wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
+  std::shared_ptr<ProgressWatch> watch;
+  int num_layers = 0;
+  std::int64_t tokens_per_block = 1;
+  {
+    MutexLock lock(mu_);
+    auto it = watches_.find(p.transfer_id);
+    if (it == watches_.end() || !spec_) {
+      return wire::ErrorReply{StatusCode::kNotFound,
+                              "no layer-wise load of transfer " + p.transfer_id +
+                                  " runs on this decode worker (it ended, or never started); "
+                                  "stop sending its progress"};
+    }
+    watch = it->second;
+    num_layers = spec_->num_layers();
+    tokens_per_block = spec_->tokens_per_block();
+  }
+  MutexLock lock(watch->mu);
+  auto source = watch->latest.find(static_cast<int>(p.from.tp_rank));
+  if (p.from.engine_id != watch->engine_id || source == watch->latest.end()) {
+    return wire::ErrorReply{StatusCode::kInvalidArgument,
+                            "transfer " + p.transfer_id + " is read from engine " +
+                                watch->engine_id + ", not from " + ReaderKey(p.from) +
+                                "; progress refused"};
+  }
+  if (p.seq <= source->second.seq) return wire::Ack{0};  // a duplicate, or out of order
+  if (source->second.state == wire::Progress::State::kRunning &&
+      p.state == wire::Progress::State::kRunning) {
+    // Announcements only go forward; the load checks the rest against its blocks when it reads.
+    if (Status s = CheckLayerwiseProgress(p, watch->local_blocks, tokens_per_block, num_layers,
+                                          AnnouncedCursor(source->second, num_layers));
+        !s.ok()) {
+      return wire::ErrorReply{s.code(), std::string(s.message())};
+    }
+  }
+  source->second = p;
+  watch->cv.SignalAll();
+  return wire::Ack{1};
+}
+
+Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, Deadline deadline,
+                                   std::uint64_t* moved) {
+  const Clock::time_point start = Clock::now();
+  auto watch = std::make_shared<ProgressWatch>();
+  watch->engine_id = load.remote_engine_id;
+  watch->local_blocks = load.local_block_ids.size();
+  std::string listener;
+  {
+    MutexLock w(watch->mu);
+    for (const TpSource& s : plan.sources) watch->latest[s.prefill_rank] = wire::Progress{};
+  }
+  {
+    MutexLock lock(mu_);
+    listener = listener_endpoint_;
+    if (!watches_.emplace(load.transfer_id, watch).second) {
+      return Status::InvalidArgument("transfer " + load.transfer_id +
+                                     " is already being loaded on this worker by another request; "
+                                     "a transfer id must be unique per request");
+    }
+  }
+  // Whatever happens from here, the watch goes with the load: later pushes get NotFound.
+  struct Unwatch {
+    LoadRunner* runner;
+    const std::string& id;
+    ~Unwatch() {
+      MutexLock lock(runner->mu_);
+      runner->watches_.erase(id);
+    }
+  } unwatch{this, load.transfer_id};
+
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<SourceAgent> agents,
+                           ResolveSources(load, plan, deadline, wire::kFeatureLayerwise));
+  const Deadline start_deadline = std::min(deadline, start + cfg_.layerwise_start_timeout);
+  for (const SourceAgent& a : agents) {
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::max<Clock::duration>(start_deadline - Clock::now(), Clock::duration::zero()));
+    Result<wire::Message> reply = client_.Call(
+        a.endpoint,
+        wire::Subscribe{self_, load.transfer_id, static_cast<std::uint32_t>(cfg_.tp_size), listener,
+                        static_cast<std::uint32_t>(wait.count())},
+        std::min(deadline, DeadlineAfter(cfg_.handshake_timeout)));
+    if (!reply.ok()) return reply.status().WithContext("subscribing at " + a.endpoint);
+    const auto* progress = std::get_if<wire::Progress>(&*reply);
+    if (progress == nullptr || progress->transfer_id != load.transfer_id ||
+        progress->from.tp_rank != static_cast<std::uint32_t>(a.source.prefill_rank)) {
+      return Status::InvalidArgument("subscribing at " + a.endpoint + " for transfer " +
+                                     load.transfer_id + ": expected its progress in reply, got '" +
+                                     wire::MessageTypeName(*reply) + "'");
+    }
+    // The reply goes through the same checks as a pushed announcement.
+    wire::Message taken = OnProgress(*progress);
+    if (const auto* e = std::get_if<wire::ErrorReply>(&taken)) {
+      return Status(e->code, e->message).WithContext("subscribing at " + a.endpoint);
+    }
+  }
+
+  std::map<int, LayerwiseCursor> cursors;
+  std::map<int, std::uint64_t> taken;  // by rank, the seq of the announcement last read
+  Deadline progress_deadline = Deadline::max();
+  const int num_layers = plan.spec.num_layers();
+  for (;;) {
+    std::map<int, wire::Progress> fresh;
+    bool waiting = false;
+    {
+      MutexLock w(watch->mu);
+      for (;;) {
+        fresh.clear();
+        waiting = false;
+        for (const auto& [rank, p] : watch->latest) {
+          if (p.state == wire::Progress::State::kWaiting) waiting = true;
+          if (p.seq > taken[rank]) fresh.emplace(rank, p);
+        }
+        const Deadline due = std::min(waiting ? start_deadline : progress_deadline, deadline);
+        if (!fresh.empty() || watch->wake || Clock::now() >= due) break;
+        (void)watch->cv.WaitUntil(watch->mu, due);
+      }
+    }
+    {
+      MutexLock lock(mu_);
+      KVFERRY_RETURN_IF_ERROR(AbortedLocked(load.request_id));
+      if (stopping_) return Status::Cancelled("the worker is shutting down");
+    }
+    if (fresh.empty()) {
+      if (Clock::now() >= deadline) {
+        return Status::Timeout("layer-wise load of transfer " + load.transfer_id +
+                               " did not finish within the transfer timeout of " +
+                               Ms(cfg_.transfer_timeout));
+      }
+      if (waiting) {
+        return Status::Timeout("the prefill side (engine " + load.remote_engine_id +
+                               ") did not start transfer " + load.transfer_id + " within " +
+                               Ms(cfg_.layerwise_start_timeout) +
+                               " (its request never arrived there, or waits behind its queue)");
+      }
+      return Status::Timeout("the prefill side (engine " + load.remote_engine_id +
+                             ") announced no progress of transfer " + load.transfer_id + " for " +
+                             Ms(cfg_.layerwise_progress_timeout) +
+                             " (it died, stopped, or is overloaded)");
+    }
+    std::vector<PlannedBatch> batches;
+    for (const auto& [rank, p] : fresh) {
+      taken[rank] = p.seq;
+      if (p.state == wire::Progress::State::kFailed) {
+        return Status::Unavailable("the prefill side failed transfer " + load.transfer_id + ": " +
+                                   p.reason);
+      }
+      if (p.state != wire::Progress::State::kRunning) continue;
+      progress_deadline = DeadlineAfter(cfg_.layerwise_progress_timeout);
+      const SourceAgent& a = *std::find_if(agents.begin(), agents.end(), [&](const SourceAgent& s) {
+        return s.source.prefill_rank == rank;
+      });
+      KVFERRY_ASSIGN_OR_RETURN(
+          std::vector<LayerGroupRead> groups,
+          PlanLayerwiseReads(p, load.local_block_ids, plan.spec.tokens_per_block(), num_layers,
+                             a.agent->metadata->cache.num_blocks(), cursors[rank]));
+      batches.push_back({&a, {}, 0, 0});
+      for (const LayerGroupRead& g : groups) {
+        KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, g.remote_ids, g.local_ids, g.first_layer,
+                                         g.end_layer, batches.back()));
+      }
+    }
+    KVFERRY_RETURN_IF_ERROR(RunBatches(load, batches, deadline, moved));
+    const bool done = std::all_of(agents.begin(), agents.end(), [&](const SourceAgent& a) {
+      return cursors[a.source.prefill_rank].Done();
+    });
+    if (done) break;
+  }
+  std::set<std::string> read_from;
+  for (const SourceAgent& a : agents) read_from.insert(a.endpoint);
+  return Confirm(load, plan.endpoints, read_from);
+}
+
+}  // namespace kvferry
