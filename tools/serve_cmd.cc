@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "common/clock.h"
 #include "common/log.h"
@@ -295,11 +296,15 @@ int RunServe(const ServeArgs& a) {
     // With --exit-on-stdin-eof (kvferry demo passes it) the instance ends with its parent.
     zmq_pollitem_t items[2] = {{control.get(), 0, ZMQ_POLLIN, 0},
                                {nullptr, STDIN_FILENO, ZMQ_POLLIN, 0}};
-    // Idle: wake for control messages. Waiting for the connector (loads in flight, holds being
-    // read): look again each millisecond rather than spin, which would take a core from the
-    // transfers themselves. Work to do now: go on at once.
-    const long timeout_ms = (*instance)->Idle() ? 5 : ((*instance)->HasWorkNow() ? 0 : 1);
-    zmq_poll(items, a.exit_on_stdin_eof ? 2 : 1, timeout_ms);
+    // Idle: wake for control messages. Work to do now: go on at once. Waiting for the connector
+    // (loads in flight, holds being read): look again after 200 us, sleeping rather than
+    // spinning, which would take a core from the transfers themselves; a load that ended is
+    // taken up within that, which counts in time-to-first-token.
+    const bool waiting = !(*instance)->Idle() && !(*instance)->HasWorkNow();
+    const long timeout_ms = (*instance)->Idle() ? 5 : 0;
+    if (zmq_poll(items, a.exit_on_stdin_eof ? 2 : 1, timeout_ms) == 0 && waiting) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
     if (a.exit_on_stdin_eof && (items[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) != 0) {
       char byte = 0;
       if (read(STDIN_FILENO, &byte, 1) <= 0) {

@@ -301,8 +301,10 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
       waiting_.pop_front();
       continue;
     }
-    if (!layerwise && config_.compute_per_token.count() > 0) {
-      std::this_thread::sleep_for(config_.compute_per_token * r.request.prompt.size());
+    if (!layerwise) {
+      // The modelled compute writes the KV as it goes: the bytes above were made inside it.
+      std::this_thread::sleep_until(r.scheduled +
+                                    config_.compute_per_token * r.request.prompt.size());
     }
     const Clock::time_point computed = Clock::now();
     Scheduler::FinishedResult f = scheduler_->RequestFinished(

@@ -60,9 +60,12 @@ struct InstanceConfig {
   /// Model shape, for every TP rank (the spec's TP fields are set per rank).
   CacheSpecOptions model;
   std::chrono::milliseconds hold_lease{30000};
-  std::chrono::microseconds compute_per_token{0};  ///< simulated prefill compute
+  /// Simulated prefill compute (a GPU's time, in which the model writes the KV): a request takes
+  /// at least this per prompt token, and its KV bytes are made inside that time (stretching it
+  /// when making them takes longer).
+  std::chrono::microseconds compute_per_token{0};
   /// Prefill: a layer-wise request (params with a transfer_id) is computed a layer at a time, each
-  /// layer a share of compute_per_token and then its KV, announced with Worker::SaveKvLayer.
+  /// layer an equal share of the compute with its KV, announced with Worker::SaveKvLayer.
   /// Its prompt is computed in chunks of this many tokens (0: all at once), each chunk a step of
   /// its own as far as the connector sees it (vLLM's chunked prefill).
   std::int64_t prefill_chunk_tokens = 0;

@@ -144,13 +144,19 @@ Status Instance::ComputeLayerwise(const Running& r) {
     for (auto& w : workers_) w->StartLoadKv(meta);
     const std::int64_t first_block = begin / tpb;
     const std::int64_t blocks = (end + tpb - 1) / tpb - first_block;
+    // Layer l is computed in [start + l * per_layer, start + (l + 1) * per_layer), on a fixed
+    // schedule, so a late wake-up is not added to every later layer. Its KV bytes are made at the
+    // start of that window (the window stretches when making them takes longer) and announced when
+    // its first half, the attention, ends: vLLM calls save_kv_layer from the attention op, before
+    // the layer's MLP, which takes the second half.
     const auto per_layer = config_.compute_per_token * (end - begin) / layers;
+    const Clock::time_point start = Clock::now();
     for (int l = 0; l < layers; ++l) {
-      if (per_layer.count() > 0) std::this_thread::sleep_for(per_layer);
       ForEachRow(r, first_block, blocks, Layers{l, l + 1}, [](const KvRow& row) {
         FillRow(row.data, row.seed, row.dim, row.esize);
         return true;
       });
+      std::this_thread::sleep_until(start + per_layer * l + per_layer / 2);
       std::uint64_t stream = 0;
       if (device_ != nullptr) {
         // The layer goes up on the engine's stream; the connector announces it once the stream
@@ -159,6 +165,7 @@ Status Instance::ComputeLayerwise(const Running& r) {
         stream = stream_->native_handle();
       }
       for (auto& w : workers_) KVFERRY_RETURN_IF_ERROR(w->SaveKvLayer(l, stream));
+      std::this_thread::sleep_until(start + per_layer * (l + 1));  // the MLP
     }
   }
   if (device_ == nullptr) return Status::Ok();

@@ -31,6 +31,9 @@ namespace {
 // Per unit of work: bounded so that cancel and deadlines are seen within a few milliseconds.
 constexpr std::size_t kMaxIovPerCall = 512;  // below IOV_MAX (1024)
 constexpr std::uint64_t kMaxUnitBytes = 8u << 20;
+// A batch smaller than threads * kMaxUnitBytes is still split across the threads, down to units of
+// this size: one layer of a layer-wise load (a few MiB) is read by every thread, not one.
+constexpr std::uint64_t kMinUnitBytes = 256u << 10;
 
 using Piece = HostRead;
 
@@ -169,9 +172,10 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
 class ShmPeer final : public BackendPeer {
  public:
   ShmPeer(std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions,
-          std::shared_ptr<WorkQueue> pool, std::map<RegionId, ImportedRegion> imported,
+          std::shared_ptr<WorkQueue> pool, int threads, std::map<RegionId, ImportedRegion> imported,
           std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge)
-      : staging_gauge_(std::move(staging_gauge)),
+      : threads_(static_cast<std::uint64_t>(std::max(threads, 1))),
+        staging_gauge_(std::move(staging_gauge)),
         state_(std::move(state)),
         regions_(std::move(regions)),
         pool_(std::move(pool)),
@@ -186,6 +190,14 @@ class ShmPeer final : public BackendPeer {
 
   void Start(const std::shared_ptr<Batch>& batch, std::vector<ReadOp> ops) override {
     if (!imported_->empty()) StartDevice(batch, ops);
+    std::uint64_t host_bytes = 0;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      if (imported_->count(ops[i].remote_region) == 0 && batch->local_kind(i).is_host()) {
+        host_bytes += ops[i].length;
+      }
+    }
+    const std::uint64_t unit_limit =
+        std::clamp((host_bytes + threads_ - 1) / threads_, kMinUnitBytes, kMaxUnitBytes);
     std::vector<Piece> unit;
     std::uint64_t unit_bytes = 0;
     auto flush = [&] {
@@ -203,11 +215,11 @@ class ShmPeer final : public BackendPeer {
       if (!batch->local_kind(i).is_host()) continue;          // StartStaged's
       const std::uint64_t base = regions_.at(op.remote_region).addr + op.remote_offset;
       for (std::uint64_t off = 0; off < op.length;) {
-        const std::uint64_t len = std::min(op.length - off, kMaxUnitBytes - unit_bytes);
+        const std::uint64_t len = std::min(op.length - off, unit_limit - unit_bytes);
         unit.push_back({op.local + off, base + off, len});
         unit_bytes += len;
         off += len;
-        if (unit_bytes >= kMaxUnitBytes || unit.size() >= 4 * kMaxIovPerCall) flush();
+        if (unit_bytes >= unit_limit || unit.size() >= 4 * kMaxIovPerCall) flush();
       }
     }
     flush();
@@ -318,6 +330,7 @@ class ShmPeer final : public BackendPeer {
     return lanes;
   }
 
+  const std::uint64_t threads_;  // of pool_: a batch is split into at least this many units
   std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge_;  // the backend's staging_bytes
   std::shared_ptr<ShmPeerState> state_;
   RemoteRegionTable regions_;
@@ -398,7 +411,8 @@ ShmBackend::ShmBackend(HostIdentity self, ShmProof proof, int threads, bool perm
       proof_(proof),
       permitted_any_tracer_(permitted_any_tracer),
       regions_(regions),
-      pool_(std::make_shared<WorkQueue>(threads, "kvferry-shm")) {}
+      pool_(std::make_shared<WorkQueue>(threads, "kvferry-shm")),
+      threads_(threads) {}
 
 BackendFactory ShmBackend::Factory() {
   BackendFactory f;
@@ -527,7 +541,7 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
   const RemoteRegionTable table = IndexRegions(peer.regions);
   KVFERRY_ASSIGN_OR_RETURN(auto imported, ImportPeerRegions(section.ipc, table));
   return std::unique_ptr<BackendPeer>(std::make_unique<ShmPeer>(
-      std::move(state), table, pool_, std::move(imported), staging_bytes_));
+      std::move(state), table, pool_, threads_, std::move(imported), staging_bytes_));
 }
 
 }  // namespace kvferry

@@ -84,6 +84,7 @@ class ShmBackend final : public Backend {
   bool permitted_any_tracer_;
   RegionRegistry* regions_;
   std::shared_ptr<WorkQueue> pool_;
+  int threads_;
   // Pinned bytes of the peers' staging lanes (host memory into a device); shared, since units
   // that hold lanes may outlive a peer.
   std::shared_ptr<std::atomic<std::uint64_t>> staging_bytes_ =
