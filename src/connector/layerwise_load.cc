@@ -64,11 +64,15 @@ wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
                                 "; progress refused"};
   }
   if (p.seq <= source->second.seq) return wire::Ack{0};  // a duplicate, or out of order
-  if (source->second.state == wire::Progress::State::kRunning &&
-      p.state == wire::Progress::State::kRunning) {
-    // Announcements only go forward; the load checks the rest against its blocks when it reads.
-    if (Status s = CheckLayerwiseProgress(p, watch->local_blocks, tokens_per_block, num_layers,
-                                          AnnouncedCursor(source->second, num_layers));
+  if (p.state == wire::Progress::State::kRunning) {
+    // Announcements only go forward, within the request and the caches; a bad one is refused and
+    // changes nothing (the load goes on, and fails by its deadlines if nothing good comes).
+    const bool running = source->second.state == wire::Progress::State::kRunning;
+    auto blocks = watch->remote_blocks.find(source->first);
+    if (Status s = CheckLayerwiseProgress(
+            p, watch->local_blocks, tokens_per_block, num_layers,
+            running ? AnnouncedCursor(source->second, num_layers) : LayerwiseCursor{},
+            blocks == watch->remote_blocks.end() ? 0 : blocks->second);
         !s.ok()) {
       return wire::ErrorReply{s.code(), std::string(s.message())};
     }
@@ -110,29 +114,46 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
 
   KVFERRY_ASSIGN_OR_RETURN(std::vector<SourceAgent> agents,
                            ResolveSources(load, plan, deadline, wire::kFeatureLayerwise));
-  const Deadline start_deadline = std::min(deadline, start + cfg_.layerwise_start_timeout);
-  for (const SourceAgent& a : agents) {
-    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::max<Clock::duration>(start_deadline - Clock::now(), Clock::duration::zero()));
-    Result<wire::Message> reply = client_.Call(
-        a.endpoint,
-        wire::Subscribe{self_, load.transfer_id, static_cast<std::uint32_t>(cfg_.tp_size), listener,
-                        static_cast<std::uint32_t>(wait.count())},
-        std::min(deadline, DeadlineAfter(cfg_.handshake_timeout)));
-    if (!reply.ok()) return reply.status().WithContext("subscribing at " + a.endpoint);
-    const auto* progress = std::get_if<wire::Progress>(&*reply);
-    if (progress == nullptr || progress->transfer_id != load.transfer_id ||
-        progress->from.tp_rank != static_cast<std::uint32_t>(a.source.prefill_rank)) {
-      return Status::InvalidArgument("subscribing at " + a.endpoint + " for transfer " +
-                                     load.transfer_id + ": expected its progress in reply, got '" +
-                                     wire::MessageTypeName(*reply) + "'");
-    }
-    // The reply goes through the same checks as a pushed announcement.
-    wire::Message taken = OnProgress(*progress);
-    if (const auto* e = std::get_if<wire::ErrorReply>(&taken)) {
-      return Status(e->code, e->message).WithContext("subscribing at " + a.endpoint);
+  {
+    MutexLock w(watch->mu);
+    for (const SourceAgent& a : agents) {
+      watch->remote_blocks[a.source.prefill_rank] = a.agent->metadata->cache.num_blocks();
     }
   }
+  const Deadline start_deadline = std::min(deadline, start + cfg_.layerwise_start_timeout);
+  // Subscribes at every source; the replies are taken like pushed announcements. Sent again as a
+  // poll whenever nothing was heard for half the progress timeout: it brings what pushes that
+  // were lost would have (a link that flapped), and finds a prefill instance that died or stopped
+  // before it announced anything (the call fails) without waiting for the start deadline.
+  const auto poll_every =
+      std::max<Clock::duration>(cfg_.layerwise_progress_timeout / 2, std::chrono::milliseconds(1));
+  auto subscribe_all = [&]() -> Status {
+    for (const SourceAgent& a : agents) {
+      const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::max<Clock::duration>(start_deadline - Clock::now(), Clock::duration::zero()));
+      Result<wire::Message> reply = client_.Call(
+          a.endpoint,
+          wire::Subscribe{self_, load.transfer_id, static_cast<std::uint32_t>(cfg_.tp_size),
+                          listener, static_cast<std::uint32_t>(wait.count())},
+          std::min({deadline, DeadlineAfter(cfg_.handshake_timeout), Clock::now() + poll_every}));
+      if (!reply.ok()) return reply.status().WithContext("subscribing at " + a.endpoint);
+      const auto* progress = std::get_if<wire::Progress>(&*reply);
+      if (progress == nullptr || progress->transfer_id != load.transfer_id ||
+          progress->from.tp_rank != static_cast<std::uint32_t>(a.source.prefill_rank)) {
+        return Status::InvalidArgument(
+            "subscribing at " + a.endpoint + " for transfer " + load.transfer_id +
+            ": expected its progress in reply, got '" + wire::MessageTypeName(*reply) + "'");
+      }
+      // The reply goes through the same checks as a pushed announcement.
+      wire::Message taken = OnProgress(*progress);
+      if (const auto* e = std::get_if<wire::ErrorReply>(&taken)) {
+        return Status(e->code, e->message).WithContext("subscribing at " + a.endpoint);
+      }
+    }
+    return Status::Ok();
+  };
+  KVFERRY_RETURN_IF_ERROR(subscribe_all());
+  Clock::time_point heard = Clock::now();  // the last fresh announcement, or poll
 
   std::map<int, LayerwiseCursor> cursors;
   std::map<int, std::uint64_t> taken;  // by rank, the seq of the announcement last read
@@ -150,7 +171,8 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
           if (p.state == wire::Progress::State::kWaiting) waiting = true;
           if (p.seq > taken[rank]) fresh.emplace(rank, p);
         }
-        const Deadline due = std::min(waiting ? start_deadline : progress_deadline, deadline);
+        const Deadline due =
+            std::min({waiting ? start_deadline : progress_deadline, deadline, heard + poll_every});
         if (!fresh.empty() || watch->wake || Clock::now() >= due) break;
         (void)watch->cv.WaitUntil(watch->mu, due);
       }
@@ -159,6 +181,12 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
       MutexLock lock(mu_);
       KVFERRY_RETURN_IF_ERROR(AbortedLocked(load.request_id));
       if (stopping_) return Status::Cancelled("the worker is shutting down");
+    }
+    const Clock::time_point now = Clock::now();
+    if (fresh.empty() && now < std::min(waiting ? start_deadline : progress_deadline, deadline)) {
+      KVFERRY_RETURN_IF_ERROR(subscribe_all());  // time to poll
+      heard = Clock::now();
+      continue;
     }
     if (fresh.empty()) {
       if (Clock::now() >= deadline) {
@@ -185,7 +213,8 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
                                    p.reason);
       }
       if (p.state != wire::Progress::State::kRunning) continue;
-      progress_deadline = DeadlineAfter(cfg_.layerwise_progress_timeout);
+      heard = Clock::now();
+      progress_deadline = heard + cfg_.layerwise_progress_timeout;
       const SourceAgent& a = *std::find_if(agents.begin(), agents.end(), [&](const SourceAgent& s) {
         return s.source.prefill_rank == rank;
       });

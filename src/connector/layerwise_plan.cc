@@ -12,7 +12,7 @@ bool LayerwiseCursor::Done() const {
 
 Status CheckLayerwiseProgress(const wire::Progress& p, std::size_t local_blocks,
                               std::int64_t tokens_per_block, int num_layers,
-                              const LayerwiseCursor& cursor) {
+                              const LayerwiseCursor& cursor, std::int64_t remote_num_blocks) {
   const std::string what = "progress of transfer " + p.transfer_id + " from " + p.from.engine_id +
                            " rank " + std::to_string(p.from.tp_rank);
   if (p.state != wire::Progress::State::kRunning) return Status::Ok();
@@ -43,6 +43,14 @@ Status CheckLayerwiseProgress(const wire::Progress& p, std::size_t local_blocks,
                                    " tokens written of " + std::to_string(prompt) + "; expected " +
                                    std::to_string(needed) + " to " + std::to_string(remote_blocks));
   }
+  for (std::size_t i = 0; remote_num_blocks > 0 && i < p.block_ids.size(); ++i) {
+    if (p.block_ids[i] >= remote_num_blocks) {
+      return Status::InvalidArgument(what + " names block " + std::to_string(p.block_ids[i]) +
+                                     " at position " + std::to_string(i) +
+                                     "; the prefill cache has " +
+                                     std::to_string(remote_num_blocks) + " blocks");
+    }
+  }
   for (std::size_t l = 0; l < cursor.tokens_read.size(); ++l) {
     const std::uint64_t target = l < p.layers_cur ? p.tokens_cur : p.tokens_all;
     if (static_cast<std::int64_t>(target) < cursor.tokens_read[l]) {
@@ -62,16 +70,8 @@ Result<std::vector<LayerGroupRead>> PlanLayerwiseReads(
   if (cursor.tokens_read.size() != static_cast<std::size_t>(num_layers)) {
     cursor.tokens_read.assign(static_cast<std::size_t>(num_layers), 0);
   }
-  KVFERRY_RETURN_IF_ERROR(
-      CheckLayerwiseProgress(p, local_block_ids.size(), tokens_per_block, num_layers, cursor));
-  for (std::size_t i = 0; i < p.block_ids.size(); ++i) {
-    if (p.block_ids[i] >= remote_num_blocks) {
-      return Status::InvalidArgument("progress of transfer " + p.transfer_id + " names block " +
-                                     std::to_string(p.block_ids[i]) + " at position " +
-                                     std::to_string(i) + "; the prefill cache has " +
-                                     std::to_string(remote_num_blocks) + " blocks");
-    }
-  }
+  KVFERRY_RETURN_IF_ERROR(CheckLayerwiseProgress(p, local_block_ids.size(), tokens_per_block,
+                                                 num_layers, cursor, remote_num_blocks));
   const auto prompt = static_cast<std::int64_t>(p.prompt_tokens);
   const std::int64_t remote_blocks = (prompt + tokens_per_block - 1) / tokens_per_block;
   // The tail rule: local block i holds the prompt's block (remote_blocks - local + i).

@@ -48,9 +48,10 @@ Result<std::vector<LayerGroupRead>> PlanLayerwiseReads(
     std::int64_t tokens_per_block, int num_layers, std::int64_t remote_num_blocks,
     LayerwiseCursor& cursor);
 
-/// The checks of PlanLayerwiseReads alone, for a progress message before it is kept.
+/// The checks of PlanLayerwiseReads alone, for a progress message before it is kept;
+/// `remote_num_blocks` 0 when not known yet (the block range is then not checked).
 Status CheckLayerwiseProgress(const wire::Progress& p, std::size_t local_blocks,
                               std::int64_t tokens_per_block, int num_layers,
-                              const LayerwiseCursor& cursor);
+                              const LayerwiseCursor& cursor, std::int64_t remote_num_blocks);
 
 }  // namespace kvferry

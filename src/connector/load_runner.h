@@ -91,8 +91,9 @@ class LoadRunner {
     CondVar cv;
     std::string engine_id;
     std::size_t local_blocks = 0;
-    std::map<int, wire::Progress> latest GUARDED_BY(mu);  // by prefill rank, the newest taken
-    bool wake GUARDED_BY(mu) = false;                     // aborted or stopping: look now
+    std::map<int, wire::Progress> latest GUARDED_BY(mu);       // by prefill rank, the newest taken
+    std::map<int, std::int64_t> remote_blocks GUARDED_BY(mu);  // by rank, once handshaken
+    bool wake GUARDED_BY(mu) = false;                          // aborted or stopping: look now
   };
   // One prefill rank a load reads, handshaken.
   struct SourceAgent {

@@ -5,6 +5,18 @@
 //   stdin:  hold REQ N        -> finish REQ on its length cap with N fresh blocks;
 //                                prints "PARAMS REQ b1,b2,... PORT TP"
 //           stats             -> prints "STATS holds=H allocated=A"
+//           count TYPE        -> prints "COUNT TYPE N": side-channel messages of TYPE received
+//                                (finished, abort, subscribe, ...), summed over the ranks
+//   Layer-wise (docs/layerwise.md), as an engine drives a request with a transfer id:
+//           lw_step REQ XFER FIRST END PROMPT -> a step that computes prompt tokens [FIRST, END)
+//                                of REQ (blocks allocated as needed and scrambled, so a layer read
+//                                before it is written fails the reader's check); prints
+//                                "LWSTEP REQ b1,b2,..."
+//           lw_layer L        -> writes layer L of the step's blocks and calls SaveKvLayer(L) on
+//                                every rank; prints "LAYER L"
+//           lw_finish REQ     -> REQ stops on its length cap: held under its transfer id;
+//                                prints "HELD REQ"
+//           lw_abort REQ      -> REQ is aborted: its transfer ends, its blocks are freed
 //   stdout: READY; RELEASED RANK REQ (one rank's hold ended); FREED REQ (all ranks: blocks freed)
 #include <atomic>
 #include <cstdlib>
@@ -103,6 +115,15 @@ int main(int argc, char** argv) {
     }
   });
 
+  // Layer-wise requests: params and blocks by request id, and the blocks the current step writes.
+  std::map<std::string, KvTransferParams> lw_params;
+  std::vector<std::int64_t> step_blocks;
+  auto start_step = [&](const ConnectorMetadata& meta) {
+    Result<ConnectorMetadata> shipped = ConnectorMetadata::Decode(meta.Encode());
+    for (auto& w : workers) w->StartLoadKv(*shipped);
+  };
+  const std::int64_t tpb = caches[0]->spec().tokens_per_block();
+
   std::cout << "READY" << std::endl;
   std::string line;
   while (std::getline(std::cin, line)) {
@@ -140,6 +161,78 @@ int main(int argc, char** argv) {
         allocated.erase(id);
         std::cout << "FREED " << id << std::endl;
       }
+    } else if (cmd == "lw_step") {
+      std::string id, transfer;
+      std::int64_t first = 0, end = 0, prompt = 0;
+      in >> id >> transfer >> first >> end >> prompt;
+      KvTransferParams& params = lw_params[id];
+      params.do_remote_decode = true;
+      params.transfer_id = transfer;
+      std::vector<std::int64_t> blocks;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        std::vector<std::int64_t>& mine = allocated[id];
+        while (static_cast<std::int64_t>(mine.size()) * tpb < end && !free_blocks.empty()) {
+          const std::int64_t b = *free_blocks.begin();
+          free_blocks.erase(free_blocks.begin());
+          // Not yet computed: values no reader may take for the real ones.
+          for (auto& c : caches) c->Fill(b, b + 1000003);
+          mine.push_back(b);
+        }
+        blocks = mine;
+      }
+      step_blocks.clear();
+      for (std::int64_t b = first / tpb; b < (end + tpb - 1) / tpb; ++b) {
+        step_blocks.push_back(blocks[static_cast<std::size_t>(b)]);
+      }
+      scheduler.RequestScheduled(id, params, blocks, first, end - first, prompt);
+      start_step(scheduler.BuildConnectorMeta());
+      std::ostringstream ids;
+      for (std::size_t i = 0; i < blocks.size(); ++i) ids << (i ? "," : "") << blocks[i];
+      std::lock_guard<std::mutex> lock(mu);
+      std::cout << "LWSTEP " << id << " " << ids.str() << std::endl;
+    } else if (cmd == "lw_layer") {
+      int layer = 0;
+      in >> layer;
+      for (std::size_t r = 0; r < caches.size(); ++r) {
+        for (std::int64_t b : step_blocks) caches[r]->FillLayer(b, b, layer);
+        Status s = workers[r]->SaveKvLayer(layer);
+        if (!s.ok()) std::cerr << "SaveKvLayer: " << s.ToString() << "\n";
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      std::cout << "LAYER " << layer << std::endl;
+    } else if (cmd == "lw_finish" || cmd == "lw_abort") {
+      std::string id;
+      in >> id;
+      std::vector<std::int64_t> blocks;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        blocks = allocated[id];
+      }
+      Scheduler::FinishedResult r = scheduler.RequestFinished(
+          id, lw_params[id],
+          cmd == "lw_finish" ? FinishReason::kLengthCapped : FinishReason::kAborted, blocks);
+      lw_params.erase(id);
+      start_step(scheduler.BuildConnectorMeta());
+      std::lock_guard<std::mutex> lock(mu);
+      if (r.delay_free) {
+        std::cout << "HELD " << id << std::endl;
+      } else {
+        for (std::int64_t b : blocks) free_blocks.insert(b);
+        allocated.erase(id);
+        std::cout << "FREED " << id << std::endl;
+      }
+    } else if (cmd == "count") {
+      std::string type;
+      in >> type;
+      std::uint64_t n = 0;
+      for (auto& w : workers) {
+        const WorkerStats st = w->Stats();
+        auto it = st.notices_received.find(type);
+        if (it != st.notices_received.end()) n += it->second;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      std::cout << "COUNT " << type << " " << n << std::endl;
     } else if (cmd == "stats") {
       std::uint64_t holds = 0;
       for (auto& w : workers) holds += w->Stats().holds_outstanding;

@@ -71,6 +71,13 @@ class TestCache {
   void FillAll() {
     for (std::int64_t b = 0; b < spec_.num_blocks(); ++b) Fill(b, b);
   }
+  /// Layer `layer` only of Fill(block, as_block): a layer-wise prefill writes one layer at a time.
+  void FillLayer(std::int64_t block, std::int64_t as_block, int layer) {
+    ForEach(block,
+            [&](int l, int p, std::int64_t t, std::int64_t h, std::int64_t d, std::int32_t& v) {
+              if (l == layer) v = KvValue(l, p, as_block, t, h, d);
+            });
+  }
   /// Number of elements of local `block` that differ from remote block `remote_block`'s values.
   std::int64_t Mismatches(std::int64_t block, std::int64_t remote_block) {
     std::int64_t bad = 0;
