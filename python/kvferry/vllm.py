@@ -12,8 +12,9 @@ ranks (TP/DP ranks come from vLLM's parallel state, cache geometry from the tens
                                                          "secret": "...", "transport": "auto"}}'
 
 With caches in device memory add "kv_buffer_device": "cpu" (host-buffer mode, as NixlConnector:
-kvferry moves host mirrors of the caches; vLLM's copy ops from set_host_xfer_buffer_ops move
-blocks device->host when a prefill completes and host->device before a load is reported).
+kvferry moves host mirrors of the caches; vLLM's copy ops from set_host_xfer_buffer_ops, or torch
+where vLLM hands over none, move blocks device->host when a prefill completes and host->device
+before a load is reported).
 
 The class subclasses KVConnectorBase_V1 when vLLM is importable; without vLLM it works
 standalone (the tests drive it as vLLM's scheduler and one-process-per-rank workers do). Extra
@@ -30,9 +31,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any, Optional
 
 from . import _kvferry
+from .vllm_hostcopy import copy_blocks
 from .vllm_layout import host_mirrors, is_host_tensor, read_caches
 
 try:  # pragma: no cover - depends on the environment
@@ -149,6 +152,18 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
     return out, ""
 
 
+def cuda_unavailable_message(memory: str, native: str) -> str:
+    """The refusal of CUDA caches kvferry cannot open (no driver, no device), in a vLLM user's
+    terms: the native message's own advice (the CLI's sim device) means nothing inside vLLM."""
+    found = re.sub(r";[^;]*\bsim device\b[^;]*$", "", native.strip())
+    return (f"register_kv_caches: the KV caches are {memory} memory, which kvferry moves itself "
+            f"through the CUDA driver, and that failed: {found}. Either run this vLLM worker "
+            "where the NVIDIA driver is installed and the GPU is visible (libcuda.so.1 loadable, "
+            "CUDA_VISIBLE_DEVICES naming it), or add \"kv_buffer_device\": \"cpu\" to "
+            "--kv-transfer-config on both instances (host-buffer mode: kvferry moves host copies "
+            "of the caches and vLLM or torch copies the blocks to and from the GPU)")
+
+
 class _Settings:
     """Everything the connector reads from vLLM's config and the environment."""
 
@@ -261,6 +276,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._device_caches: Optional[dict] = None  # worker, host mode: vLLM's device caches
         self._host_caches: Optional[dict] = None  # worker, host mode: their host mirrors
         self._copy_blocks: Any = None  # worker, host mode: vLLM's copy_kv_blocks
+        self._torch_copy_logged = False  # worker, host mode: torch copies blocks (logged once)
         self._load_blocks: dict[str, list[int]] = {}  # worker, host mode: awaited loads' blocks
         if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
@@ -435,7 +451,12 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             s.transfer_timeout_ms, s.hold_lease_ms, s.failure_policy,
             shm_permit_any_tracer=s.shm_permit_any_tracer,
             transport_options=s.transport_options)
-        worker.register_kv_caches(spec, reg.bases, reg.memory)
+        try:
+            worker.register_kv_caches(spec, reg.bases, reg.memory)
+        except _kvferry.UnavailableError as e:
+            if not reg.memory.startswith("cuda"):
+                raise
+            raise _kvferry.UnavailableError(cuda_unavailable_message(reg.memory, str(e))) from e
         self._worker = worker
         self._spec = spec
         self._registration = reg
@@ -446,7 +467,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         """vLLM's block copy ops (copy_kv_blocks(src_caches, dst_caches, src_block_ids,
         dst_block_ids, direction), direction "d2h" or "h2d"). Used only in host-buffer mode
         (kv_buffer_device "cpu" with caches on a device); ignored otherwise, as NixlConnector
-        does."""
+        does. Without it (never called, or called with None) blocks are copied with torch."""
         self._copy_blocks = copy_operation
 
     def _kernel_block_ids(self, ids: list[int]) -> list[int]:
@@ -457,11 +478,18 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         return [b * ratio + i for b in ids for i in range(ratio)]
 
     def _copy(self, src: dict, dst: dict, ids: list[int], direction: str) -> None:
-        if self._copy_blocks is None:
-            raise _kvferry.InvalidArgumentError(
-                "host-buffer mode (kv_buffer_device \"cpu\") needs vLLM's block copy ops, but "
-                "set_host_xfer_buffer_ops was never called; use a vLLM that calls it")
+        """Copies blocks `ids` between the device caches and their host mirrors: with vLLM's copy
+        op when it handed one over, else with torch (kvferry.vllm_hostcopy; some vLLM versions
+        call set_host_xfer_buffer_ops on some platforms only)."""
         kernel = self._kernel_block_ids(ids)
+        if self._copy_blocks is None:
+            if not self._torch_copy_logged:
+                self._torch_copy_logged = True
+                logger.info("host-buffer mode: vLLM handed over no block copy op "
+                            "(set_host_xfer_buffer_ops was not called); kvferry copies blocks "
+                            "between the device caches and the host buffers with torch")
+            copy_blocks(src, dst, kernel, direction, self._registration)
+            return
         self._copy_blocks(src, dst, kernel, kernel, direction)
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
@@ -482,8 +510,9 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
     def wait_for_save(self) -> None:
         """Nothing is pushed. In host-buffer mode, as NixlConnector's save_kv_to_host: the
         blocks of each prefill request whose prompt completed in this step are copied device ->
-        host (blocking) before the step ends, so before request_finished offers them. A failing
-        copy raises, as NixlConnector's does: offering the stale host copy would corrupt the
+        host (blocking) before the step ends, so before request_finished offers them, with
+        vLLM's copy op or, when vLLM handed over none, with torch. A failing copy (a broken
+        device) raises, as NixlConnector's does: offering the stale host copy would corrupt the
         decode side."""
         md = self._connector_metadata
         if self._host_caches is None or md is None:

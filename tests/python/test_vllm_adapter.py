@@ -395,6 +395,56 @@ def test_cuda_tensors_register_as_cuda_memory_and_other_devices_are_refused():
                                         BS, None, 1, False)
 
 
+def _cuda_driver_loads():
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def test_cuda_refusal_without_a_driver_names_what_a_vllm_user_can_do():
+    """Regression (issue 21, item 4): CUDA caches without a CUDA driver were refused with the
+    CLI's advice "install the NVIDIA driver, or use the sim device"; a vLLM user has no sim
+    device. The refusal names the two ways out a vLLM user has."""
+    if _cuda_driver_loads():
+        pytest.skip("SKIPPED: libcuda.so.1 loads on this machine, so the no-driver refusal cannot "
+                    "happen here (test_cuda_refusal_is_rewritten_for_vllm_users still runs)")
+    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+    with pytest.raises(kvferry.UnavailableError) as e:
+        w.register_kv_caches({"l0": DeviceTensor()})
+    message = str(e.value)
+    assert "no CUDA driver" in message and "cuda:0" in message, message
+    assert "NVIDIA driver is installed" in message, message
+    assert '"kv_buffer_device": "cpu"' in message, message
+    assert "sim device" not in message, message
+
+
+@pytest.mark.parametrize("native", [
+    "region 0: no CUDA driver: dlopen(libcuda.so.1) failed: libcuda.so.1: cannot open shared "
+    "object file: No such file or directory; install the NVIDIA driver, or use the sim device",
+    "region 0: no CUDA device: cuInit failed: CUresult 100 (no CUDA-capable device is detected)",
+], ids=["no_driver", "no_device"])
+def test_cuda_refusal_is_rewritten_for_vllm_users(monkeypatch, native):
+    class Unavailable:  # the native worker, refusing the cuda memory as the device layer does
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def register_kv_caches(self, spec, bases, memory):
+            assert memory == "cuda:0"
+            raise kvferry.UnavailableError(native)
+
+    monkeypatch.setattr(kvferry.vllm._kvferry, "Worker", Unavailable)
+    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+    with pytest.raises(kvferry.UnavailableError) as e:
+        w.register_kv_caches({"l0": DeviceTensor()})
+    message = str(e.value)
+    assert native.split(": ", 1)[1].split(";")[0] in message  # what was found, kept
+    assert "NVIDIA driver is installed" in message and '"kv_buffer_device": "cpu"' in message
+    assert "sim device" not in message
+
+
 def test_replicated_heads_and_head_count_checked_against_the_model():
     # 1 KV head in the model, TP 2: every rank holds the one head (replicated).
     port = free_port(2)
@@ -575,9 +625,16 @@ class CudaDevice:
 class FakeCudaTensor:
     """A device tensor: its bytes live in a torch tensor of their own that kvferry never sees;
     data_ptr() is an address kvferry cannot read (as device memory is), so registering it
-    instead of the host mirror would fail every transfer."""
+    instead of the host mirror would fail every transfer.
 
-    def __init__(self, storage, fake_address):
+    The torch ops host-buffer mode's own block copy uses (kvferry.vllm_hostcopy) work as on a
+    CUDA tensor and are as strict: index and source tensors must be on this device (a CPU tensor
+    is refused, as CUDA refuses it), and data leaves or enters it only through to("cpu") and
+    copy_(). `fail` names an op that raises, as a broken device would."""
+
+    fail = None
+
+    def __init__(self, storage, fake_address=0x7E0000000000):
         self.storage, self.address = storage, fake_address
         self.shape, self.dtype, self.device = storage.shape, storage.dtype, CudaDevice()
 
@@ -589,6 +646,49 @@ class FakeCudaTensor:
 
     def element_size(self):
         return self.storage.element_size()
+
+    @staticmethod
+    def _on_device(t, what):
+        if not isinstance(t, FakeCudaTensor):
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at "
+                               f"least two devices, cuda:0 and cpu! ({what})")
+        return t.storage
+
+    def _check(self, op):
+        if FakeCudaTensor.fail == op:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def new_tensor(self, data, dtype=None):
+        import torch
+        return FakeCudaTensor(torch.tensor(data, dtype=dtype))
+
+    def new_empty(self, shape):
+        import torch
+        return FakeCudaTensor(torch.empty(shape, dtype=self.storage.dtype))
+
+    def index_select(self, dim, index):
+        self._check("index_select")
+        return FakeCudaTensor(self.storage.index_select(dim, self._on_device(index, "index")))
+
+    def index_copy_(self, dim, index, source):
+        self._check("index_copy_")
+        self.storage.index_copy_(dim, self._on_device(index, "index"),
+                                 self._on_device(source, "source"))
+        return self
+
+    def copy_(self, source):  # host -> device
+        self._check("copy_")
+        import torch
+        if isinstance(source, FakeCudaTensor):
+            source = source.storage
+        assert isinstance(source, torch.Tensor) and str(source.device) == "cpu"
+        self.storage.copy_(source)
+        return self
+
+    def to(self, device):  # device -> host
+        self._check("to")
+        assert str(device) == "cpu", device
+        return self.storage.clone()
 
 
 class CopyOps:
@@ -623,7 +723,7 @@ def device_caches(torch, make, seed_base, layers=LAYERS):
     return arrays, wrapped
 
 
-def host_mode_pair(make, d_fail=None):
+def host_mode_pair(make, d_fail=None, copy_ops=True):
     torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
     pport, dport = free_port(), free_port()
     sides = {}
@@ -637,9 +737,10 @@ def host_mode_pair(make, d_fail=None):
     p_ops, d_ops = CopyOps(block_dim), CopyOps(block_dim, fail=d_fail)
     p_work, d_work = sides["kv_producer"][1], sides["kv_consumer"][1]
     p_work.register_kv_caches(p_dev)  # vLLM's order: register, then hand over the copy ops
-    p_work.set_host_xfer_buffer_ops(p_ops)
     d_work.register_kv_caches(d_dev)
-    d_work.set_host_xfer_buffer_ops(d_ops)
+    if copy_ops:  # else: a vLLM that never calls set_host_xfer_buffer_ops (issue 21, item 5)
+        p_work.set_host_xfer_buffer_ops(p_ops)
+        d_work.set_host_xfer_buffer_ops(d_ops)
     return sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops)
 
 
@@ -710,13 +811,99 @@ def test_host_buffer_mode_moves_every_byte_between_device_caches(make):
     assert sent == {"r-1"}
 
 
-@pytest.mark.parametrize("failure", ["h2d raises", "no copy ops"])
-def test_host_buffer_mode_failed_device_copy_is_a_load_error_not_an_exception(failure):
+@pytest.mark.parametrize("make", [fa_nhd, fa_hnd, fa_main_nhd, fa_main_hnd],
+                         ids=["flash_nhd", "flash_hnd", "flash_main_nhd", "flash_main_hnd"])
+def test_host_buffer_mode_without_copy_ops_copies_blocks_with_torch(make):
+    """Regression (issue 21, item 5): a vLLM that never calls set_host_xfer_buffer_ops made
+    wait_for_save raise InvalidArgumentError into vLLM (which ends its EngineCore). Now torch
+    copies the blocks on the cache's device, both ways, byte for byte."""
+    sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops) = host_mode_pair(make,
+                                                                               copy_ops=False)
+    (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
+    d_before = {name: a.copy() for name, a in d_arrays.items()}
+    p_mirrors_before = {name: m.numpy().copy() for name, m in p_work._host_caches.items()}
+    remote, local = [12, 13, 3], [5, 6, 7]
+    preq = request("r-9", {"do_remote_decode": True}, 3 * BS, "RUNNING")
+    p_sched.update_state_after_alloc(preq, Blocks(remote), 0)
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    p_work.wait_for_save()  # device -> host with torch; raised before the fix
+    for name in p_arrays:
+        mirror = p_work._host_caches[name].numpy()
+        for b in range(NB):  # the request's blocks copied, no other block touched
+            got = block_view(mirror, b)
+            if b in remote:
+                np.testing.assert_array_equal(got, dev_block(p_arrays, name, b))
+            else:
+                np.testing.assert_array_equal(got, block_view(p_mirrors_before[name], b))
+    p_work.clear_connector_metadata()
+    preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished(preq, remote)
+    assert delay
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    dreq = request("d-9", dict(params), 3 * BS)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (3 * BS, True)
+    d_sched.update_state_after_alloc(dreq, Blocks(local), 3 * BS)
+    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+    d_work.start_load_kv(None)
+    assert poll(lambda: d_work.get_finished(set())[1], "the load") == {"d-9"}
+    assert d_work.get_block_ids_with_load_errors() == set()
+    for name in p_arrays:  # host -> device with torch: the loaded blocks, and only they
+        for b in range(NB):
+            got = dev_block(d_arrays, name, b)
+            if b in local:
+                np.testing.assert_array_equal(got, dev_block(p_arrays, name,
+                                                             remote[local.index(b)]))
+            else:
+                np.testing.assert_array_equal(got, block_view(d_before[name], b))
+    assert p_ops.calls == [] and d_ops.calls == []
+    sent = poll(lambda: p_work.get_finished({"r-9"})[0], "the prefill side's release")
+    assert sent == {"r-9"}
+
+
+def test_host_buffer_mode_torch_copy_moves_kernel_blocks_when_they_are_smaller():
+    torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
+    cfg = config("kv_producer", free_port(), block_size=2 * BS, buffer_device="cpu")
+    sched = kvferry.vllm.KvferryConnector(cfg, "SCHEDULER")
+    work = kvferry.vllm.KvferryConnector(cfg, "WORKER")
+    arrays, dev = device_caches(torch, fa_nhd, 0, layers=1)
+    work.register_kv_caches(dev)  # no copy op handed over
+    before = work._host_caches["l0"].numpy().copy()
+    req = request("k", {"do_remote_decode": True}, 4 * BS, "RUNNING")
+    sched.update_state_after_alloc(req, Blocks([3, 1]), 0)
+    work.bind_connector_metadata(sched.build_connector_meta(None))
+    work.wait_for_save()
+    mirror = work._host_caches["l0"].numpy()
+    for b in range(NB):
+        if b in (6, 7, 2, 3):  # logical blocks 3 and 1 of two kernel blocks each
+            np.testing.assert_array_equal(block_view(mirror, b), dev_block(arrays, "l0", b))
+        else:
+            np.testing.assert_array_equal(block_view(mirror, b), block_view(before, b))
+
+
+def test_host_buffer_mode_torch_copy_failing_device_to_host_raises(monkeypatch):
+    # As with vLLM's op: a broken device must not let stale host bytes be offered.
+    sides, _, _ = host_mode_pair(fa_nhd, copy_ops=False)
+    p_sched, p_work = sides["kv_producer"]
+    monkeypatch.setattr(FakeCudaTensor, "fail", "index_select")
+    req = request("s", {"do_remote_decode": True}, BS, "RUNNING")
+    p_sched.update_state_after_alloc(req, Blocks([3]), 0)
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        p_work.wait_for_save()
+
+
+@pytest.mark.parametrize("failure", ["h2d raises", "torch copy raises"])
+def test_host_buffer_mode_failed_device_copy_is_a_load_error_not_an_exception(failure,
+                                                                              monkeypatch):
     sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops) = host_mode_pair(
         fa_nhd, d_fail="h2d" if failure == "h2d raises" else None)
     (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
-    if failure == "no copy ops":
+    if failure == "torch copy raises":
+        # No copy op from vLLM: torch copies, and the device fails the host -> device copy.
         d_work.set_host_xfer_buffer_ops(None)
+        monkeypatch.setattr(FakeCudaTensor, "fail", "copy_")
     remote, local = [2, 3], [9, 10]
     preq = request("r-2", {"do_remote_decode": True}, 2 * BS, "RUNNING")
     p_sched.update_state_after_alloc(preq, Blocks(remote), 0)
