@@ -19,13 +19,15 @@ namespace kvferry {
 
 class LayerAnnouncer {
  public:
+  /// Entry::layer of a step's begin, queued behind the layers of the steps before it.
+  static constexpr int kBegin = -1;
   struct Entry {
     std::shared_ptr<const std::vector<LayerwiseSave>> saves;  // the step's, when it was saved
-    int layer = 0;
-    std::unique_ptr<device::Event> event;  // null: written already
+    int layer = 0;                                            // or kBegin
+    std::unique_ptr<device::Event> event;  // null: written already (always for kBegin)
   };
   /// Called on the announcer's thread for each entry, in order, once its event completed (OK),
-  /// failed or did not complete within `timeout` (the error).
+  /// failed or did not complete within `timeout` (the error); at once for an entry without one.
   using Written = std::function<void(const Entry& entry, const Status& status)>;
 
   LayerAnnouncer(Written written, std::chrono::milliseconds timeout);

@@ -84,8 +84,9 @@ std::vector<ProgressPush> LayerwiseTable::LayerWritten(std::span<const Layerwise
     auto it = transfers_.find(save.transfer_id);
     if (it == transfers_.end() || it->second.request_id != save.request_id) continue;
     wire::Progress& p = it->second.progress;
-    // A later step has begun since (the engine announces an earlier step's layers late).
-    if (p.tokens_cur != static_cast<std::uint64_t>(save.end_token)) continue;
+    // A later step has begun since (the engine announces an earlier step's layers late), or the
+    // request is held and so complete.
+    if (p.tokens_cur != static_cast<std::uint64_t>(save.end_token) || p.complete()) continue;
     if (last) {
       p.tokens_all = p.tokens_cur;
       p.layers_cur = 0;

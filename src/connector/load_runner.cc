@@ -362,9 +362,14 @@ Status LoadRunner::RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& p
         r = {BatchState::kFailed, Status::Timeout("the read did not finish in time")};
       }
       if (r.state == BatchState::kCancelled) {
-        // Not cancelled by this load (an engine abort is reported as such below): another
-        // load found the peer dead and dropped it.
-        r.status = Status::PeerDisconnected("the read was stopped because its peer was dropped");
+        MutexLock lock(mu_);
+        if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
+          // The engine's abort cancelled it: the peer is fine, and other loads read from it.
+          r.status = aborted;
+        } else {
+          // Not cancelled by this load: another load found the peer dead and dropped it.
+          r.status = Status::PeerDisconnected("the read was stopped because its peer was dropped");
+        }
       }
       if (r.state != BatchState::kDone) {
         failure = r.status.WithContext("reading from " + s.from->endpoint);

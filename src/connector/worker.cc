@@ -354,6 +354,8 @@ int WorkerImpl::ExpectedReadersLocked(std::uint32_t reader_tp) const {
 
 void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
   std::vector<ProgressPush> pushes;
+  bool begin_queued = false;
+  LayerAnnouncer::Entry begin;
   auto add = [&pushes](std::vector<ProgressPush> more) {
     pushes.insert(pushes.end(), std::make_move_iterator(more.begin()),
                   std::make_move_iterator(more.end()));
@@ -372,11 +374,18 @@ void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
       holds_.Invalidate(e.transfer_id);
       if (layerwise_) add(layerwise_->Fail(e.transfer_id, e.reason));
     }
-    if (layerwise_) {
-      for (const LayerwiseSave& save : metadata.saves) add(layerwise_->Begin(save, now));
-    }
     step_saves_ = std::make_shared<const std::vector<LayerwiseSave>>(metadata.saves);
+    // The step begins after every layer of the steps before it has been announced: a begin
+    // counts the tokens before it as written in every layer, which must not overtake a layer
+    // still waiting for its device work (a late announcement of it is then ignored).
+    if (layerwise_ && !step_saves_->empty() && announcer_->Idle()) {
+      for (const LayerwiseSave& save : *step_saves_) add(layerwise_->Begin(save, now));
+    } else if (!step_saves_->empty()) {
+      begin_queued = true;
+      begin = {step_saves_, LayerAnnouncer::kBegin, nullptr};
+    }
   }
+  if (begin_queued) announcer_->Add(std::move(begin));
   if (!pushes.empty()) pusher_->Push(std::move(pushes));
   loads_->Start(metadata.loads);
 }
@@ -420,7 +429,14 @@ void WorkerImpl::LayerWritten(const LayerAnnouncer::Entry& entry, const Status& 
   {
     MutexLock lock(mu_);
     if (!layerwise_) return;
-    if (status.ok()) {
+    if (entry.layer == LayerAnnouncer::kBegin) {
+      const Clock::time_point now = Clock::now();
+      for (const LayerwiseSave& save : *entry.saves) {
+        std::vector<ProgressPush> more = layerwise_->Begin(save, now);
+        pushes.insert(pushes.end(), std::make_move_iterator(more.begin()),
+                      std::make_move_iterator(more.end()));
+      }
+    } else if (status.ok()) {
       pushes = layerwise_->LayerWritten(*entry.saves, entry.layer);
     } else {
       Log().error("layer-wise: {}; failing the {} transfer(s) of that step", status.ToString(),

@@ -603,6 +603,49 @@ TEST(ConnectorHardeningTest, AbortLoadDoesNotHoldTheWorkerWhileCancelling) {
   ExpectNothingLeft(prefill, decode);
 }
 
+// An engine abort of one load cancels its reads; that is not its peer failing. Before the fix the
+// cancelled batch was taken for a dropped peer: the agent was invalidated and the peer
+// disconnected, which cancelled every other load reading from the same prefill instance (seen as
+// "the read was stopped because its peer was dropped" in the layer-wise soak with aborts).
+TEST(ConnectorHardeningTest, AnAbortedLoadDoesNotTakeItsPeerDownForTheOthers) {
+  PrefillProcess prefill("mha", 1, "prefill-0", 60000);
+  FaultInjectingTransport* faults = nullptr;
+  auto gate = std::make_shared<FaultGate>();
+  DecodeInstance decode(
+      "mha", 1, "", milliseconds(30000), milliseconds(2000), [&](WorkerConfig& c) {
+        c.make_transport = [&](const TransportOptions& o) -> Result<std::unique_ptr<Transport>> {
+          KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner, CreateTransport(o));
+          auto f = std::make_unique<FaultInjectingTransport>(std::move(inner));
+          f->AddRule({FaultRule::Action::kHold, [](std::uint64_t, PeerId) { return true; },
+                      milliseconds(0), Status::Ok(), gate});
+          faults = f.get();
+          return std::unique_ptr<Transport>(std::move(f));
+        };
+      });
+  const Params a = prefill.Hold("req-a", 3);
+  const Params b = prefill.Hold("req-b", 4);
+  ASSERT_TRUE(decode.Load("req-a", prefill, a).ok());
+  ASSERT_TRUE(decode.Load("req-b", prefill, b).ok());
+  const Deadline submitted = DeadlineAfter(milliseconds(10000));
+  while (faults->faults_injected() < 2 && Clock::now() < submitted) {
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  ASSERT_EQ(faults->faults_injected(), 2u) << "both loads' reads should be in flight";
+  ASSERT_TRUE(decode.worker(0).AbortLoad("req-a", "client gone").ok());
+  ASSERT_TRUE(decode.WaitReceived("req-a", {}, milliseconds(10000)));
+  EXPECT_EQ(decode.Errors("req-a").at(0).status.code(), StatusCode::kCancelled);
+  gate->Open();
+  ASSERT_TRUE(decode.WaitReceived("req-b", {}, milliseconds(10000)));
+  EXPECT_TRUE(decode.Errors("req-b").empty()) << decode.Errors("req-b").front().status.ToString();
+  EXPECT_EQ(decode.Mismatches("req-b"), 0);
+  EXPECT_EQ(faults->disconnects(), 0u) << "the abort took the peer down";
+  for (const char* r : {"req-a", "req-b"}) {
+    EXPECT_TRUE(prefill.WaitLine(std::string("FREED ") + r, milliseconds(5000))) << r;
+    decode.Free(r);
+  }
+  ExpectNothingLeft(prefill, decode);
+}
+
 // Finding 6: one lease renewal could pin blocks for weeks. It is clamped to the instance's lease.
 TEST(ConnectorHardeningTest, ALeaseRenewalCannotPinBlocksPastTheInstancesLease) {
   PrefillProcess prefill("mha", 1, "prefill-0", /*lease_ms=*/300);

@@ -126,6 +126,20 @@ TEST(LayerwiseTableTest, CompleteOnHoldAnnouncesEverythingOnce) {
   EXPECT_THAT(late->reason, HasSubstr("has ended"));
 }
 
+TEST(LayerwiseTableTest, ALateLayerOfAHeldTransferChangesNothing) {
+  LayerwiseTable t(Limits(3), kSelf);
+  ASSERT_TRUE(t.Subscribe(Sub("x"), kT0).ok());
+  const std::vector<LayerwiseSave> saves = {Save("x", 0, 30, 30)};
+  (void)t.Begin(saves[0], kT0);
+  ASSERT_EQ(t.Complete("x").size(), 1u);
+  // Announced by the device work after the hold: the transfer is complete already.
+  EXPECT_TRUE(t.LayerWritten(saves, 0).empty());
+  Result<wire::Progress> p = t.Subscribe(Sub("x", 1), kT0);
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(p->complete());
+  EXPECT_EQ(p->layers_cur, 0u);
+}
+
 TEST(LayerwiseTableTest, HoldOfATransferNeverScheduledFailsIt) {
   LayerwiseTable t(Limits(2), kSelf);
   ASSERT_TRUE(t.Subscribe(Sub("x"), kT0).ok());
