@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 
+#include "device/acl/acl_device.h"
 #include "device/cuda/cuda_device.h"
 #include "device/sim/sim_device.h"
 
@@ -96,7 +97,9 @@ Result<IpcHandle> IpcHandle::Decode(std::span<const std::uint8_t> bytes) {
   return h;
 }
 
-bool KnownDeviceType(std::string_view type) { return type == "sim" || type == "cuda"; }
+bool KnownDeviceType(std::string_view type) {
+  return type == "sim" || type == "cuda" || type == "npu";
+}
 
 Result<std::unique_ptr<Device>> OpenDevice(std::string_view name) {
   const auto colon = name.find(':');
@@ -108,12 +111,12 @@ Result<std::unique_ptr<Device>> OpenDevice(std::string_view name) {
   }
   if (index < 0) {
     return Status::InvalidArgument(
-        "device name: expected <kind>:<index> such as sim:0 or cuda:0; "
+        "device name: expected <kind>:<index> such as sim:0, cuda:0 or npu:0; "
         "found \"" +
         std::string(name) + "\"");
   }
   const std::string_view kind = name.substr(0, colon);
-  // One line per implementation: an Ascend folder adds {"ascend", ...} here (docs/device.md).
+  // One branch per implementation folder (docs/device.md).
   if (kind == "sim") {
     KVFERRY_ASSIGN_OR_RETURN(auto dev, SimDevice::Create(SimOptions{.index = index}));
     return std::unique_ptr<Device>(std::move(dev));
@@ -122,8 +125,12 @@ Result<std::unique_ptr<Device>> OpenDevice(std::string_view name) {
     KVFERRY_ASSIGN_OR_RETURN(auto dev, CudaDevice::Open(index));
     return std::unique_ptr<Device>(std::move(dev));
   }
+  if (kind == "npu") {
+    KVFERRY_ASSIGN_OR_RETURN(auto dev, AclDevice::Open(index));
+    return std::unique_ptr<Device>(std::move(dev));
+  }
   return Status::InvalidArgument("device name \"" + std::string(name) +
-                                 "\": unknown kind; this build has sim and cuda");
+                                 "\": unknown kind; this build has sim, cuda and npu");
 }
 
 Result<Device*> ProcessDevice(std::string_view name) {

@@ -4,8 +4,8 @@
 // src/device/ must not dereference, memcpy or offset into it as if it were host memory. The sim
 // device makes such code crash (its addresses are PROT_NONE in the host address space).
 //
-// Every implementation lives in one folder (src/device/sim/, src/device/cuda/) and is reached
-// through OpenDevice("<kind>:<index>"); nothing outside the folder names its types.
+// Every implementation lives in one folder (src/device/sim/, src/device/cuda/, src/device/acl/)
+// and is reached through OpenDevice("<kind>:<index>"); nothing outside the folder names its types.
 #pragma once
 
 #include <cstddef>
@@ -21,13 +21,13 @@
 
 namespace kvferry::device {
 
-/// An address in a device's address space. For cuda it is a CUdeviceptr; for sim it is an address
-/// of a PROT_NONE reservation. Either way: not host-dereferenceable.
+/// An address in a device's address space. For cuda it is a CUdeviceptr; for npu an ACL device
+/// pointer; for sim an address of a PROT_NONE reservation. In every case: not host-dereferenceable.
 using DeviceAddress = std::uint64_t;
 
 /// What a device knows about one of its addresses.
 struct PointerInfo {
-  std::string device;            ///< the device's name, e.g. "cuda:0", "sim:1"
+  std::string device;            ///< the device's name, e.g. "cuda:0", "npu:0", "sim:1"
   int device_index = 0;          ///< the ordinal in `device`
   DeviceAddress alloc_base = 0;  ///< first byte of the allocation that holds the address
   std::uint64_t alloc_size = 0;  ///< bytes in that allocation
@@ -38,11 +38,11 @@ struct PointerInfo {
 /// Encode(), version 1, native byte order (same host only): "KVDH", u8 version, u8 kind length,
 /// kind bytes, i32 device index, u64 alloc_size, u64 offset, u32 opaque length, opaque bytes.
 struct IpcHandle {
-  std::string kind;                  ///< "sim" or "cuda": the implementation that can import it
+  std::string kind;                  ///< "sim", "cuda" or "npu": the implementation that imports it
   int device_index = 0;              ///< the exporting device's ordinal
   std::uint64_t alloc_size = 0;      ///< bytes of the whole exported allocation
   std::uint64_t offset = 0;          ///< the exported address minus the allocation base
-  std::vector<std::uint8_t> opaque;  ///< implementation bytes (cuda: CUipcMemHandle)
+  std::vector<std::uint8_t> opaque;  ///< implementation bytes (cuda: CUipcMemHandle; npu: key)
 
   std::vector<std::uint8_t> Encode() const;
   /// Never trusts `bytes`: any malformed input is InvalidArgument.
@@ -69,8 +69,9 @@ class ImportedMemory {
   DeviceAddress address(std::uint64_t offset) const { return base() + offset; }
 };
 
-/// Host memory the device can copy to and from asynchronously (cuda: cuMemHostAlloc; sim: page
-/// aligned anonymous memory). Host-dereferenceable. Freed by the destructor.
+/// Host memory the device can copy to and from asynchronously (cuda: cuMemHostAlloc; npu:
+/// aclrtMallocHost; sim: page aligned anonymous memory). Host-dereferenceable. Freed by the
+/// destructor.
 class PinnedBuffer {
  public:
   virtual ~PinnedBuffer() = default;
@@ -108,8 +109,8 @@ class Event {
 /// copy to be asynchronous) and return at once; the copy's completion is known only through a
 /// later RecordEvent. The caller keeps both ranges alive and unchanged until then.
 /// Not thread-safe: one thread enqueues at a time. The destructor does not cancel enqueued copies
-/// (sim: it runs them first; cuda: it returns at once and the driver finishes them): wait for an
-/// event before freeing memory they touch.
+/// (sim: it runs them first; cuda: it returns at once and the driver finishes them; npu: it waits
+/// for them, at most 10 s): wait for an event before freeing memory they touch.
 class Stream {
  public:
   virtual ~Stream() = default;
@@ -118,8 +119,8 @@ class Stream {
   virtual Status CopyDeviceToDevice(DeviceAddress dst, DeviceAddress src, std::uint64_t size) = 0;
   /// An event that completes when every copy enqueued so far has.
   virtual Result<std::unique_ptr<Event>> RecordEvent() = 0;
-  /// The device's own name for this stream (cuda: its CUstream), which Device::RecordEventOn
-  /// takes; valid while the stream lives.
+  /// The device's own name for this stream (cuda: its CUstream; npu: its aclrtStream), which
+  /// Device::RecordEventOn takes; valid while the stream lives.
   virtual std::uint64_t native_handle() const = 0;
 };
 
@@ -129,7 +130,7 @@ class Device {
  public:
   virtual ~Device() = default;
 
-  /// "<kind>:<index>", e.g. "cuda:0".
+  /// "<kind>:<index>", e.g. "cuda:0", "npu:0".
   virtual const std::string& name() const = 0;
   virtual std::string_view kind() const = 0;
   virtual int index() const = 0;
@@ -143,7 +144,8 @@ class Device {
 
   /// Exports the allocation that holds `address` (handle offset = address - base) for a process on
   /// the same host. NotSupported when the allocation cannot be exported (cuda: VMM allocations,
-  /// expandable segments): the caller then stages through host memory.
+  /// expandable segments; npu: a CANN without the IPC calls): the caller then stages through host
+  /// memory.
   virtual Result<IpcHandle> ExportIpc(DeviceAddress address) = 0;
   /// Maps an allocation exported by another process. InvalidArgument for a handle of another kind;
   /// Unavailable when the exporter or its allocation is gone or cannot be opened.
@@ -152,23 +154,26 @@ class Device {
   virtual Result<std::unique_ptr<Stream>> CreateStream() = 0;
   /// An event that completes when the work queued so far on the stream `native_stream` has: a
   /// stream the engine made itself (cuda: a CUstream of this device's primary context, such as
-  /// torch's current stream), or one of this device's Streams by its native_handle(). The stream
-  /// must live until the call returns. InvalidArgument for a stream this device does not know
-  /// (sim), or the driver's refusal (cuda).
+  /// torch's current stream; npu: an aclrtStream of this device's default context, such as
+  /// torch_npu's current stream), or one of this device's Streams by its native_handle(). The
+  /// stream must live until the call returns. InvalidArgument for a stream this device does not
+  /// know (sim), or the driver's or runtime's refusal (cuda, npu).
   virtual Result<std::unique_ptr<Event>> RecordEventOn(std::uint64_t native_stream) = 0;
 };
 
-/// Whether this build has a device implementation called `type` ("sim", "cuda"); whether a
+/// Whether this build has a device implementation called `type` ("sim", "cuda", "npu"); whether a
 /// device of it exists here is OpenDevice's answer.
 bool KnownDeviceType(std::string_view type);
 
-/// Opens a device by name: "sim:N" (a fresh simulated device with default options) or "cuda:N".
-/// cuda without a driver or device is Unavailable ("no CUDA driver ..."); an unknown kind is
+/// Opens a device by name: "sim:N" (a fresh simulated device with default options), "cuda:N" or
+/// "npu:N" (an Ascend NPU through CANN's ACL runtime). cuda without a driver or device is
+/// Unavailable ("no CUDA driver ..."), npu without CANN or an NPU too ("no NPU runtime: ...",
+/// naming libascendcl.so, where it was looked for and the way out); an unknown kind is
 /// InvalidArgument naming the kinds this build has.
 Result<std::unique_ptr<Device>> OpenDevice(std::string_view name);
 
-/// The device of this process called `name` ("sim:0", "cuda:1"): opened by the first call, the
-/// same object for every later call, never closed. Memory that kvferry's transport reads or
+/// The device of this process called `name` ("sim:0", "cuda:1", "npu:0"): opened by the first call,
+/// the same object for every later call, never closed. Memory that kvferry's transport reads or
 /// serves (regions registered with a device MemoryKind) must come from this device, so that the
 /// transport and the code that allocated the memory share one address space of the device.
 /// Errors as OpenDevice's; a failed open is not remembered (the next call tries again).

@@ -106,7 +106,7 @@ TEST(CudaGpuTest, TwoProcessIpcOnTheSameGpu) {
   auto handle = dev.ExportIpc((*a)->address() + kOffset);
   ASSERT_TRUE(handle.ok()) << handle.status().ToString();
   EXPECT_EQ(handle->offset, kOffset);
-  auto peer = Subprocess::Spawn({KVFERRY_DEVICE_IPC_PEER_PATH, "import", "cuda:0",
+  auto peer = Subprocess::Spawn({testing::DeviceIpcPeerPath(), "import", "cuda:0",
                                  testing::ToHex(handle->Encode()), "41", "42"});
   ASSERT_TRUE(peer.ok());
   auto line = peer->ReadLine(std::chrono::seconds(60));

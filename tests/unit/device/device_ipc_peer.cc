@@ -1,12 +1,14 @@
-// The second process of the device IPC tests, and the GPU probe of make test-gpu.
+// The second process of the device IPC tests, and the probe of make test-gpu / make test-npu.
 //
-//   device_ipc_peer probe
-//     opens cuda:0; exits 0 if it opens, else prints "no CUDA driver/device: <why>" and exits 77.
+//   device_ipc_peer probe [device]
+//     opens <device> (default cuda:0; npu:0 for the NPU check); exits 0 if it opens, else prints
+//     "no CUDA driver/device: <why>" (cuda) or "no NPU runtime/device: <why>" (npu) and exits 77.
 //   device_ipc_peer import <device> <hex IpcHandle> <seed> <write_seed>
-//     imports the handle on <device> (e.g. sim:0, cuda:0), checks that the bytes from the handle's
-//     offset to the end of the allocation hold the pattern of <seed> (region 0, pattern offset =
-//     handle offset), overwrites them with the pattern of <write_seed>, waits for the copy, prints
-//     "ok" and waits for stdin to close. Any failure prints "error <status>" and exits 1.
+//     imports the handle on <device> (e.g. sim:0, cuda:0, npu:0), checks that the bytes from the
+//     handle's offset to the end of the allocation hold the pattern of <seed> (region 0, pattern
+//     offset = handle offset), overwrites them with the pattern of <write_seed>, waits for the
+//     copy, prints "ok" and waits for stdin to close. Any failure prints "error <status>" and
+//     exits 1.
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -60,10 +62,13 @@ int Import(const std::string& device_name, const std::string& hex, std::uint64_t
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode == "probe" && argc == 2) {
-    auto device = OpenDevice("cuda:0");
+  if (mode == "probe" && (argc == 2 || argc == 3)) {
+    const std::string name = argc == 3 ? argv[2] : "cuda:0";
+    auto device = OpenDevice(name);
     if (!device.ok()) {
-      std::cout << "no CUDA driver/device: " << device.status().ToString() << std::endl;
+      std::cout << (name.rfind("npu", 0) == 0 ? "no NPU runtime/device: "
+                                              : "no CUDA driver/device: ")
+                << device.status().ToString() << std::endl;
       return 77;
     }
     std::cout << "found " << (*device)->name() << std::endl;
@@ -72,6 +77,7 @@ int main(int argc, char** argv) {
   if (mode == "import" && argc == 6) {
     return Import(argv[2], argv[3], std::stoull(argv[4]), std::stoull(argv[5]));
   }
-  std::cerr << "usage: device_ipc_peer probe | import <device> <hex handle> <seed> <write_seed>\n";
+  std::cerr << "usage: device_ipc_peer probe [device] | import <device> <hex handle> <seed> "
+               "<write_seed>\n";
   return 2;
 }

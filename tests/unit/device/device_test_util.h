@@ -1,8 +1,12 @@
 // Helpers for the device tests: move bytes in and out of device memory through a stream and wait.
 #pragma once
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstddef>
+#include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -64,5 +68,20 @@ inline std::vector<std::uint8_t> FromHex(const std::string& s) {
   }
   return out;
 }
+
+#ifdef KVFERRY_DEVICE_IPC_PEER_PATH
+// The device_ipc_peer program: $KVFERRY_DEVICE_IPC_PEER if set, else the one of the build, else
+// (in a bundle made by make device-bundle, where the build's path does not exist) the one beside
+// this test.
+inline std::string DeviceIpcPeerPath() {
+  if (const char* v = std::getenv("KVFERRY_DEVICE_IPC_PEER"); v != nullptr && *v != '\0') {
+    return v;
+  }
+  if (::access(KVFERRY_DEVICE_IPC_PEER_PATH, X_OK) == 0) return KVFERRY_DEVICE_IPC_PEER_PATH;
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return (self.parent_path() / "device_ipc_peer").string();
+}
+#endif
 
 }  // namespace kvferry::device::testing

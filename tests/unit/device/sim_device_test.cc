@@ -279,7 +279,7 @@ TEST(SimIpcTest, SecondProcessReadsAndWritesTheExportedAllocation) {
   EXPECT_EQ(handle->offset, kOffset);
   EXPECT_EQ(handle->alloc_size, kSize);
 
-  auto peer = Subprocess::Spawn({KVFERRY_DEVICE_IPC_PEER_PATH, "import", "sim:0",
+  auto peer = Subprocess::Spawn({testing::DeviceIpcPeerPath(), "import", "sim:0",
                                  testing::ToHex(handle->Encode()), "41", "42"});
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
   auto line = peer->ReadLine(std::chrono::seconds(20));
