@@ -25,8 +25,11 @@ using aclrtContext = void*;
 
 inline constexpr aclError ACL_SUCCESS = 0;
 inline constexpr aclError ACL_ERROR_REPEAT_INITIALIZE = 100002;  // acl_base_rt.h
-// error_codes/rt_error_codes.h: aclrtSynchronizeStreamWithTimeout ran out of time.
-inline constexpr aclError ACL_ERROR_RT_STREAM_SYNC_TIMEOUT = 507046;
+// NOLINTEND(readability-identifier-naming)
+/// ACL_ERROR_RT_STREAM_SYNC_TIMEOUT (a macro in error_codes/rt_error_codes.h, hence not its name):
+/// aclrtSynchronizeStreamWithTimeout ran out of time.
+inline constexpr aclError kStreamSyncTimeout = 507046;
+// NOLINTBEGIN(readability-identifier-naming)
 
 enum aclrtMemMallocPolicy : int {
   ACL_MEM_MALLOC_HUGE_FIRST = 0,
@@ -52,7 +55,6 @@ enum aclrtMemLocationType : int {
   ACL_MEM_LOCATION_TYPE_HOST = 0,
   ACL_MEM_LOCATION_TYPE_DEVICE = 1,
   ACL_MEM_LOCATION_TYPE_UNREGISTERED = 2,
-  ACL_MEM_LOCATION_TYPE_MANAGED = 3,
 };
 
 struct aclrtMemLocation {

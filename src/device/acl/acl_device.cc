@@ -200,7 +200,7 @@ class AclStream final : public Stream {
   ~AclStream() override {
     if (!s_->MakeCurrent().ok()) return;
     const acl::aclError r = s_->rt->aclrtSynchronizeStreamWithTimeout(st_, kStreamDrainMs);
-    if (r == acl::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT) {
+    if (r == acl::kStreamSyncTimeout) {
       Log().warn(
           "{}: a stream still ran copies {} ms after its owner let it go; it is left "
           "undestroyed (aclrtDestroyStream would wait without a deadline)",

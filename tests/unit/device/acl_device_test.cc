@@ -429,7 +429,7 @@ TEST_F(AclFakeTest, AStreamStillBusyAfterTenSecondsIsLeftUndestroyed) {
   }
   EXPECT_EQ(fake_->live_streams(), before);
   LogCapture log;
-  fake_->set_sync_result(acl::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT);
+  fake_->set_sync_result(acl::kStreamSyncTimeout);
   {
     auto stream = dev_->CreateStream();
     ASSERT_TRUE(stream.ok());
