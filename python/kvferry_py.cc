@@ -58,6 +58,7 @@ KvTransferParams ParamsFromDict(const py::dict& d) {
   if (opt("remote_port")) p.remote_port = d["remote_port"].cast<int>();
   if (opt("remote_tp_size")) p.remote_tp_size = d["remote_tp_size"].cast<int>();
   if (opt("remote_request_id")) p.remote_request_id = d["remote_request_id"].cast<std::string>();
+  if (opt("transfer_id")) p.transfer_id = d["transfer_id"].cast<std::string>();
   return p;
 }
 
@@ -71,6 +72,7 @@ py::dict ParamsToDict(const KvTransferParams& p) {
   if (p.remote_port) d["remote_port"] = *p.remote_port;
   if (p.remote_tp_size) d["remote_tp_size"] = *p.remote_tp_size;
   if (p.remote_request_id) d["remote_request_id"] = *p.remote_request_id;
+  if (p.transfer_id) d["transfer_id"] = *p.transfer_id;
   return d;
 }
 
@@ -331,6 +333,17 @@ PYBIND11_MODULE(_kvferry, m) {
             ThrowIfError(st);
           },
           py::arg("request_id"), py::arg("params"), py::arg("block_ids"))
+      .def(
+          "request_scheduled",
+          [](Scheduler& s, const std::string& request_id, const py::dict& params,
+             const std::vector<std::int64_t>& block_ids, std::int64_t num_computed_tokens,
+             std::int64_t num_scheduled_tokens, std::int64_t num_prompt_tokens) {
+            s.RequestScheduled(request_id, ParamsFromDict(params), block_ids, num_computed_tokens,
+                               num_scheduled_tokens, num_prompt_tokens);
+          },
+          py::arg("request_id"), py::arg("params"), py::arg("block_ids"),
+          py::arg("num_computed_tokens"), py::arg("num_scheduled_tokens"),
+          py::arg("num_prompt_tokens"))
       .def("build_connector_meta",
            [](Scheduler& s) {
              const std::vector<std::uint8_t> b = s.BuildConnectorMeta().Encode();
@@ -416,6 +429,17 @@ PYBIND11_MODULE(_kvferry, m) {
              py::gil_scoped_release release;
              w.StartLoadKv(md);
            })
+      .def(
+          "save_kv_layer",
+          [](Worker& w, int layer, std::uint64_t stream) {
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = w.SaveKvLayer(layer, stream);
+            }
+            ThrowIfError(s);
+          },
+          py::arg("layer"), py::arg("stream") = 0)
       .def("get_finished",
            [](Worker& w) {
              FinishedRequests f;

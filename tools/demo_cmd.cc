@@ -275,6 +275,11 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
                  "With layer-wise transfer: shorter prompts take the whole-request path")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--drop-prefill-legs", p.drop_prefill_legs,
+                 "Fault injection, layer-wise: share of requests whose prefill leg the proxy "
+                 "never sends (their decode loads fail at the start deadline, recomputed)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   cmd.add_option("--prefill-chunk-tokens", p.prefill_chunk_tokens,
                  "Prefill instances: chunked prefill of layer-wise requests (0: whole prompts)")
       ->capture_default_str()
@@ -409,16 +414,18 @@ Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
     std::ofstream gp(script);
     gp << "set terminal png size 1200,500\n"
        << "set output '" << a.chart << "'\n"
-       << "set multiplot layout 1,2 title 'whole-request against layer-wise transfer: "
-       << a.pipeline.model.layers << " layers, prefill TP " << a.pipeline.prefill_tp
-       << " -> decode TP " << a.pipeline.decode_tp << ", transport " << a.pipeline.transport << ", "
-       << a.pipeline.compute_us_per_token << " us/token prefill compute, " << a.requests
-       << " requests per point'\n"
+       << "set multiplot layout 1,2 title 'whole-request and layer-wise transfer, same run: "
+       << a.pipeline.model.layers << " layers, TP " << a.pipeline.prefill_tp << " -> "
+       << a.pipeline.decode_tp << ", " << a.pipeline.transport << ", "
+       << a.pipeline.compute_us_per_token << " us/token of prefill compute, " << a.requests
+       << " requests a point'\n"
        << "set logscale x 2\nset grid\nset key top left\nset xlabel 'prompt length (tokens)'\n"
-       << "set ylabel 'TTFT p50 (ms)'\nset yrange [0:*]\n"
+       << "set logscale y 10\nset ylabel 'TTFT p50 (ms)'\n"
        << "plot '" << data << "' using 1:2 with linespoints lw 2 pt 7 title 'whole-request', '"
        << data << "' using 1:3 with linespoints lw 2 pt 5 title 'layer-wise'\n"
-       << "set ylabel 'exposed transfer p50 (ms): TTFT - prefill compute - first decode step'\n"
+       << "unset logscale y\nset yrange [0:*]\n"
+       << "set ylabel 'exposed transfer p50 (ms)'\n"
+       << "set title 'exposed = TTFT - prefill compute - first decode step'\n"
        << "plot '" << data << "' using 1:4 with linespoints lw 2 pt 7 title 'whole-request', '"
        << data << "' using 1:5 with linespoints lw 2 pt 5 title 'layer-wise'\n"
        << "unset multiplot\n";

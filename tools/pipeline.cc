@@ -321,12 +321,21 @@ class Proxy {
                          {"remote_engine_id", c["engine_id"]}, {"remote_host", c["host"]},
                          {"remote_port", c["port"]},           {"remote_tp_size", c["tp_size"]}};
       }
-      (void)prefill_[f.instance]->Send({{"op", "generate"},
-                                        {"request_id", id},
-                                        {"prompt", prompts_[next_]},
-                                        {"kv_transfer_params", params}});
+      const bool lost =
+          f.layerwise && a_.drop_prefill_legs > 0 && unit_(rng_) < a_.drop_prefill_legs;
+      if (!lost) {
+        (void)prefill_[f.instance]->Send({{"op", "generate"},
+                                          {"request_id", id},
+                                          {"prompt", prompts_[next_]},
+                                          {"kv_transfer_params", params}});
+      }
       f.sent = Clock::now();
       if (f.layerwise) {
+        if (lost) {
+          // Nothing to wait for from the prefill instance.
+          f.prefill_answered = true;
+          --prefill_load_[f.instance];
+        }
         f.prefill_instance = f.instance;
         f.forwarded = f.sent;
         f.instance = LeastLoaded(decode_load_, decode_down_until_);

@@ -31,7 +31,10 @@ struct PipelineArgs {
   /// `layerwise_min_tokens` tokens go to a prefill and a decode instance at once with a shared
   /// transfer id; shorter ones, and all when off, take the whole-request path.
   bool layerwise = false;
-  std::int64_t layerwise_min_tokens = 0;
+  std::int64_t layerwise_min_tokens = 32;  // measured: docs/layerwise.md, "The threshold"
+  /// Fault injection: the share of layer-wise requests whose prefill leg the proxy never sends
+  /// (a lost leg); their decode loads fail at the start deadline and are recomputed.
+  double drop_prefill_legs = 0;
   /// Prefill instances: chunked prefill of layer-wise requests, and layers per announcement.
   std::int64_t prefill_chunk_tokens = 0;
   int layers_per_notice = 1;

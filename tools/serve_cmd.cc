@@ -45,6 +45,8 @@ struct ServeArgs {
   int compute_us_per_token = 0;
   std::int64_t prefill_chunk_tokens = 0;
   int layers_per_notice = 1;
+  int layerwise_start_timeout_ms = 30000;
+  int layerwise_progress_timeout_ms = 5000;
   std::string memory = "host";
   bool exit_on_stdin_eof = false;
   std::string metrics_host = "127.0.0.1";
@@ -126,6 +128,8 @@ int RunServe(const ServeArgs& a) {
   c.compute_per_token = std::chrono::microseconds(a.compute_us_per_token);
   c.prefill_chunk_tokens = a.prefill_chunk_tokens;
   c.layers_per_notice = a.layers_per_notice;
+  c.layerwise_start_timeout = std::chrono::milliseconds(a.layerwise_start_timeout_ms);
+  c.layerwise_progress_timeout = std::chrono::milliseconds(a.layerwise_progress_timeout_ms);
   c.memory = a.memory;
   if (!a.rank_table.empty()) {
     Result<RankTable> t = RankTable::Load(a.rank_table);
@@ -411,6 +415,18 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
                    "Prefill: announce layer-wise progress every this many layers")
       ->capture_default_str()
       ->check(CLI::Range(1, 4096));
+  serve
+      ->add_option("--layerwise-start-timeout-ms", a->layerwise_start_timeout_ms,
+                   "Decode: a layer-wise load fails when the prefill side has not started its "
+                   "request this long after subscribing")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 3600000));
+  serve
+      ->add_option("--layerwise-progress-timeout-ms", a->layerwise_progress_timeout_ms,
+                   "Decode: a started layer-wise load fails when nothing is announced for this "
+                   "long")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 3600000));
   serve
       ->add_option("--memory", a->memory,
                    "Where the KV caches are: host, or a device such as sim:0 or cuda:0 "

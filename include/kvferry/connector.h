@@ -405,7 +405,9 @@ class Worker {
   /// The engine aborted the request whose load runs or waits here: the load stops (reads in
   /// flight are cancelled; when this returns none of them writes any more), the prefill ranks
   /// are told to release their holds, and the load is still reported once in `receiving`, with a
-  /// Cancelled LoadError that asks for no recompute. Keep the blocks allocated until then.
+  /// Cancelled LoadError that asks for no recompute, by the next GetFinished, whatever the load
+  /// was waiting on (a handshake with a peer that does not answer, a layer-wise announcement).
+  /// Keep the blocks allocated until then.
   /// NotFound when this worker has no such load (it already ended, or never started).
   Status AbortLoad(const std::string& request_id, const std::string& reason);
 

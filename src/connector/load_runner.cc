@@ -164,6 +164,21 @@ Status LoadRunner::Abort(const std::string& request_id, const std::string& reaso
   // request's blocks is in `running`; Cancel returns once no read of it runs, after which the
   // engine may reuse the blocks. A batch released meanwhile had ended: Cancel ignores it.
   for (BatchId b : running) transport_.Cancel(b);
+  // No read of it runs now, and none can start (reads are submitted only while it is not
+  // aborted): it ends here, whatever its thread waits on (a handshake with a peer that does not
+  // answer, a subscription, an announcement), and its thread ends it quietly later.
+  std::optional<LoadSpec> spec;
+  {
+    MutexLock lock(mu_);
+    auto it = loads_.find(request_id);
+    if (it != loads_.end() && !it->second.reported) {
+      it->second.reported = true;
+      spec = it->second.spec;
+      ReportLocked(*spec, Status::Cancelled("the engine aborted the load: " + reason),
+                   /*recompute=*/false);
+    }
+  }
+  if (spec) SendAborts(*spec, reason);
   return Status::Ok();
 }
 
@@ -186,7 +201,8 @@ void LoadRunner::Run(const LoadSpec& load) {
       aborted_by_engine = true;
     }
   }
-  if (!s.ok()) {
+  if (!s.ok() && !aborted_by_engine) {
+    // (An engine abort told the prefill ranks already, when it ended the load.)
     Log().warn("request {}: load of {} blocks from {} failed: {}", load.request_id,
                load.local_block_ids.size(), load.remote_engine_id, s.ToString());
     SendAborts(load, std::string(s.message()));
@@ -204,8 +220,14 @@ void LoadRunner::Run(const LoadSpec& load) {
 }
 
 void LoadRunner::EndLocked(const LoadSpec& load, const Status& s, bool recompute) {
-  // Every started load ends here, exactly once: reported done or failed to GetFinished.
-  loads_.erase(load.request_id);
+  auto it = loads_.find(load.request_id);
+  const bool reported = it != loads_.end() && it->second.reported;
+  if (it != loads_.end()) loads_.erase(it);
+  if (!reported) ReportLocked(load, s, recompute);
+}
+
+void LoadRunner::ReportLocked(const LoadSpec& load, const Status& s, bool recompute) {
+  // Every started load is reported here, exactly once: done or failed, to GetFinished.
   finished_.push_back(load.request_id);
   if (s.ok()) {
     ++stats_.loads_done;

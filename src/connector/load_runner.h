@@ -83,6 +83,7 @@ class LoadRunner {
     std::vector<std::string> endpoints;  // prefill ranks whose leases this load renews
     std::vector<BatchId> batches;        // submitted and not yet released
     std::optional<std::string> aborted;  // the engine's reason, once Abort was called
+    bool reported = false;               // ended for GetFinished already (by Abort)
   };
   // A layer-wise load's view of what its prefill ranks announced: written by OnProgress (the
   // listener's thread), read by the load's thread, which sleeps on `cv` between announcements.
@@ -142,8 +143,11 @@ class LoadRunner {
   Status Confirm(const LoadSpec& load, const std::vector<std::string>& endpoints,
                  const std::set<std::string>& read_from) EXCLUDES(mu_);
   void WakeWatch(const std::string& transfer_id) REQUIRES(mu_);
-  // Reports a load's end (the one place, so each ends once); `recompute` false for engine aborts.
+  // A load's thread is done with it: reported unless Abort reported it already.
   void EndLocked(const LoadSpec& load, const Status& s, bool recompute) REQUIRES(mu_);
+  // Reports a load's end to GetFinished and TakeErrors (the one place, so each is reported once);
+  // `recompute` false for engine aborts.
+  void ReportLocked(const LoadSpec& load, const Status& s, bool recompute) REQUIRES(mu_);
   std::vector<std::string> NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
                                            const std::vector<TpSource>& sources) const;
   // Cancelled with the engine's reason when the load was aborted; Ok otherwise.

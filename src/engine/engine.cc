@@ -127,6 +127,8 @@ Status Instance::Init() {
     w.transport.shm_permit_any_tracer = c.shm_permit_any_tracer;
     w.hold_lease = c.hold_lease;
     w.layerwise_layers_per_notice = c.layers_per_notice;
+    w.layerwise_start_timeout = c.layerwise_start_timeout;
+    w.layerwise_progress_timeout = c.layerwise_progress_timeout;
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));
     KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(spec, bases, kind));
     specs_.push_back(spec);

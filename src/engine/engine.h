@@ -69,8 +69,11 @@ struct InstanceConfig {
   /// Its prompt is computed in chunks of this many tokens (0: all at once), each chunk a step of
   /// its own as far as the connector sees it (vLLM's chunked prefill).
   std::int64_t prefill_chunk_tokens = 0;
-  /// WorkerConfig::layerwise_layers_per_notice of every worker.
+  /// WorkerConfig::layerwise_layers_per_notice, layerwise_start_timeout and
+  /// layerwise_progress_timeout of every worker.
   int layers_per_notice = 1;
+  std::chrono::milliseconds layerwise_start_timeout{30000};
+  std::chrono::milliseconds layerwise_progress_timeout{5000};
   /// Where the KV caches are: "host", or a device of this process ("sim:0", "cuda:0"; "sim" is
   /// "sim:0"; docs/device.md) holding every rank's caches. With a device the engine computes into a
   /// host mirror and copies the blocks up, and copies them back down to verify them.

@@ -290,10 +290,15 @@ class DecodeInstance {
   // Rules 1-3 as an engine drives them, then StartLoadKv on `ranks` (default: all).
   Status Load(const std::string& req, const PrefillProcess& prefill, const Params& p,
               int prefix_hit_blocks = 0, std::vector<int> ranks = {}) {
+    return LoadFrom(req, prefill.engine(), p, prefix_hit_blocks, std::move(ranks));
+  }
+  // The same from engine `engine` at 127.0.0.1:p.port (a peer that is not a PrefillProcess).
+  Status LoadFrom(const std::string& req, const std::string& engine, const Params& p,
+                  int prefix_hit_blocks = 0, std::vector<int> ranks = {}) {
     KvTransferParams params;
     params.do_remote_prefill = true;
     params.remote_block_ids = p.blocks;
-    params.remote_engine_id = prefill.engine();
+    params.remote_engine_id = engine;
     params.remote_host = "127.0.0.1";
     params.remote_port = p.port;
     params.remote_tp_size = p.tp;

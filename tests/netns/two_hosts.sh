@@ -64,12 +64,14 @@ setup ip -n "$ns_d" link set "${tag}b" up
 export KVFERRY_SECRET="netns-test-secret-$$"
 model=(--num-blocks 1024 --layers 4)
 transport=tcp  # of the instances `start` starts; the ucx phases at the end switch it
+serve_extra=()  # more serve options of the instances `start` starts (the layer-wise phases')
 start() {  # role ns ip: starts the instance (pid in $work/ROLE.pid) and waits until it is ready
   local before
   before=$(grep -c READY "$work/$1.log")  # counted first: the new one may be ready at once
   ip netns exec "$2" "$kvferry" serve --role "$1" --tp 2 --host "$3" --control-host "$3" \
     --base-port 7100 --control-port 7000 --rank-table "$work/ranktable.json" \
-    --transport "$transport" --hold-lease-ms 4000 "${model[@]}" </dev/null >>"$work/$1.log" 2>&1 &
+    --transport "$transport" --hold-lease-ms 4000 "${model[@]}" "${serve_extra[@]}" \
+    </dev/null >>"$work/$1.log" 2>&1 &
   echo $! >>"$work/pids"
   echo $! >"$work/$1.pid"
   for _ in $(seq 100); do
@@ -311,22 +313,52 @@ run kill_decode 32 failed:decode:1 --seed 5 --requests 1000 --max-prompt 2048 ||
 # fail and are recomputed; loads naming the old engine are refused by the new one's id.
 fault_during kill_prefill 1.0 kill_and_restart prefill "$ns_p" "$ip_p"
 run kill_prefill 16 cost:1 --seed 6 --requests 1000 --max-prompt 2048 || status=1
+# Layer-wise transfer (issue 20): both instances started again with a modelled prefill compute
+# (10 us a token, spread over the layers, so a request is mid-layers for milliseconds) and short
+# layer-wise deadlines (start 2 s, progress 1.5 s), and every request of at least 32 tokens sent to
+# both at once. Faults mid-layers: the prefill killed (its loads fail and are recomputed), frozen
+# (loads fail by their progress deadline or wait it out), the decode killed (its requests fail),
+# the link down (pushes and reads lost: loads recomputed or carried across), and prefill legs that
+# never arrive (dropped by the proxy: their loads fail at the start deadline, recomputed).
+restart_both() {  # stops both instances and starts them again with the current settings
+  local role pid
+  for role in prefill decode; do
+    pid=$(cat "$work/$role.pid")
+    kill -KILL "$pid" 2>/dev/null
+    for _ in $(seq 200); do
+      { [ ! -e "/proc/$pid" ] || [ "$(proc_state "$pid")" = Z ]; } && break
+      sleep 0.05
+    done
+  done
+  start prefill "$ns_p" "$ip_p"
+  start decode "$ns_d" "$ip_d"
+}
+serve_extra=(--compute-us-per-token 10 --layerwise-start-timeout-ms 2000
+  --layerwise-progress-timeout-ms 1500)
+restart_both
+lw=(--layerwise --layerwise-min-tokens 32)
+run lw_clean 0 none "${lw[@]}" --seed 11 --requests 40 --max-prompt 1024 || status=1
+fault_during lw_kill_prefill 1.0 kill_and_restart prefill "$ns_p" "$ip_p"
+run lw_kill_prefill 16 cost:1 "${lw[@]}" --seed 12 --requests 600 --max-prompt 2048 || status=1
+fault_during lw_sigstop_prefill 1.0 freeze_for "$(cat "$work/prefill.pid")" 2
+run lw_sigstop_prefill 16 delay_or_cost:1600 "${lw[@]}" --seed 13 --requests 600 \
+  --max-prompt 2048 || status=1
+fault_during lw_kill_decode 1.0 kill_and_restart decode "$ns_d" "$ip_d"
+run lw_kill_decode 32 failed:decode:1 "${lw[@]}" --seed 14 --requests 600 --max-prompt 2048 ||
+  status=1
+fault_during lw_link_flap 1.0 link_down_for 3
+run lw_link_flap 16 delay_or_cost:2400 "${lw[@]}" --seed 15 --requests 600 --max-prompt 2048 ||
+  status=1
+run lw_lost_prefill_legs 0 none "${lw[@]}" --drop-prefill-legs 0.05 --seed 16 --requests 200 \
+  --max-prompt 2048 || status=1
+serve_extra=()
 # The ucx backend between the hosts (issue 15): both instances started again with --transport
 # ucx, UCX over its tcp transport across the veth pair (this machine has no RDMA); a clean run and
 # the link flap. With UCX's peer error handling a dead link may fail the loads in flight (they
 # are recomputed) instead of waiting for it: either way nothing is lost, hangs or leaks.
-for role in prefill decode; do
-  pid=$(cat "$work/$role.pid")
-  kill -KILL "$pid" 2>/dev/null
-  for _ in $(seq 200); do
-    { [ ! -e "/proc/$pid" ] || [ "$(proc_state "$pid")" = Z ]; } && break
-    sleep 0.05
-  done
-done
 export UCX_TLS=tcp
 transport=ucx
-start prefill "$ns_p" "$ip_p"
-start decode "$ns_d" "$ip_d"
+restart_both
 run ucx_clean 0 none --seed 7 --requests 40 --max-prompt 1024 || status=1
 fault_during ucx_link_flap 1.0 link_down_for 3
 run ucx_link_flap 16 delay_or_cost:2400 --seed 8 --requests 1000 --max-prompt 2048 || status=1
