@@ -18,7 +18,7 @@ DEBUG_INFO  ?= full
 CMAKE_CONFIGURE = cmake -S . -DKVFERRY_DEBUG_INFO=$(DEBUG_INFO)
 SOURCES      = $(shell git ls-files '*.cc' '*.h' 2>/dev/null || find include src tools tests fuzz -name '*.cc' -o -name '*.h')
 
-.PHONY: all deps configure build test test-gpu netns soak asan tsan tsa fuzz format format-check tidy install demo clean
+.PHONY: all deps configure build test test-gpu test-npu device-bundle netns soak asan tsan tsa fuzz format format-check tidy install demo clean
 
 all: build
 
@@ -51,6 +51,29 @@ test-gpu: configure
 	fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	KVFERRY_REQUIRE_GPU=1 ctest --test-dir $(BUILD) --output-on-failure -L device $(CTEST_ARGS)
+
+# The acl device's tests on a real Ascend NPU (docs/device.md, "Running the NPU check"), as
+# test-gpu: the probe opens npu:0 (without CANN or an NPU it prints "no NPU runtime/device: ..."
+# and the recipe exits 77, or 1 when KVFERRY_REQUIRE_NPU=1); with one, the tests labelled
+# device-npu run with KVFERRY_REQUIRE_NPU=1, so none can skip. scripts/npu_check.sh adds the
+# two-process transfer check.
+NPU_TARGETS = device_ipc_peer acl_npu_test device_transfer_check
+test-npu: configure
+	cmake --build $(BUILD) -j $(JOBS) --target $(NPU_TARGETS)
+	@$(BUILD)/tests/device_ipc_peer probe npu:0; rc=$$?; \
+	if [ $$rc -eq 77 ]; then \
+	  if [ "$$KVFERRY_REQUIRE_NPU" = 1 ]; then echo "test-npu: KVFERRY_REQUIRE_NPU=1 but no NPU was found"; exit 1; fi; \
+	  exit 77; \
+	fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	KVFERRY_REQUIRE_NPU=1 ctest --test-dir $(BUILD) --output-on-failure -L device-npu $(CTEST_ARGS)
+
+# One folder, $(BUILD)/device-bundle (under 64 MiB), with the CLI, the device tests, their helpers
+# and the shared libraries they need, for a GPU or NPU machine without kvferry's libraries
+# (scripts/device_bundle.sh; docs/device.md, "The device bundle"). There:
+# BUNDLE=<folder> scripts/gpu_check.sh, or scripts/npu_check.sh, builds nothing.
+device-bundle: configure
+	JOBS=$(JOBS) scripts/device_bundle.sh --build-dir $(BUILD)
 
 # Only the two-host tests in network namespaces with faults (also part of make test; they need
 # root and are skipped where namespaces cannot be made).

@@ -17,9 +17,10 @@
 # failed: <function>: acl_api.h's signature differs from acl_rt.h's") or the header was not found.
 # Environment: CXX (default c++).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 CXX=${CXX:-c++}
 tmp=""
+# shellcheck disable=SC2317 # called by the trap
 cleanup() { [ -n "$tmp" ] && rm -rf "$tmp"; }
 trap cleanup EXIT
 
