@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 from . import _kvferry
 from .vllm_hostcopy import copy_blocks
-from .vllm_layout import host_mirrors, is_host_tensor, read_caches
+from .vllm_layout import host_mirrors, is_host_tensor, read_caches, tensor_info
 
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
@@ -66,14 +66,17 @@ class KvferryConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
     """The scheduler's per-step metadata (picklable, shipped to worker processes): the native
     metadata as bytes, the requests whose loads vLLM waits for in finished_recving and, for
     host-buffer mode, each such load's local block ids (`load_blocks`) and the prefill requests
-    whose prompt completes this step with the blocks to copy device->host (`saves`)."""
+    whose prompt completes this step with the blocks to copy device->host (`saves`), and the
+    layer-wise prefill requests this step writes with their blocks (`layerwise`)."""
 
     def __init__(self, data: bytes = b"", awaited: tuple[str, ...] = (),
-                 load_blocks: Optional[dict] = None, saves: Optional[dict] = None):
+                 load_blocks: Optional[dict] = None, saves: Optional[dict] = None,
+                 layerwise: Optional[dict] = None):
         self.data = data
         self.awaited = tuple(awaited)
         self.load_blocks = dict(load_blocks or {})
         self.saves = dict(saves or {})
+        self.layerwise = dict(layerwise or {})
 
 
 class KvferryConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
@@ -125,7 +128,12 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
     NixlConnector's shapes too: `tp_size` for remote_tp_size, remote_block_ids as one group."""
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         return None, ""
+    transfer = params.get("transfer_id")
+    if transfer is not None and not _name(transfer):
+        return None, "transfer_id must be a non-empty string of at most 1024 bytes"
     blocks = params.get("remote_block_ids")
+    if transfer is not None and blocks is None:
+        blocks = []  # a layer-wise leg: the prefill side announces its blocks with each layer
     if (isinstance(blocks, (list, tuple)) and len(blocks) == 1
             and isinstance(blocks[0], (list, tuple))):
         blocks = blocks[0]  # NixlConnector's hybrid allocator: a tuple of one group
@@ -149,7 +157,33 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
         if not _name(rid):
             return None, "remote_request_id must be a non-empty string"
         out["remote_request_id"] = rid
+    if transfer is not None:
+        out["transfer_id"] = transfer
     return out, ""
+
+
+def layerwise_transfer_id(params: Any) -> Optional[str]:
+    """The transfer id of a prefill leg sent for layer-wise transfer (docs/layerwise.md):
+    do_remote_decode with a transfer_id; None for any other request."""
+    if not isinstance(params, dict) or params.get("do_remote_decode") is not True:
+        return None
+    transfer = params.get("transfer_id")
+    return transfer if _name(transfer) else None
+
+
+def current_stream_handle(tensor: Any) -> int:
+    """The native handle of the stream the engine writes `tensor`'s device on now (a CUstream
+    for cuda), for Worker.save_kv_layer; 0 for host tensors or a device kvferry does not know."""
+    device = getattr(tensor, "device", None)
+    kind = getattr(device, "type", None)
+    if kind not in ("cuda", "npu"):
+        return 0
+    import torch  # present wherever a device tensor is
+    if kind == "cuda":
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    npu = getattr(torch, "npu", None)  # torch_npu
+    stream = npu.current_stream(device) if npu is not None else None
+    return int(getattr(stream, "npu_stream", 0) or 0)
 
 
 def cuda_unavailable_message(memory: str, native: str) -> str:
@@ -278,6 +312,13 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._copy_blocks: Any = None  # worker, host mode: vLLM's copy_kv_blocks
         self._torch_copy_logged = False  # worker, host mode: torch copies blocks (logged once)
         self._load_blocks: dict[str, list[int]] = {}  # worker, host mode: awaited loads' blocks
+        # Layer-wise (docs/layerwise.md). Scheduler, prefill: requests sent with a transfer id,
+        # with their params and blocks so far. Worker, prefill: kvferry's layer of each of vLLM's
+        # layer names, the layers announced in this step, and in host mode this step's blocks.
+        self._layerwise: dict[str, tuple[Any, dict, list[int]]] = {}
+        self._layer_index: dict[str, int] = {}
+        self._saved_layers: set[int] = set()
+        self._save_warned = False
         if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
                 s.native_role, s.engine_id, s.host, s.base_port, s.dp_rank, s.tp_size,
@@ -323,6 +364,14 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         raw = _get(request, "kv_transfer_params")
+        transfer = layerwise_transfer_id(raw)
+        if transfer is not None and self._settings.native_role == "prefill":
+            # Layer-wise prefill leg: each step that writes its prompt is announced layer by
+            # layer; build_connector_meta tells the workers which blocks and tokens.
+            ids = blocks.get_block_ids()[0] if hasattr(blocks, "get_block_ids") else blocks
+            self._layerwise[str(_get(request, "request_id"))] = (
+                request, {"do_remote_decode": True, "transfer_id": transfer},
+                [int(b) for b in ids or ()])
         if (self._settings.use_host_buffer and isinstance(raw, dict)
                 and raw.get("do_remote_decode") is True and not raw.get("do_remote_prefill")):
             # Host-buffer mode, prefill side (as NixlConnector): its blocks are copied to the
@@ -378,12 +427,44 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             del self._saves_pending[rid]
         return saves
 
+    def _layerwise_this_step(self, scheduler_output: Any) -> dict[str, list[int]]:
+        """Layer-wise prefill legs scheduled in this step: each one's blocks and token range go
+        to kvferry's scheduler (Scheduler.request_scheduled) for the workers' announcements.
+        Returns the blocks each writes in this step (host-buffer mode copies them). Without a
+        SchedulerOutput every tracked request counts as writing its whole prompt now."""
+        out: dict[str, list[int]] = {}
+        if not self._layerwise:
+            return out
+        scheduled = _get(scheduler_output, "num_scheduled_tokens")
+        cached = _get(scheduler_output, "scheduled_cached_reqs")
+        new_ids: dict[str, list[int]] = {}
+        if cached is not None:
+            for rid, ids in zip(_get(cached, "req_ids") or (), _get(cached, "new_block_ids") or ()):
+                if ids and isinstance(ids[0], (list, tuple)):
+                    ids = ids[0]  # one list per KV cache group: the attention group
+                new_ids[str(rid)] = [int(b) for b in ids or ()]
+        for rid, (req, params, ids) in self._layerwise.items():
+            ids.extend(new_ids.get(rid, ()))
+            prompt = _get(req, "prompt_token_ids")
+            count = len(prompt) if prompt is not None else int(_get(req, "num_prompt_tokens", 0))
+            if isinstance(scheduled, dict):
+                if rid not in scheduled:
+                    continue
+                computed, step = int(_get(req, "num_computed_tokens", 0) or 0), int(scheduled[rid])
+            else:
+                computed, step = 0, count
+            self._scheduler.request_scheduled(rid, params, ids, computed, step, count)
+            if computed < count:
+                out[rid] = list(ids)
+        return out
+
     def build_connector_meta(self, scheduler_output: Any = None) -> KvferryConnectorMetadata:
         awaited, self._awaited_next = self._awaited_next, []
         load_blocks, self._load_blocks_next = self._load_blocks_next, {}
         saves = self._saves_this_step(scheduler_output)
+        layerwise = self._layerwise_this_step(scheduler_output)
         return KvferryConnectorMetadata(self._scheduler.build_connector_meta(), tuple(awaited),
-                                        load_blocks, saves)
+                                        load_blocks, saves, layerwise)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         rid = str(_get(request, "request_id"))
@@ -409,8 +490,12 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             return False, None
         if raw.get("do_remote_decode") is not True:
             return False, None
-        return self._scheduler.request_finished(rid, {"do_remote_decode": True}, reason,
-                                                [int(b) for b in block_ids])
+        self._layerwise.pop(rid, None)
+        params: dict = {"do_remote_decode": True}
+        transfer = layerwise_transfer_id(raw)
+        if transfer is not None:
+            params["transfer_id"] = transfer  # held under it; readers confirm by it
+        return self._scheduler.request_finished(rid, params, reason, [int(b) for b in block_ids])
 
     # ----------------------------------------------------------------- worker side
 
@@ -460,6 +545,12 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._worker = worker
         self._spec = spec
         self._registration = reg
+        # kvferry's layer of each of vLLM's layer names: layers sharing a tensor share one.
+        first: dict[tuple, int] = {}
+        for name, cache in host.items():
+            t = cache[0] if isinstance(cache, (tuple, list)) else cache
+            info = tensor_info(t)
+            self._layer_index[name] = first.setdefault((info.address, info.shape), len(first))
         if host is not kv_caches:
             self._device_caches, self._host_caches = dict(kv_caches), host
 
@@ -499,27 +590,60 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._awaited.update(getattr(md, "awaited", ()))
         if self._host_caches is not None:
             self._load_blocks.update(getattr(md, "load_blocks", {}))
+        self._saved_layers = set()
         self._worker.start_load_kv(md.data)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are whole requests, finished before the request is scheduled: nothing to wait."""
+        """A no-op, by design: a decode request computes nothing while its KV loads (vLLM keeps
+        it in WAITING_FOR_REMOTE_KVS until finished_recving, and kvferry reads every layer before
+        reporting it), so no layer of it is ever waited for here."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Pull-based: the decode side reads held blocks; nothing to push per layer."""
+        """Prefill, layer-wise (docs/layerwise.md): vLLM has written this layer's KV for the
+        step; kvferry announces it to the decode workers subscribed to the step's layer-wise
+        requests, which read it while the next layers compute. With CUDA caches the announcement
+        waits for the work queued on the current stream so far, on a kvferry thread: this call
+        never blocks. Host-buffer mode announces every layer in wait_for_save, after the step's
+        blocks are copied to the host. Never raises into vLLM: a failure is logged once and the
+        decode side falls back (its load fails by its deadline and is recomputed)."""
+        md = self._connector_metadata
+        if (self._worker is None or md is None or not getattr(md, "layerwise", None)
+                or self._host_caches is not None):
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None or layer in self._saved_layers:
+            return  # not a layer kvferry registered, or one sharing a tensor already announced
+        self._saved_layers.add(layer)
+        try:
+            self._worker.save_kv_layer(layer, current_stream_handle(kv_layer))
+        except Exception as e:  # never into vLLM's forward pass
+            if not self._save_warned:
+                self._save_warned = True
+                logger.error("save_kv_layer(%s): %s: %s; layer-wise announcements of this "
+                             "worker may be missing (logged once)", layer_name,
+                             type(e).__name__, e)
 
     def wait_for_save(self) -> None:
-        """Nothing is pushed. In host-buffer mode, as NixlConnector's save_kv_to_host: the
-        blocks of each prefill request whose prompt completed in this step are copied device ->
-        host (blocking) before the step ends, so before request_finished offers them, with
-        vLLM's copy op or, when vLLM handed over none, with torch. A failing copy (a broken
-        device) raises, as NixlConnector's does: offering the stale host copy would corrupt the
-        decode side."""
+        """Whole-request: nothing is pushed. In host-buffer mode, as NixlConnector's
+        save_kv_to_host: the blocks of each prefill request whose prompt completed in this step
+        are copied device -> host (blocking) before the step ends, so before request_finished
+        offers them, with vLLM's copy op or, when vLLM handed over none, with torch; layer-wise
+        requests' blocks of this step are copied too, and then every layer is announced. A
+        failing copy (a broken device) raises, as NixlConnector's does: offering the stale host
+        copy would corrupt the decode side."""
         md = self._connector_metadata
         if self._host_caches is None or md is None:
             return
         for rid, ids in getattr(md, "saves", {}).items():
             if ids:
                 self._copy(self._device_caches, self._host_caches, ids, "d2h")
+        layerwise = getattr(md, "layerwise", None) or {}
+        for rid, ids in layerwise.items():
+            if ids and rid not in getattr(md, "saves", {}):
+                self._copy(self._device_caches, self._host_caches, ids, "d2h")
+        if layerwise and self._worker is not None:
+            for layer in range(len(self._registration.bases)):
+                self._worker.save_kv_layer(layer, 0)
 
     def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self._worker is None:

@@ -991,3 +991,122 @@ def test_host_buffer_mode_copies_kernel_blocks_when_they_are_smaller():
     for b in (6, 7, 2, 3):
         np.testing.assert_array_equal(block_view(work._host_caches["l0"].numpy(), b),
                                       dev_block(arrays, "l0", b))
+
+
+# ---------------------------------------------------------------- layer-wise (issue 20)
+
+LAYERWISE_HOSTILE = [
+    {"do_remote_prefill": True, "transfer_id": 5, "remote_engine_id": "p",
+     "remote_host": "127.0.0.1", "remote_port": 5557, "remote_tp_size": 1},
+    {"do_remote_prefill": True, "transfer_id": "", "remote_engine_id": "p",
+     "remote_host": "127.0.0.1", "remote_port": 5557, "remote_tp_size": 1},
+    {"do_remote_prefill": True, "transfer_id": "x" * 2000, "remote_engine_id": "p",
+     "remote_host": "127.0.0.1", "remote_port": 5557, "remote_tp_size": 1},
+    {"do_remote_prefill": True, "transfer_id": "x", "remote_host": "127.0.0.1",
+     "remote_port": 5557, "remote_tp_size": 1},
+]
+
+
+@pytest.mark.parametrize("params", LAYERWISE_HOSTILE)
+def test_hostile_layerwise_params_never_raise(params):
+    sched = kvferry.vllm.KvferryConnector(config("kv_consumer", 5557), "SCHEDULER")
+    req = request("h", dict(params), 8)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, Blocks([]), 0)
+    assert sched.build_connector_meta(None).awaited == ()
+
+
+def fill_blocks(cache, blocks, seed):
+    """Writes random bytes into `blocks` of every part of one layer's cache (fa_nhd layout)."""
+    rng = np.random.default_rng(seed)
+    for b in blocks:
+        view = cache[:, b]
+        view[...] = rng.integers(0, 256, view.nbytes, dtype=np.uint8).view(cache.dtype).reshape(
+            view.shape)
+
+
+def test_layerwise_legs_move_every_byte_as_each_layer_is_saved():
+    """Both legs at once (docs/layerwise.md): the decode leg subscribes first; the prefill leg is
+    computed in two chunks, and each layer's save_kv_layer lets the decode side read it. Blocks
+    are scrambled until their layer is written, so a layer read early would fail the check;
+    nothing is reported before the last layer of the last chunk; the prefill request is held
+    under the transfer id and released by the reader."""
+    pport, dport = free_port(), free_port()
+    p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "SCHEDULER")
+    p_work = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "WORKER")
+    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport), "SCHEDULER")
+    d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", dport), "WORKER")
+    p_caches = {f"l{i}": fa_nhd() for i in range(LAYERS)}
+    d_caches = {f"l{i}": fa_nhd() for i in range(LAYERS)}
+    for i, c in enumerate(p_caches.values()):
+        fill_random(c, 1000 + i)  # not written yet: nothing anyone may read
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches(d_caches)
+    remote, local = [12, 13, 3], [5, 6, 7]
+    dparams = {"do_remote_prefill": True, "transfer_id": "xfer-1",
+               "remote_engine_id": f"kv_producer-{pport}", "remote_host": "127.0.0.1",
+               "remote_port": pport, "remote_tp_size": 1}
+    dreq = request("d-1", dparams, 3 * BS)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (3 * BS, True)
+    d_sched.update_state_after_alloc(dreq, Blocks(local), 3 * BS)
+    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+    d_work.start_load_kv(None)
+
+    preq = request("p-1", {"do_remote_decode": True, "transfer_id": "xfer-1"}, 3 * BS)
+    preq.num_computed_tokens = 0
+    p_sched.update_state_after_alloc(preq, Blocks(remote[:2]), 0)
+    chunks = [(0, 2 * BS, remote[:2], None),
+              (2 * BS, BS, [3], SimpleNamespace(req_ids=["p-1"], new_block_ids=[[3]]))]
+    for n, (computed, count, written, cached) in enumerate(chunks):
+        preq.num_computed_tokens = computed
+        out = SimpleNamespace(num_scheduled_tokens={"p-1": count}, scheduled_cached_reqs=cached)
+        p_work.bind_connector_metadata(p_sched.build_connector_meta(out))
+        p_work.start_load_kv(None)
+        for i, (name, cache) in enumerate(p_caches.items()):
+            assert not d_work.get_finished(set())[1], f"reported before chunk {n} layer {i}"
+            fill_blocks(cache, written, 10 * n + i)  # the forward pass writes this layer
+            p_work.save_kv_layer(name, cache, None)
+        p_work.wait_for_save()
+        p_work.clear_connector_metadata()
+    assert poll(lambda: d_work.get_finished(set())[1], "the layer-wise load") == {"d-1"}
+    assert d_work.get_block_ids_with_load_errors() == set()
+    for name in p_caches:
+        for r, l in zip(remote, local):
+            assert np.array_equal(block_view(p_caches[name], r), block_view(d_caches[name], l)), \
+                f"{name} block {r} -> {l}"
+    preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished(preq, remote)
+    assert delay and params["remote_request_id"] == "xfer-1"
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    assert poll(lambda: p_work.get_finished({"p-1"})[0], "the hold's release") == {"p-1"}
+
+
+def test_layerwise_prefill_aborted_mid_layers_fails_the_decode_load_for_recompute():
+    pport, dport = free_port(), free_port()
+    p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "SCHEDULER")
+    p_work = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "WORKER")
+    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport), "SCHEDULER")
+    d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", dport), "WORKER")
+    p_caches = {f"l{i}": fa_nhd() for i in range(LAYERS)}
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches({f"l{i}": fa_nhd() for i in range(LAYERS)})
+    dreq = request("d-1", {"do_remote_prefill": True, "transfer_id": "xfer-2",
+                           "remote_engine_id": f"kv_producer-{pport}",
+                           "remote_host": "127.0.0.1", "remote_port": pport,
+                           "remote_tp_size": 1}, 2 * BS)
+    d_sched.get_num_new_matched_tokens(dreq, 0)
+    d_sched.update_state_after_alloc(dreq, Blocks([1, 2]), 2 * BS)
+    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+    d_work.start_load_kv(None)
+    preq = request("p-2", {"do_remote_decode": True, "transfer_id": "xfer-2"}, 2 * BS)
+    p_sched.update_state_after_alloc(preq, Blocks([8, 9]), 0)
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    p_work.save_kv_layer("l0", p_caches["l0"], None)
+    preq.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert p_sched.request_finished(preq, [8, 9]) == (False, None)
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    assert poll(lambda: d_work.get_finished(set())[1], "the failed load") == {"d-1"}
+    assert d_work.get_block_ids_with_load_errors() == {1, 2}  # recomputed by vLLM's policy
