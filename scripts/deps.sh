@@ -23,6 +23,8 @@ PACKAGES=(
   python3-prometheus-client            # /metrics checked by Prometheus's own text parser
   python3-torch                        # vLLM adapter tests with real (CPU) torch tensors
   iproute2 nftables                    # two-host tests: namespaces, tbf, packet loss
+  python3-venv python3-setuptools python3-wheel python3-build  # the wheel, offline (setup.py)
+  python3-aiohttp python3-zmq          # kvferry-proxy; its tests' control client (docs/control.md)
 )
 
 missing=()

@@ -21,7 +21,8 @@ def main() -> None:
                  f"{'a file that is not executable' if binary.exists() else 'nothing'}; this "
                  "install is incomplete: reinstall kvferry (pip install --force-reinstall), or "
                  "use the binary of a CMake build (build/kvferry)")
-    os.execv(binary, [str(binary), *sys.argv[1:]])
+    # argv[0] as the user typed it; the binary finds itself through /proc/self/exe.
+    os.execv(binary, ["kvferry", *sys.argv[1:]])
 
 
 if __name__ == "__main__":
