@@ -103,6 +103,17 @@ async def client_gone(request: web.Request) -> None:
     await asyncio.shield(watch.lost)
 
 
+async def send(out: web.StreamResponse, data: bytes, last: bool = False) -> bool:
+    """Writes a stream's bytes; False when the client has gone."""
+    try:
+        await out.write(data)
+        if last:
+            await out.write_eof()
+    except ConnectionResetError:
+        return False
+    return True
+
+
 class FakeVllm:
     def __init__(self, args: argparse.Namespace, control: ControlClient, connector: dict):
         self.args, self.control, self.connector = args, control, connector
@@ -163,8 +174,7 @@ class FakeVllm:
             error = {"error": {"message": reply.get("error", ""), "code": 500}, "kvferry": info}
             if out is None:
                 return web.json_response(error, status=500)
-            await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
-            await out.write_eof()
+            await send(out, f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(), True)
             return out
         texts = [token_text(prompt, i) for i in range(max_tokens)]
         if out is None:
@@ -184,16 +194,11 @@ class FakeVllm:
             chunk = dict(base, object=kind + ".chunk", choices=[choice])
             if last:
                 chunk["kvferry"] = info
-            try:
-                await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            except ConnectionResetError:
-                return out
+            if not await send(out, f"data: {json.dumps(chunk)}\n\n".encode()):
+                return out  # the client left mid-stream: vLLM stops generating
             if self.args.token_delay_ms and not last:
                 await asyncio.sleep(self.args.token_delay_ms / 1000)
-            if request.transport is None or request.transport.is_closing():
-                return out  # the client left mid-stream: vLLM stops generating
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
+        await send(out, b"data: [DONE]\n\n", True)
         return out
 
     async def health(self, request: web.Request) -> web.Response:

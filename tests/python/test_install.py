@@ -1,7 +1,8 @@
 """The installed package, under the wheel test (tests/python/wheel_test.sh sets
 KVFERRY_EXPECT_INSTALLED=1 and runs the Python tests with the venv's interpreter): everything is
 imported from the install, the stubs and the CLI binary are there, and the console commands are
-the ones setup.cfg declares. From the build tree (python_tests) these tests are skipped, saying so."""
+the ones setup.cfg declares. From the build tree (python_tests) these tests are skipped, saying
+so."""
 from __future__ import annotations
 
 import importlib.metadata

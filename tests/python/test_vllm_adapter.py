@@ -748,6 +748,25 @@ def dev_block(arrays, name, block):
     return block_view(arrays[name], block)
 
 
+def offer_and_load(sides, preq, remote, local, decode_id):
+    """Host-buffer mode, after the prefill step that saved `preq`'s blocks: vLLM finishes the
+    prefill request (the hold is offered), the decode instance takes its params and starts the
+    load into `local`; returns once the load is reported (never raising into vLLM)."""
+    (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
+    p_work.clear_connector_metadata()
+    preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished(preq, remote)
+    assert delay
+    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+    p_work.start_load_kv(None)
+    dreq = request(decode_id, dict(params), len(remote) * BS)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (len(remote) * BS, True)
+    d_sched.update_state_after_alloc(dreq, Blocks(local), len(remote) * BS)
+    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
+    d_work.start_load_kv(None)
+    assert poll(lambda: d_work.get_finished(set())[1], "the load") == {decode_id}
+
+
 @pytest.mark.parametrize("make", [fa_nhd, fa_hnd, fa_main_nhd, fa_main_hnd],
                          ids=["flash_nhd", "flash_hnd", "flash_main_nhd", "flash_main_hnd"])
 def test_host_buffer_mode_moves_every_byte_between_device_caches(make):
@@ -819,7 +838,7 @@ def test_host_buffer_mode_without_copy_ops_copies_blocks_with_torch(make):
     copies the blocks on the cache's device, both ways, byte for byte."""
     sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops) = host_mode_pair(make,
                                                                                copy_ops=False)
-    (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
+    (p_sched, p_work), (_, d_work) = sides["kv_producer"], sides["kv_consumer"]
     d_before = {name: a.copy() for name, a in d_arrays.items()}
     p_mirrors_before = {name: m.numpy().copy() for name, m in p_work._host_caches.items()}
     remote, local = [12, 13, 3], [5, 6, 7]
@@ -836,18 +855,7 @@ def test_host_buffer_mode_without_copy_ops_copies_blocks_with_torch(make):
                 np.testing.assert_array_equal(got, dev_block(p_arrays, name, b))
             else:
                 np.testing.assert_array_equal(got, block_view(p_mirrors_before[name], b))
-    p_work.clear_connector_metadata()
-    preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    delay, params = p_sched.request_finished(preq, remote)
-    assert delay
-    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
-    p_work.start_load_kv(None)
-    dreq = request("d-9", dict(params), 3 * BS)
-    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (3 * BS, True)
-    d_sched.update_state_after_alloc(dreq, Blocks(local), 3 * BS)
-    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
-    d_work.start_load_kv(None)
-    assert poll(lambda: d_work.get_finished(set())[1], "the load") == {"d-9"}
+    offer_and_load(sides, preq, remote, local, "d-9")
     assert d_work.get_block_ids_with_load_errors() == set()
     for name in p_arrays:  # host -> device with torch: the loaded blocks, and only they
         for b in range(NB):
@@ -899,7 +907,7 @@ def test_host_buffer_mode_failed_device_copy_is_a_load_error_not_an_exception(fa
                                                                               monkeypatch):
     sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops) = host_mode_pair(
         fa_nhd, d_fail="h2d" if failure == "h2d raises" else None)
-    (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
+    (p_sched, p_work), (_, d_work) = sides["kv_producer"], sides["kv_consumer"]
     if failure == "torch copy raises":
         # No copy op from vLLM: torch copies, and the device fails the host -> device copy.
         d_work.set_host_xfer_buffer_ops(None)
@@ -910,18 +918,7 @@ def test_host_buffer_mode_failed_device_copy_is_a_load_error_not_an_exception(fa
     p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
     p_work.start_load_kv(None)
     p_work.wait_for_save()
-    preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    delay, params = p_sched.request_finished(preq, remote)
-    assert delay
-    p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
-    p_work.start_load_kv(None)
-    dreq = request("d-2", dict(params), 2 * BS)
-    d_sched.get_num_new_matched_tokens(dreq, 0)
-    d_sched.update_state_after_alloc(dreq, Blocks(local), 2 * BS)
-    d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
-    d_work.start_load_kv(None)
-    got = poll(lambda: d_work.get_finished(set())[1], "the load")  # never raises into vLLM
-    assert got == {"d-2"}
+    offer_and_load(sides, preq, remote, local, "d-2")
     assert d_work.get_block_ids_with_load_errors() == set(local)
     for name in d_arrays:  # the device blocks were not touched: vLLM recomputes them
         for l in local:

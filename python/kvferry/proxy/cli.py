@@ -90,7 +90,7 @@ async def serve(config: ProxyConfig) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     try:
-        import aiohttp  # noqa: F401
+        import aiohttp  # noqa: F401  (a clear message rather than an ImportError later)
         import prometheus_client  # noqa: F401
     except ImportError as e:
         sys.exit(f"kvferry-proxy: needs aiohttp and prometheus_client, but {e.name} is missing: "

@@ -7,7 +7,7 @@ layer-wise requests, its kvferry connector endpoint: the engine id, side-channel
 side-channel port (``base_port + dp_rank * tp_size``) and TP size, as configured on that vLLM
 instance. On the command line::
 
-    --prefill http://10.0.0.1:8100,name=p0,engine_id=prefill-0,kv_host=10.0.0.1,kv_port=5557,tp_size=2
+    --prefill http://10.0.0.1:8100,name=p0,engine_id=prefill-0,kv_host=10.0.0.1,kv_port=5557
     --decode http://10.0.0.2:8200
 
 and in a file::

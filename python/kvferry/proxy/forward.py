@@ -36,7 +36,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -49,6 +49,7 @@ from .metrics import ProxyMetrics
 from .pool import Instance, Pool
 
 logger = logging.getLogger("kvferry.proxy")
+_T = TypeVar("_T")
 
 API_PATHS = {"completions": "/v1/completions", "chat_completions": "/v1/chat/completions"}
 CLIENT_POLL_S = 0.05  # how often a request's client connection is looked at
@@ -243,33 +244,47 @@ class Forwarder:
 
     # ------------------------------------------------------------------ prefill legs
 
-    async def _prefill_with_retry(self, flight: Flight) -> tuple[Optional[dict], Instance]:
-        body = prefill_body(flight.body)
+    async def _on_two_instances(self, pool: Pool,
+                                attempt: Callable[[Instance], Awaitable[_T]],
+                                retry: Callable[[LegFailure], bool]) -> _T:
+        """attempt(instance) on the best instance of `pool` that is up and, when it fails in a
+        way `retry` accepts, once more on another. LegFailure (503) when none is up; the last
+        failure, naming the instances tried, when both fail."""
         tried: list[Instance] = []
         last: Optional[LegFailure] = None
-        for attempt in range(2):
-            instance = self.prefill.pick(exclude=tried)
+        for n in range(2):
+            instance = pool.pick(exclude=tried)
             if instance is None:
                 break
-            if attempt:
-                self.metrics.retries.labels("prefill").inc()
+            if n:
+                self.metrics.retries.labels(pool.role).inc()
             tried.append(instance)
             try:
-                answer = await self._prefill_leg(instance, flight, body)
+                return await attempt(instance)
             except LegFailure as f:
+                if not retry(f):
+                    raise
                 last = f
-                continue
-            params = answer.get("kv_transfer_params")
+        if last is None:
+            raise LegFailure("no_instance", f"no {pool.role} instance is up", 503)
+        names = ", ".join(i.name for i in tried)
+        raise LegFailure(last.reason, f"{pool.role} failed on {names}: {last.message}",
+                         last.status)
+
+    async def _prefill_with_retry(self, flight: Flight) -> tuple[Optional[dict], Instance]:
+        """The whole-request prefill leg, sent once more to another instance when it fails."""
+        body = prefill_body(flight.body)
+
+        async def attempt(instance: Instance) -> tuple[Optional[dict], Instance]:
+            params = (await self._prefill_leg(instance, flight, body)).get("kv_transfer_params")
             if params is not None and not isinstance(params, dict):
                 logger.warning("request %s: prefill instance %s answered kv_transfer_params "
                                "%r, not an object; the decode instance computes the prompt",
                                flight.request_id, instance.name, params)
                 params = None
             return params, instance
-        if last is None:
-            raise LegFailure("no_instance", "no prefill instance is up", 503)
-        names = ", ".join(i.name for i in tried)
-        raise LegFailure(last.reason, f"prefill failed on {names}: {last.message}", last.status)
+
+        return await self._on_two_instances(self.prefill, attempt, lambda f: True)
 
     async def _prefill_leg(self, instance: Instance, flight: Flight, body: dict) -> dict:
         """The prefill's answer (a JSON object); LegFailure or UpstreamAnswer otherwise."""
@@ -321,26 +336,13 @@ class Forwarder:
 
     async def _decode(self, request: web.Request, flight: Flight, body: dict
                       ) -> web.StreamResponse:
-        tried: list[Instance] = []
-        last: Optional[LegFailure] = None
-        for attempt in range(2):
-            instance = self.decode.pick(exclude=tried)
-            if instance is None:
-                break
-            if attempt:
-                self.metrics.retries.labels("decode").inc()
-            tried.append(instance)
+        """The decode leg; sent once more to another instance only when it never reached the
+        first (no connection): the KV it names is still held for another reader."""
+        async def attempt(instance: Instance) -> web.StreamResponse:
             flight.decode_started = True
-            try:
-                return await self._decode_on(instance, request, flight, body)
-            except LegFailure as f:
-                if f.reached:
-                    raise
-                last = f  # never reached the instance: the KV is still there for another
-        if last is None:
-            raise LegFailure("no_instance", "no decode instance is up", 503)
-        raise LegFailure(last.reason, f"no decode instance could be reached: {last.message}",
-                         last.status)
+            return await self._decode_on(instance, request, flight, body)
+
+        return await self._on_two_instances(self.decode, attempt, lambda f: not f.reached)
 
     async def _decode_on(self, instance: Instance, request: web.Request, flight: Flight,
                          body: dict) -> web.StreamResponse:

@@ -35,7 +35,9 @@ def new_transfer_id() -> str:
     return "kvferry-" + uuid.uuid4().hex
 
 
-def prefill_body(body: dict, transfer_id: Optional[str] = None) -> dict:
+def _one_token(body: dict) -> dict:
+    """The request cut to one token, answered whole: max_tokens (and max_completion_tokens when
+    present) 1, not streamed, no minimum length."""
     out = dict(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -44,6 +46,11 @@ def prefill_body(body: dict, transfer_id: Optional[str] = None) -> dict:
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
     out.pop("min_completion_tokens", None)
+    return out
+
+
+def prefill_body(body: dict, transfer_id: Optional[str] = None) -> dict:
+    out = _one_token(body)
     if transfer_id is None:
         out["kv_transfer_params"] = dict(WHOLE_PREFILL_PARAMS)
     else:
@@ -68,15 +75,7 @@ def layerwise_decode_params(connector: Connector, transfer_id: str) -> dict:
 def release_body(body: dict, kv_transfer_params: dict) -> dict:
     """A decode leg for a client that left after its prefill answered: one token, not
     streamed, so the decode instance reads (and so frees) the prefill's hold at the least cost."""
-    out = decode_body(body, kv_transfer_params)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out.pop("min_tokens", None)
-    out.pop("min_completion_tokens", None)
-    return out
+    return _one_token(decode_body(body, kv_transfer_params))
 
 
 def _is_token_list(value: Any) -> bool:

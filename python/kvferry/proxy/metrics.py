@@ -1,15 +1,15 @@
 """The proxy's Prometheus metrics (GET /metrics, text format 0.0.4), in a registry of its own.
 
-| metric | type | labels |
-|---|---|---|
-| kvferry_proxy_requests_total | counter | endpoint (completions, chat_completions), path (whole, layerwise) |
-| kvferry_proxy_requests_finished_total | counter | outcome (ok, client_abort, error) |
-| kvferry_proxy_legs_total | counter | role (prefill, decode, release), instance |
-| kvferry_proxy_leg_failures_total | counter | role, instance, reason (connect, timeout, disconnected, status, bad_answer) |
-| kvferry_proxy_retries_total | counter | role |
-| kvferry_proxy_ttft_seconds | histogram | prefill, decode (instance names) |
-| kvferry_proxy_outstanding_legs | gauge | role, instance |
-| kvferry_proxy_instance_up | gauge | role, instance |
+- kvferry_proxy_requests_total (counter): endpoint (completions, chat_completions), path
+  (whole, layerwise)
+- kvferry_proxy_requests_finished_total (counter): outcome (ok, client_abort, error)
+- kvferry_proxy_legs_total (counter): role (prefill, decode, release), instance
+- kvferry_proxy_leg_failures_total (counter): role, instance, reason (connect, timeout,
+  disconnected, status, bad_answer)
+- kvferry_proxy_retries_total (counter): role
+- kvferry_proxy_ttft_seconds (histogram): prefill, decode (instance names)
+- kvferry_proxy_outstanding_legs (gauge): role, instance
+- kvferry_proxy_instance_up (gauge): role, instance
 
 TTFT is from the proxy receiving the request to the first byte of the decode instance's answer
 (for a non-streaming request, the whole answer). A layer-wise request's prefill label is the
