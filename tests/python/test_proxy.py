@@ -254,7 +254,7 @@ def test_client_disconnect_mid_stream_frees_the_prefill_hold_at_once_whole_reque
                 assert status == 200, answer
                 check_verified(answer_info(answer))
                 await c.wait_nothing_held(3)
-                assert freed < 1.0, freed
+                assert freed < 5.0, freed  # the lease is 60 s; 0.06 s here, idle
                 assert await c.holds_ended_by_lease(s) == 0
                 d0 = (await c.stats(c.of("decode")))["d0"]
                 assert (d0["requests_done"], d0["requests_aborted"]) == (1, 1), d0
