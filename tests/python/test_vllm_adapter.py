@@ -870,26 +870,6 @@ def test_host_buffer_mode_without_copy_ops_copies_blocks_with_torch(make):
     assert sent == {"r-9"}
 
 
-def test_host_buffer_mode_torch_copy_moves_kernel_blocks_when_they_are_smaller():
-    torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
-    cfg = config("kv_producer", free_port(), block_size=2 * BS, buffer_device="cpu")
-    sched = kvferry.vllm.KvferryConnector(cfg, "SCHEDULER")
-    work = kvferry.vllm.KvferryConnector(cfg, "WORKER")
-    arrays, dev = device_caches(torch, fa_nhd, 0, layers=1)
-    work.register_kv_caches(dev)  # no copy op handed over
-    before = work._host_caches["l0"].numpy().copy()
-    req = request("k", {"do_remote_decode": True}, 4 * BS, "RUNNING")
-    sched.update_state_after_alloc(req, Blocks([3, 1]), 0)
-    work.bind_connector_metadata(sched.build_connector_meta(None))
-    work.wait_for_save()
-    mirror = work._host_caches["l0"].numpy()
-    for b in range(NB):
-        if b in (6, 7, 2, 3):  # logical blocks 3 and 1 of two kernel blocks each
-            np.testing.assert_array_equal(block_view(mirror, b), dev_block(arrays, "l0", b))
-        else:
-            np.testing.assert_array_equal(block_view(mirror, b), block_view(before, b))
-
-
 def test_host_buffer_mode_torch_copy_failing_device_to_host_raises(monkeypatch):
     # As with vLLM's op: a broken device must not let stale host bytes be offered.
     sides, _, _ = host_mode_pair(fa_nhd, copy_ops=False)
@@ -969,9 +949,11 @@ def test_host_buffer_mode_failing_device_to_host_copy_raises_rather_than_serving
         p_work.wait_for_save()
 
 
-def test_host_buffer_mode_copies_kernel_blocks_when_they_are_smaller():
+@pytest.mark.parametrize("copy_ops", [True, False], ids=["vllm_op", "torch"])
+def test_host_buffer_mode_copies_kernel_blocks_when_they_are_smaller(copy_ops):
     # vLLM's copy ops take the tensors' (kernel) block ids, as NixlConnector hands them
     # (_logical_to_kernel_block_ids): logical block b of 2 kernel blocks is kernel 2b, 2b+1.
+    # Without an op, torch copies the same kernel blocks, and no other.
     torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
     cfg = config("kv_producer", free_port(), block_size=2 * BS, buffer_device="cpu")
     sched = kvferry.vllm.KvferryConnector(cfg, "SCHEDULER")
@@ -979,15 +961,18 @@ def test_host_buffer_mode_copies_kernel_blocks_when_they_are_smaller():
     arrays, dev = device_caches(torch, fa_nhd, 0, layers=1)
     ops = CopyOps(1)
     work.register_kv_caches(dev)
-    work.set_host_xfer_buffer_ops(ops)
+    if copy_ops:
+        work.set_host_xfer_buffer_ops(ops)
+    before = work._host_caches["l0"].numpy().copy()
     req = request("k", {"do_remote_decode": True}, 4 * BS, "RUNNING")
     sched.update_state_after_alloc(req, Blocks([3, 1]), 0)
     work.bind_connector_metadata(sched.build_connector_meta(None))
     work.wait_for_save()
-    assert ops.calls == [("d2h", [6, 7, 2, 3])]
-    for b in (6, 7, 2, 3):
-        np.testing.assert_array_equal(block_view(work._host_caches["l0"].numpy(), b),
-                                      dev_block(arrays, "l0", b))
+    assert ops.calls == ([("d2h", [6, 7, 2, 3])] if copy_ops else [])
+    mirror = work._host_caches["l0"].numpy()
+    for b in range(NB):
+        expected = dev_block(arrays, "l0", b) if b in (6, 7, 2, 3) else block_view(before, b)
+        np.testing.assert_array_equal(block_view(mirror, b), expected)
 
 
 # ---------------------------------------------------------------- layer-wise (issue 20)
