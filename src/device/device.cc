@@ -1,10 +1,12 @@
 // IpcHandle's encoding and OpenDevice's table of implementations.
 #include "device/device.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "device/acl/acl_device.h"
 #include "device/cuda/cuda_device.h"
@@ -95,6 +97,21 @@ Result<IpcHandle> IpcHandle::Decode(std::span<const std::uint8_t> bytes) {
   }
   if (!r.AtEnd()) return bad("nothing after the implementation bytes");
   return h;
+}
+
+Status PollEventUntil(Event& event, Deadline deadline, std::string_view what) {
+  auto pause = std::chrono::microseconds(5);
+  for (;;) {
+    EventPoll p = event.Poll();
+    if (p.state == EventState::kComplete) return Status::Ok();
+    if (p.state == EventState::kFailed) return p.status;
+    if (Clock::now() >= deadline) {
+      return Status::Timeout(std::string(what) +
+                             ": the copies before it had not finished by the deadline");
+    }
+    std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - Clock::now()));
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
+  }
 }
 
 bool KnownDeviceType(std::string_view type) {

@@ -103,6 +103,11 @@ class Event {
   virtual Status Wait(Deadline deadline) = 0;
 };
 
+/// Waits for `event` by polling it, with a pause that grows from 5 us to 1 ms, until it completes
+/// (OK), fails (its error) or `deadline` passes (Timeout: "<what>: the copies before it had not
+/// finished by the deadline"). For runtimes whose own wait has no deadline (cuda, npu).
+Status PollEventUntil(Event& event, Deadline deadline, std::string_view what);
+
 /// An ordered queue of asynchronous copies on one device. Copies run in enqueue order. Enqueue
 /// calls check their arguments (both ranges must lie inside memory this device knows: an
 /// allocation, an import, or for host sides any host memory; cuda needs pinned host memory for the

@@ -158,20 +158,8 @@ class AclEvent final : public Event {
                              "(complete); found " +
                              std::to_string(static_cast<int>(status)))};
   }
-  // Polls with a growing pause (5 us to 1 ms): ACL's event wait has no deadline.
-  Status Wait(Deadline deadline) override {
-    auto pause = std::chrono::microseconds(5);
-    for (;;) {
-      EventPoll p = Poll();
-      if (p.state == EventState::kComplete) return Status::Ok();
-      if (p.state == EventState::kFailed) return p.status;
-      if (Clock::now() >= deadline) {
-        return Status::Timeout("npu event: the copies before it had not finished by the deadline");
-      }
-      std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - Clock::now()));
-      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
-    }
-  }
+  // ACL's event wait (aclrtSynchronizeEvent) has no deadline: poll.
+  Status Wait(Deadline deadline) override { return PollEventUntil(*this, deadline, "npu event"); }
 
  private:
   std::shared_ptr<AclShared> s_;

@@ -87,20 +87,8 @@ class CudaEvent final : public Event {
     return {EventState::kFailed, Status::Internal(c_.driver->Describe("cuEventQuery", r) +
                                                   ": a copy before the event failed")};
   }
-  // Polls with a growing pause (5 us to 1 ms): cuEventSynchronize has no deadline.
-  Status Wait(Deadline deadline) override {
-    auto pause = std::chrono::microseconds(5);
-    for (;;) {
-      EventPoll p = Poll();
-      if (p.state == EventState::kComplete) return Status::Ok();
-      if (p.state == EventState::kFailed) return p.status;
-      if (Clock::now() >= deadline) {
-        return Status::Timeout("cuda event: the copies before it had not finished by the deadline");
-      }
-      std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - Clock::now()));
-      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
-    }
-  }
+  // cuEventSynchronize has no deadline: poll.
+  Status Wait(Deadline deadline) override { return PollEventUntil(*this, deadline, "cuda event"); }
 
  private:
   CudaCtx c_;

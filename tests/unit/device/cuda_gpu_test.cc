@@ -1,23 +1,15 @@
-// The cuda device on a real GPU (make test-gpu). Where there is no driver or device each test
-// SKIPs with the reason, or FAILs when KVFERRY_REQUIRE_GPU=1.
+// The cuda device on a real GPU (make test-gpu): the checks of device_checks.h. Where there is no
+// driver or device each test SKIPs with the reason, or FAILs when KVFERRY_REQUIRE_GPU=1.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 
-#include "common/subprocess.h"
-#include "device/cuda/cuda_device.h"
-#include "tests/unit/device/device_test_util.h"
+#include "device/device.h"
+#include "tests/unit/device/device_checks.h"
 
 namespace kvferry::device {
 namespace {
-
-using testing::Download;
-using testing::PatternBytes;
-using testing::Sync;
-using testing::Upload;
 
 bool RequireGpu() {
   const char* v = std::getenv("KVFERRY_REQUIRE_GPU");
@@ -34,91 +26,27 @@ bool RequireGpu() {
 
 TEST(CudaGpuTest, CopiesInEveryDirectionAreByteExact) {
   KVFERRY_OPEN_GPU(dev);
-  constexpr std::uint64_t kSize = 8 << 20;
-  auto a = dev.Allocate(kSize);
-  auto b = dev.Allocate(kSize);
-  ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString();
-  auto stream = dev.CreateStream();
-  ASSERT_TRUE(stream.ok()) << stream.status().ToString();
-  const auto bytes = PatternBytes(kSize, 7);
-  ASSERT_TRUE(Upload(**stream, (*a)->address(), bytes).ok());
-  ASSERT_TRUE((*stream)->CopyDeviceToDevice((*b)->address(), (*a)->address(), kSize).ok());
-  auto back = Download(**stream, (*b)->address(), kSize);
-  ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(*back, bytes);
+  testing::CheckCopiesInEveryDirection(dev);
 }
 
 TEST(CudaGpuTest, RandomScatteredBlocksThroughPinnedStaging) {
   KVFERRY_OPEN_GPU(dev);
-  constexpr std::uint64_t kBlock = 64 * 1024;
-  constexpr std::uint64_t kBlocks = 64;
-  auto a = dev.Allocate(kBlock * kBlocks);
-  ASSERT_TRUE(a.ok());
-  auto in_buffer = dev.AllocatePinned(kBlock * kBlocks);
-  auto out_buffer = dev.AllocatePinned(kBlock * kBlocks);
-  ASSERT_TRUE(in_buffer.ok() && out_buffer.ok()) << in_buffer.status().ToString();
-  PinnedBuffer* in = in_buffer->get();
-  PinnedBuffer* out = out_buffer->get();
-  FillPattern(in->data(), in->size(), 5, 0, 0);
-  std::vector<std::uint64_t> order(kBlocks);
-  for (std::uint64_t i = 0; i < kBlocks; ++i) order[i] = i;
-  std::shuffle(order.begin(), order.end(), std::mt19937_64(9));
-  auto stream = dev.CreateStream();
-  ASSERT_TRUE(stream.ok());
-  for (std::uint64_t i = 0; i < kBlocks; ++i) {
-    ASSERT_TRUE(
-        (*stream)
-            ->CopyHostToDevice((*a)->address() + order[i] * kBlock, in->data() + i * kBlock, kBlock)
-            .ok());
-  }
-  for (std::uint64_t i = 0; i < kBlocks; ++i) {
-    ASSERT_TRUE((*stream)
-                    ->CopyDeviceToHost(out->data() + i * kBlock,
-                                       (*a)->address() + order[i] * kBlock, kBlock)
-                    .ok());
-  }
-  ASSERT_TRUE(Sync(**stream).ok());
-  EXPECT_EQ(std::memcmp(in->data(), out->data(), kBlock * kBlocks), 0);
+  testing::CheckScatteredBlocksThroughPinnedStaging(dev);
 }
 
 TEST(CudaGpuTest, QueryFindsTheAllocationOfAnInnerPointer) {
   KVFERRY_OPEN_GPU(dev);
-  auto a = dev.Allocate(1 << 20);
-  ASSERT_TRUE(a.ok());
-  auto info = dev.Query((*a)->address() + 4096);
-  ASSERT_TRUE(info.ok()) << info.status().ToString();
-  EXPECT_EQ(info->alloc_base, (*a)->address());
-  EXPECT_GE(info->alloc_size, 1u << 20);
-  std::vector<std::byte> host(64);
-  EXPECT_EQ(dev.Query(reinterpret_cast<DeviceAddress>(host.data())).status().code(),
-            StatusCode::kNotFound);
+  testing::CheckQueryOfAnInnerPointer(dev);
+}
+
+TEST(CudaGpuTest, AnEventOnANativeStreamFollowsItsCopies) {
+  KVFERRY_OPEN_GPU(dev);
+  testing::CheckEventOnANativeStream(dev);
 }
 
 TEST(CudaGpuTest, TwoProcessIpcOnTheSameGpu) {
   KVFERRY_OPEN_GPU(dev);
-  constexpr std::uint64_t kSize = 4 << 20;
-  auto a = dev.Allocate(kSize);
-  ASSERT_TRUE(a.ok());
-  auto stream = dev.CreateStream();
-  ASSERT_TRUE(stream.ok());
-  ASSERT_TRUE(Upload(**stream, (*a)->address(), PatternBytes(kSize, 41)).ok());
-  constexpr std::uint64_t kOffset = 65536 + 512;  // a sub-range, as PyTorch's allocator hands out
-  auto handle = dev.ExportIpc((*a)->address() + kOffset);
-  ASSERT_TRUE(handle.ok()) << handle.status().ToString();
-  EXPECT_EQ(handle->offset, kOffset);
-  auto peer = Subprocess::Spawn({testing::DeviceIpcPeerPath(), "import", "cuda:0",
-                                 testing::ToHex(handle->Encode()), "41", "42"});
-  ASSERT_TRUE(peer.ok());
-  auto line = peer->ReadLine(std::chrono::seconds(60));
-  ASSERT_TRUE(line.ok()) << line.status().ToString();
-  ASSERT_EQ(*line, "ok");
-  auto code = peer->CloseAndWait(std::chrono::seconds(30));
-  ASSERT_TRUE(code.ok());
-  EXPECT_EQ(*code, 0);
-  auto back = Download(**stream, (*a)->address(), kSize);
-  ASSERT_TRUE(back.ok());
-  EXPECT_EQ(FirstPatternMismatch(back->data(), kOffset, 41, 0, 0), -1);
-  EXPECT_EQ(FirstPatternMismatch(back->data() + kOffset, kSize - kOffset, 42, 0, kOffset), -1);
+  testing::CheckTwoProcessIpc(dev);
 }
 
 }  // namespace

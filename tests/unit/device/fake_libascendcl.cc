@@ -121,6 +121,22 @@ void* MapAligned(int fd, std::size_t len, off_t offset) {
   return p == MAP_FAILED ? nullptr : p;
 }
 
+// Creates or destroys a handle of the kind `live` tracks (streams, events). Callers hold mu.
+template <typename T>
+aclError Make(std::set<T*>& live, void** out) {
+  auto* h = new T;
+  live.insert(h);
+  *out = h;
+  return ACL_SUCCESS;
+}
+template <typename T>
+aclError Drop(std::set<T*>& live, void* p) {
+  auto* h = static_cast<T*>(p);
+  if (live.erase(h) != 1) return kParamInvalid;
+  delete h;
+  return ACL_SUCCESS;
+}
+
 Header* MapHeader(int fd) {
   void* h = mmap(nullptr, kHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   return h == MAP_FAILED ? nullptr : static_cast<Header*>(h);
@@ -296,17 +312,11 @@ aclError aclrtMemcpyAsync(void* dst, std::size_t dest_max, const void* src, std:
 aclError aclrtCreateStream(aclrtStream* s) {
   if (!HasContext()) return kContextNull;
   std::lock_guard<std::mutex> lock(mu);
-  auto* st = new FakeStream;
-  streams.insert(st);
-  *s = st;
-  return ACL_SUCCESS;
+  return Make(streams, s);
 }
 aclError aclrtDestroyStream(aclrtStream s) {
   std::lock_guard<std::mutex> lock(mu);
-  auto* st = static_cast<FakeStream*>(s);
-  if (streams.erase(st) != 1) return kParamInvalid;
-  delete st;
-  return ACL_SUCCESS;
+  return Drop(streams, s);
 }
 aclError aclrtSynchronizeStreamWithTimeout(aclrtStream s, std::int32_t) {
   if (!HasContext()) return kContextNull;
@@ -317,17 +327,11 @@ aclError aclrtSynchronizeStreamWithTimeout(aclrtStream s, std::int32_t) {
 aclError aclrtCreateEvent(aclrtEvent* e) {
   if (!HasContext()) return kContextNull;
   std::lock_guard<std::mutex> lock(mu);
-  auto* ev = new FakeEvent;
-  events.insert(ev);
-  *e = ev;
-  return ACL_SUCCESS;
+  return Make(events, e);
 }
 aclError aclrtDestroyEvent(aclrtEvent e) {
   std::lock_guard<std::mutex> lock(mu);
-  auto* ev = static_cast<FakeEvent*>(e);
-  if (events.erase(ev) != 1) return kParamInvalid;
-  delete ev;
-  return ACL_SUCCESS;
+  return Drop(events, e);
 }
 aclError aclrtRecordEvent(aclrtEvent e, aclrtStream s) {
   if (!HasContext()) return kContextNull;
