@@ -304,6 +304,7 @@ struct E2eArgs {
   PipelineArgs pipeline;
   /// off (whole-request), on (layer-wise), or both, measured one after the other per length.
   std::string layerwise = "off";
+  bool warm_pool = false;
   std::vector<int> prompts = {128, 512, 2048};
   int requests = 24;
   int warmup = 8;
@@ -449,16 +450,19 @@ int RunE2e(const E2eArgs& a) {
     for (bool layerwise : modes) {
       // The warm-up requests go first (fresh instances: first handshakes, first touches of the
       // caches' pages) and are left out of the per-request figures.
-      // Enough warm-up for the decode pool to be cycled once: the decode prefix cache keeps each
+      // With --warm-pool, enough warm-up for the decode pool to be cycled once: the decode prefix
+      // cache keeps each
       // request's blocks, so requests land in blocks nobody used until the pool is full, and the
       // kernel's first write into a page costs several times a later one (about 12 us a page
       // on this VM), which is not kvferry's doing and would blur the comparison.
       const std::int64_t blocks = (len + a.pipeline.model.tokens_per_block - 1) /
                                   std::max<std::int64_t>(1, a.pipeline.model.tokens_per_block);
-      const int warmup = std::max<int>(
-          a.warmup,
-          static_cast<int>(std::min<std::int64_t>(
-              64, (a.pipeline.model.num_blocks + blocks - 1) / std::max<std::int64_t>(1, blocks))));
+      const int warmup =
+          !a.warm_pool
+              ? a.warmup
+              : std::max<int>(a.warmup, static_cast<int>(std::min<std::int64_t>(
+                                            64, (a.pipeline.model.num_blocks + blocks - 1) /
+                                                    std::max<std::int64_t>(1, blocks))));
       const auto prompts =
           MakePrompts(warmup + a.requests, len, len, 0.0, static_cast<std::uint32_t>(len));
       PipelineArgs p = a.pipeline;
@@ -589,6 +593,10 @@ void AddDemoCommands(CLI::App& app, int& exit_code) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   e2e->add_flag("--json", e->json, "Machine-readable output");
+  e2e->add_flag("--warm-pool", e->warm_pool,
+                "More warm-up requests, until the decode pool has been cycled once (at most 64): "
+                "the kernel's first write into a page costs several times a later one on some "
+                "machines, which would blur a comparison");
   e2e->add_option("--layerwise", e->layerwise,
                   "off: whole-request transfer; on: layer-wise; both: each prompt length both "
                   "ways in this run, with the exposed transfer of each (docs/layerwise.md)")

@@ -65,14 +65,26 @@ Status RunPlan(const PlanArgs& a) {
       }
       const std::vector<ByteRange> ranges = RunByteRanges(runs, local_spec.num_layers(), bytes, s);
       std::int64_t total = 0;
-      for (const ByteRange& br : ranges) total += br.length;
+      std::int64_t pieces = 0;
+      for (const ByteRange& br : ranges) {
+        total += br.length * br.count;
+        pieces += br.count;
+      }
       std::cout << "  decode rank " << r << " reads prefill rank " << s.prefill_rank << ": ";
       for (std::size_t p = 0; p < s.part_slices.size(); ++p) {
         const BlockSlice& sl = s.part_slices[p];
         std::cout << (p ? ", " : "") << local_spec.parts()[p].name << " bytes [" << sl.remote_offset
                   << ", +" << sl.length << ") -> [" << sl.local_offset << ", +" << sl.length << ")";
+        if (sl.count > 1) {
+          // A token-major head slice: one piece per token slot.
+          std::cout << " x" << sl.count << " (steps " << sl.remote_step << " -> " << sl.local_step
+                    << ")";
+        }
       }
-      std::cout << "; " << ranges.size() << " reads, " << total << " bytes\n";
+      std::cout << "; " << ranges.size() << " reads";
+      if (pieces != static_cast<std::int64_t>(ranges.size()))
+        std::cout << " of " << pieces << " pieces";
+      std::cout << ", " << total << " bytes\n";
     }
   }
   return Status::Ok();

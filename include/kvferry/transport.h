@@ -29,12 +29,19 @@ using PeerId = std::uint64_t;
 using BatchId = std::uint64_t;
 
 /// One read: `length` bytes at `remote_offset` of the peer's region `remote_region` into `local`.
-/// `local` must lie inside a region this transport registered.
+/// `local` must lie inside a region this transport registered. A strided read (`count` > 1) is
+/// `count` such pieces, piece i at remote_offset + i * remote_stride into local + i *
+/// local_stride (each stride at least `length`): the token-major head slices of heterogeneous TP,
+/// where only the bytes needed cross the wire (tcp's server gathers them, shm reads them as
+/// iovecs, ucx gets each).
 struct ReadOp {
   std::byte* local = nullptr;
   RegionId remote_region = 0;
   std::uint64_t remote_offset = 0;
   std::uint64_t length = 0;
+  std::uint64_t count = 1;
+  std::uint64_t remote_stride = 0;
+  std::uint64_t local_stride = 0;
 };
 
 enum class BatchState : std::uint8_t {

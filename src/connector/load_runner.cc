@@ -335,8 +335,9 @@ Status LoadRunner::AddReads(const LoadPlan& plan, const SourceAgent& s,
              plan.addresses.Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
          static_cast<RegionId>(region.id),
          static_cast<std::uint64_t>(region.offset + r.remote_offset),
-         static_cast<std::uint64_t>(r.length)});
-    batch.bytes += static_cast<std::uint64_t>(r.length);
+         static_cast<std::uint64_t>(r.length), static_cast<std::uint64_t>(r.count),
+         static_cast<std::uint64_t>(r.remote_step), static_cast<std::uint64_t>(r.local_step)});
+    batch.bytes += static_cast<std::uint64_t>(r.length * r.count);
   }
   batch.runs += runs.size();
   return Status::Ok();

@@ -166,13 +166,14 @@ std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int first_l
       for (const BlockRun& run : runs) {
         if (slice.whole_block && packed) {
           out.push_back({layer, part, run.remote_start * bb.remote, run.local_start * bb.local,
-                         run.count * bb.remote});
+                         run.count * bb.remote, 1, 0, 0});
           continue;
         }
         for (std::int64_t b = 0; b < run.count; ++b) {
-          out.push_back(
-              {layer, part, (run.remote_start + b) * bb.remote_stride + slice.remote_offset,
-               (run.local_start + b) * bb.local_stride + slice.local_offset, slice.length});
+          out.push_back({layer, part,
+                         (run.remote_start + b) * bb.remote_stride + slice.remote_offset,
+                         (run.local_start + b) * bb.local_stride + slice.local_offset, slice.length,
+                         slice.count, slice.remote_step, slice.local_step});
         }
       }
     }

@@ -44,6 +44,11 @@ struct ByteRange {
   std::int64_t remote_offset = 0;
   std::int64_t local_offset = 0;
   std::int64_t length = 0;
+  /// A strided range: `count` pieces of `length`, piece i at remote_offset + i * remote_step and
+  /// local_offset + i * local_step (a token-major head slice; BlockSlice).
+  std::int64_t count = 1;
+  std::int64_t remote_step = 0;
+  std::int64_t local_step = 0;
 
   friend bool operator==(const ByteRange&, const ByteRange&) = default;
 };

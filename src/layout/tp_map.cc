@@ -54,7 +54,7 @@ Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefi
     for (int p = 0; p < parts; ++p) {
       const std::int64_t bytes =
           HeadBytes(geometry, p, geometry.parts()[static_cast<std::size_t>(p)].num_heads);
-      source.part_slices.push_back({0, 0, bytes, true});
+      source.part_slices.push_back({0, 0, bytes, true, 1, 0, 0});
     }
     return std::vector<TpSource>{source};
   }
@@ -70,22 +70,20 @@ Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefi
     const std::int64_t end = std::min(mine.first + mine.count, theirs.first + theirs.count);
     const bool whole = (h == mine.first && end == mine.first + mine.count && h == theirs.first &&
                         end == theirs.first + theirs.count);
-    if (!whole && geometry.layout() != BlockLayout::kHeadMajor) {
-      return Status::NotSupported(
-          "MHA cache with " + std::to_string(heads) + " KV heads, prefill TP " +
-          std::to_string(prefill_tp) + " and decode TP " + std::to_string(decode_tp) +
-          ": decode rank " + std::to_string(decode_rank) + " needs heads [" + std::to_string(h) +
-          ", " + std::to_string(end) + ") of prefill rank " + std::to_string(q) +
-          ", which holds [" + std::to_string(theirs.first) + ", " +
-          std::to_string(theirs.first + theirs.count) +
-          "); in a token_major block layout a head slice is not one byte range per block. Use "
-          "equal TP sizes, or a head_major block layout");
-    }
     TpSource source{q, {}};
     for (int p = 0; p < parts; ++p) {
-      source.part_slices.push_back({HeadBytes(geometry, p, h - theirs.first),
-                                    HeadBytes(geometry, p, h - mine.first),
-                                    HeadBytes(geometry, p, end - h), whole});
+      if (whole || geometry.layout() == BlockLayout::kHeadMajor) {
+        source.part_slices.push_back({HeadBytes(geometry, p, h - theirs.first),
+                                      HeadBytes(geometry, p, h - mine.first),
+                                      HeadBytes(geometry, p, end - h), whole, 1, 0, 0});
+        continue;
+      }
+      // Token-major: [token][head][dim]; heads [h, end) are one piece per token slot, a row of
+      // the remote rank's heads apart on its side and of this rank's on ours.
+      const std::int64_t head = HeadBytes(geometry, p, 1) / geometry.tokens_per_block();
+      source.part_slices.push_back({(h - theirs.first) * head, (h - mine.first) * head,
+                                    (end - h) * head, false, geometry.tokens_per_block(),
+                                    theirs.count * head, mine.count * head});
     }
     sources.push_back(std::move(source));
     h = end;

@@ -11,14 +11,20 @@
 
 namespace kvferry {
 
-/// A byte range copied from one prefill block of a part into one decode block of the same part.
-/// Offsets are relative to the start of the block on each side.
+/// The bytes copied from one prefill block of a part into one decode block of the same part:
+/// `count` pieces of `length` bytes, piece i at remote_offset + i * remote_step of the remote
+/// block and local_offset + i * local_step of the local one. One piece for whole blocks and
+/// head-major head slices; one per token slot for token-major head slices (a token's heads are
+/// adjacent, so a run of them is one piece per token). Offsets are from the start of the block.
 struct BlockSlice {
   std::int64_t remote_offset = 0;
   std::int64_t local_offset = 0;
   std::int64_t length = 0;
   /// True when the slice is the whole block on both sides, so adjacent blocks merge into one read.
   bool whole_block = false;
+  std::int64_t count = 1;
+  std::int64_t remote_step = 0;
+  std::int64_t local_step = 0;
 
   friend bool operator==(const BlockSlice&, const BlockSlice&) = default;
 };
@@ -38,8 +44,8 @@ struct TpSource {
 /// MLA kinds are replicated: decode rank r reads the whole block from prefill rank
 /// r % prefill_tp. MHA: every head the decode rank holds is read from a prefill rank that holds
 /// it; with equal TP sizes that is the same rank and the whole block. Unequal MHA TP sizes need
-/// head slices, which are one byte range per block only in the head-major layout; in the
-/// token-major layout such a combination returns NotSupported naming it and why.
+/// head slices: one byte range per block in the head-major layout, one piece per token slot (a
+/// strided read) in the token-major layout.
 Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefill_tp,
                                             int decode_tp, int decode_rank);
 

@@ -1,6 +1,7 @@
 #include "transport/transport_core.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "common/log.h"
@@ -203,6 +204,44 @@ Result<std::vector<std::uint8_t>> TransportCore::Descriptor() {
 
 namespace {
 
+// A batch's strided reads as their pieces (ReadOp's contract): InvalidArgument for a count of 0,
+// a stride shorter than the piece (pieces would overlap), or offsets past 64 bits.
+Result<std::vector<ReadOp>> ExpandStridedReads(std::vector<ReadOp> ops) {
+  std::size_t pieces = 0;
+  bool strided = false;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const ReadOp& op = ops[i];
+    if (op.count == 1) {
+      ++pieces;
+      continue;
+    }
+    strided = true;
+    const std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
+    if (op.count == 0 || op.remote_stride < op.length || op.local_stride < op.length ||
+        (op.count - 1) > (max - op.remote_offset) / std::max<std::uint64_t>(op.remote_stride, 1) ||
+        (op.count - 1) > max / std::max<std::uint64_t>(op.local_stride, 1)) {
+      return Status::InvalidArgument(
+          "read " + std::to_string(i) + ": a strided read of " + std::to_string(op.count) +
+          " pieces of " + std::to_string(op.length) +
+          " bytes needs a count of at least 1 and "
+          "strides of at least the piece (remote " +
+          std::to_string(op.remote_stride) + ", local " + std::to_string(op.local_stride) +
+          ") that stay within 64 bits");
+    }
+    pieces += static_cast<std::size_t>(op.count);
+  }
+  if (!strided) return ops;
+  std::vector<ReadOp> out;
+  out.reserve(pieces);
+  for (const ReadOp& op : ops) {
+    for (std::uint64_t k = 0; k < op.count; ++k) {
+      out.push_back({op.local + k * op.local_stride, op.remote_region,
+                     op.remote_offset + k * op.remote_stride, op.length, 1, 0, 0});
+    }
+  }
+  return out;
+}
+
 // Unavailable naming the first pair of kinds `backend` cannot read (remote into local).
 Status CanReadKinds(const Backend& backend, const std::vector<RemoteRegion>& remote,
                     const std::vector<MemoryKind>& local_kinds) {
@@ -292,6 +331,14 @@ Result<std::string> TransportCore::PeerBackend(PeerId peer) {
 
 Result<BatchId> TransportCore::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
                                            Deadline deadline) {
+  // Strided reads become their pieces here, so every backend moves exactly the bytes named: the
+  // tcp server gathers them into its response, shm reads them as iovecs, ucx gets each.
+  Result<std::vector<ReadOp>> expanded = ExpandStridedReads(std::move(ops));
+  if (!expanded.ok()) {
+    refused_.fetch_add(1);
+    return expanded.status();
+  }
+  ops = std::move(expanded).value();
   std::shared_ptr<BackendPeer> backend_peer;
   Backend* backend = nullptr;
   std::shared_ptr<const RemoteRegionTable> regions;

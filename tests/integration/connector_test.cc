@@ -130,25 +130,37 @@ TEST(ConnectorTest, ZeroLocalBlocksStillNotifyAndFinish) {
   ExpectNothingLeft(prefill, decode);
 }
 
-TEST(ConnectorTest, UnsupportedMhaTpCombinationIsRefusedClearly) {
-  PrefillProcess prefill("mha", 1, "prefill-0", 60000);  // token-major
-  DecodeInstance decode("mha", 2);
-  const Params params = prefill.Hold("req-u", 4);
-  ASSERT_TRUE(decode.Load("req-u", prefill, params).ok());
-  ASSERT_TRUE(decode.WaitReceived("req-u", {}, milliseconds(10000)));
-  const std::vector<LoadError>& errors = decode.Errors("req-u");
-  ASSERT_EQ(errors.size(), 2u);  // one per decode rank
-  for (const LoadError& e : errors) {
-    EXPECT_EQ(e.status.code(), StatusCode::kNotSupported);
-    EXPECT_THAT(e.status.message(), HasSubstr("prefill TP 1 and decode TP 2"));
-    EXPECT_EQ(e.local_block_ids, decode.LocalBlocks("req-u"));
-    EXPECT_TRUE(e.recompute) << "the default policy is recompute";
+// Issue 22 item 6: token-major MHA caches with unequal TP sizes, which vllm-ascend always has, move
+// as strided reads (one piece per token slot of each block), both ways, over tcp, and the bytes
+// read equal the bytes the decode ranks' blocks hold: nothing crosses the wire that is not needed.
+// Before, every such load failed NotSupported and was recomputed.
+void TokenMajorHeterogeneousTp(int p, int d) {
+  PrefillProcess prefill("mha", p, "prefill-0", 60000);
+  DecodeInstance decode("mha", d, "", milliseconds(10000), milliseconds(5000),
+                        [](WorkerConfig& c) { c.transport.backend = "tcp"; });
+  const Params params = prefill.Hold("req-s", 7);
+  std::uint64_t before = 0;
+  for (int r = 0; r < d; ++r) before += decode.worker(r).Stats().transport.bytes_read;
+  ASSERT_TRUE(decode.Load("req-s", prefill, params).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-s", {}, milliseconds(10000)));
+  EXPECT_TRUE(decode.Errors("req-s").empty()) << decode.Errors("req-s").front().status.ToString();
+  EXPECT_EQ(decode.Mismatches("req-s"), 0);
+  std::uint64_t read = 0, needed = 0;
+  for (int r = 0; r < d; ++r) {
+    read += decode.worker(r).Stats().transport.bytes_read;
+    const CacheSpec spec = *testing::TestSpec("mha", d, r);
+    for (int part = 0; part < spec.num_parts(); ++part) {
+      needed += 7u * static_cast<std::uint64_t>(spec.num_layers() * spec.BlockBytes(part));
+    }
   }
-  // The decode side told the prefill side, which frees at once instead of at lease expiry.
-  EXPECT_TRUE(prefill.WaitLine("FREED req-u", milliseconds(5000)));
-  decode.Free("req-u");
+  EXPECT_EQ(read - before, needed) << "bytes read beyond the decode ranks' head slices";
+  EXPECT_TRUE(prefill.WaitLine("FREED req-s", milliseconds(5000)));
+  decode.Free("req-s");
   ExpectNothingLeft(prefill, decode);
 }
+
+TEST(ConnectorTest, TokenMajorTp1To2ReadsStridedHeadSlices) { TokenMajorHeterogeneousTp(1, 2); }
+TEST(ConnectorTest, TokenMajorTp2To1ReadsStridedHeadSlices) { TokenMajorHeterogeneousTp(2, 1); }
 
 // The loads from the killed instance fail because its death is detected, not because a deadline
 // passes: the transfer and handshake timeouts are 60 s here, and the failures must come within
@@ -272,6 +284,23 @@ TEST(ConnectorDeviceTest, DecodeCachesInDeviceMemoryLoadEveryByte) {
     EXPECT_EQ(decode.Mismatches(req), 0) << req;
     decode.Free(req);
   }
+  ExpectNothingLeft(prefill, decode);
+}
+
+// Strided head slices (token-major, TP 2 -> 1) into decode caches in device memory: the pieces
+// land through the device layer (tcp's staging, or shm's lanes), every byte checked after copying
+// the caches back.
+TEST(ConnectorDeviceTest, TokenMajorTp2To1StridedReadsLandInDeviceMemory) {
+  PrefillProcess prefill("mha", 2, "prefill-0", 60000);
+  DecodeInstance decode("mha", 1, "", milliseconds(10000), milliseconds(5000), nullptr, "sim:0");
+  const Params p = prefill.Hold("req-d", 5);
+  ASSERT_TRUE(decode.Load("req-d", prefill, p).ok());
+  ASSERT_TRUE(decode.WaitReceived("req-d", {}, milliseconds(15000)));
+  EXPECT_TRUE(decode.Errors("req-d").empty()) << decode.Errors("req-d").front().status.ToString();
+  EXPECT_TRUE(prefill.WaitLine("FREED req-d", milliseconds(5000)));
+  decode.SyncFromDevice();
+  EXPECT_EQ(decode.Mismatches("req-d"), 0);
+  decode.Free("req-d");
   ExpectNothingLeft(prefill, decode);
 }
 

@@ -181,6 +181,45 @@ TEST_P(TransportTest, RandomScatteredReadsAreVerifiedByteForByte) {
   EXPECT_GT(s.bytes_read, 0u);
 }
 
+// A strided read (issue 22 item 6): count pieces, a remote and a local stride apart, each landing
+// byte for byte, the bytes between them left alone, and only the pieces counted as read; bad
+// counts and strides refused before any byte moves.
+TEST_P(TransportTest, StridedReadsMoveOnlyTheirPieces) {
+  std::memset(local_.data(), 0x5a, 64 << 10);
+  const std::uint64_t before = client_->Stats().bytes_read;
+  // 16 pieces of 96 bytes, 256 bytes apart remotely and 160 locally, in two ops.
+  std::vector<ReadOp> ops = {{local_.data(), 1, 1000, 96, 16, 256, 160},
+                             {local_.data() + (32 << 10), 2, 7, 96, 16, 256, 160}};
+  Result<BatchId> b = client_->SubmitReads(peer_id_, ops, DeadlineAfter(milliseconds(20000)));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  BatchResult r = client_->Wait(*b, DeadlineAfter(milliseconds(21000)));
+  ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+  client_->Release(*b);
+  for (const ReadOp& op : ops) {
+    for (std::uint64_t i = 0; i < op.count; ++i) {
+      const std::byte* piece = op.local + i * op.local_stride;
+      ASSERT_EQ(FirstPatternMismatch(piece, op.length, kSeed, op.remote_region,
+                                     op.remote_offset + i * op.remote_stride),
+                -1)
+          << "piece " << i;
+      for (std::uint64_t g = op.length; g < op.local_stride; ++g) {
+        ASSERT_EQ(piece[g], std::byte{0x5a}) << "a gap between pieces was written";
+      }
+    }
+  }
+  EXPECT_EQ(client_->Stats().bytes_read - before, 2u * 16u * 96u) << "only the pieces are read";
+  auto submit = [&](ReadOp op) {
+    return client_->SubmitReads(peer_id_, {op}, DeadlineAfter(milliseconds(2000))).status();
+  };
+  EXPECT_EQ(submit({local_.data(), 1, 0, 96, 0, 256, 160}).code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(submit({local_.data(), 1, 0, 96, 4, 64, 160}).message(),
+              HasSubstr("strides of at least the piece"));
+  EXPECT_EQ(submit({local_.data(), 1, 0, 96, 4, 256, 32}).code(), StatusCode::kInvalidArgument);
+  // The last piece past the end of the remote region.
+  EXPECT_EQ(submit({local_.data(), 1, kRegionBytes - 1024, 96, 16, 256, 160}).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_P(TransportTest, EmptyBatchIsDoneAtOnce) {
   Result<BatchId> b = client_->SubmitReads(peer_id_, {}, DeadlineAfter(milliseconds(1000)));
   ASSERT_TRUE(b.ok());

@@ -87,10 +87,16 @@ TEST(CliTest, PlanShowsReadersAndRuns) {
   EXPECT_THAT(plan.output, HasSubstr("prefill rank 0 frees after 2 readers"));
   EXPECT_THAT(plan.output, HasSubstr("blocks: 3 in 2 runs [6->1 x2] [9->3 x1]"));
   EXPECT_THAT(plan.output, HasSubstr("decode rank 3 reads prefill rank 1"));
-  CliRun refused =
+  // Token-major head slices: a piece per token slot (16), strided on the prefill side.
+  CliRun strided =
       Cli("plan --kind mha --kv-heads 8 --prefill-tp 2 --decode-tp 4 --remote-blocks 1");
+  EXPECT_EQ(strided.exit_code, 0) << strided.output;
+  EXPECT_THAT(strided.output, HasSubstr("k bytes [256, +256) -> [0, +256) x16 (steps 512 -> 256)"));
+  EXPECT_THAT(strided.output, HasSubstr("16 reads of 256 pieces, 65536 bytes"));
+  CliRun refused =
+      Cli("plan --kind mha --kv-heads 8 --prefill-tp 3 --decode-tp 4 --remote-blocks 1");
   EXPECT_EQ(refused.exit_code, 1);
-  EXPECT_THAT(refused.output, HasSubstr("NotSupported: MHA cache with 8 KV heads"));
+  EXPECT_THAT(refused.output, HasSubstr("cannot be split across TP size 3"));
   CliRun sliced =
       Cli("plan --kind mha --kv-heads 8 --layout head_major --prefill-tp 2 --decode-tp 4 "
           "--remote-blocks 1");
