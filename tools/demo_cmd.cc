@@ -424,7 +424,7 @@ Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
        << "set logscale y 10\nset ylabel 'TTFT p50 (ms)'\n"
        << "plot '" << data << "' using 1:2 with linespoints lw 2 pt 7 title 'whole-request', '"
        << data << "' using 1:3 with linespoints lw 2 pt 5 title 'layer-wise'\n"
-       << "unset logscale y\nset yrange [0:*]\n"
+       << "unset logscale y\nset yrange [*:*]\nset xzeroaxis\n"
        << "set ylabel 'exposed transfer p50 (ms)'\n"
        << "set title 'exposed = TTFT - prefill compute - first decode step'\n"
        << "plot '" << data << "' using 1:4 with linespoints lw 2 pt 7 title 'whole-request', '"
