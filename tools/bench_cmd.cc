@@ -15,7 +15,9 @@
 #include <iostream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -200,7 +202,8 @@ struct BenchArgs {
   std::vector<std::uint64_t> sizes = {4096, 65536, 1u << 20, 16u << 20};
   std::uint64_t pool_mib = 256;
   double min_seconds = 0.5;
-  int repeat = 3;
+  /// Alternating rounds: every backend and its baseline measured once per round, in turn.
+  int rounds = 3;
   int inflight = 2;
   int connections = 4;
   std::vector<std::string> transport_opts;
@@ -208,29 +211,39 @@ struct BenchArgs {
   bool json = false;
 };
 
+// The figures of one series (a backend's, or its baseline's) over the rounds.
+struct Series {
+  std::vector<double> gbps;
+  double Median() const {
+    std::vector<double> v = gbps;
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0 : v[v.size() / 2];
+  }
+  double Min() const { return gbps.empty() ? 0 : *std::min_element(gbps.begin(), gbps.end()); }
+  double Max() const { return gbps.empty() ? 0 : *std::max_element(gbps.begin(), gbps.end()); }
+};
+
 struct Measurement {
   std::string backend;
   std::uint64_t block = 0;
-  double gbps = 0;
+  Series ours;
   std::string baseline;
-  double baseline_gbps = 0;
+  Series base;
 };
 
-// Random scattered block pairs for one batch: remote blocks anywhere, local blocks distinct.
-std::vector<std::pair<std::uint64_t, std::uint64_t>> ScatterPlan(std::uint64_t blocks,
+// Random scattered block pairs for one batch: remote blocks anywhere in a pool of
+// `remote_blocks`, local blocks distinct among `local_blocks`.
+std::vector<std::pair<std::uint64_t, std::uint64_t>> ScatterPlan(std::uint64_t remote_blocks,
+                                                                 std::uint64_t local_blocks,
                                                                  std::uint64_t count,
                                                                  std::mt19937_64& rng) {
-  std::vector<std::uint64_t> local(blocks);
+  std::vector<std::uint64_t> local(local_blocks);
   std::iota(local.begin(), local.end(), 0);
   std::shuffle(local.begin(), local.end(), rng);
   std::vector<std::pair<std::uint64_t, std::uint64_t>> plan;
-  for (std::uint64_t i = 0; i < count; ++i) plan.emplace_back(rng() % blocks, local[i]);
+  count = std::min(count, local_blocks);
+  for (std::uint64_t i = 0; i < count; ++i) plan.emplace_back(rng() % remote_blocks, local[i]);
   return plan;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
@@ -245,7 +258,7 @@ double MemcpyGather(const Buffer& src, const Buffer& dst, std::uint64_t block, d
   const auto start = Clock::now();
   auto now = start;
   do {
-    for (const auto& [r, l] : ScatterPlan(blocks, per_batch, rng)) {
+    for (const auto& [r, l] : ScatterPlan(blocks, blocks, per_batch, rng)) {
       std::memcpy(dst.data() + l * block, src.data() + r * block, block);
     }
     bytes += per_batch * block;
@@ -272,7 +285,7 @@ Result<double> DeviceCopyGather(const std::string& memory, std::uint64_t pool, s
   const auto start = Clock::now();
   auto now = start;
   do {
-    for (const auto& [r, l] : ScatterPlan(blocks, per_batch, rng)) {
+    for (const auto& [r, l] : ScatterPlan(blocks, blocks, per_batch, rng)) {
       KVFERRY_RETURN_IF_ERROR(stream->CopyDeviceToDevice(dst->address() + l * block,
                                                          src->address() + r * block, block));
     }
@@ -328,144 +341,186 @@ double PlainTcpStream(double min_seconds) {
   return seconds > 0 ? static_cast<double>(received) / seconds / 1e9 : 0;
 }
 
-// Scattered reads from a peer process whose pool is `memory` ("host" or a device name) into a
-// local pool of the same kind. `baseline` says what the figures are compared with: "" for the
-// backend's own physical baseline (memcpy gather for shm, a plain TCP stream for tcp), or the
-// name of a list of medians measured before in this run (`*baseline_gbps`, one per size).
-Status MeasureBackend(const BenchArgs& a, const std::string& backend, const std::string& memory,
-                      const std::string& baseline_name, const std::vector<double>* baseline_gbps,
-                      std::vector<Measurement>* out) {
-  const std::uint64_t pool = a.pool_mib << 20;
-  std::vector<std::string> argv = {SelfExe(),
-                                   "bench",
-                                   "peer",
-                                   "--backend",
-                                   backend,
-                                   "--bytes",
-                                   std::to_string(pool),
-                                   "--connections",
-                                   std::to_string(a.connections),
-                                   "--memory",
-                                   memory};
-  for (const std::string& arg : TransportOptArgv(a.transport_opts)) argv.push_back(arg);
-  KVFERRY_ASSIGN_OR_RETURN(Subprocess peer, Subprocess::Spawn(argv));
-  KVFERRY_ASSIGN_OR_RETURN(std::string line, peer.ReadLine(std::chrono::seconds(60)));
-  if (line.rfind("READY ", 0) != 0) return Status::Internal("unexpected peer output: " + line);
-  KVFERRY_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> descriptor, FromHex(line.substr(6)));
-
-  TransportOptions options;
-  options.backend = backend;
-  KVFERRY_ASSIGN_OR_RETURN(options.backend_options, ParseTransportOpts(a.transport_opts, backend));
-  options.serve = false;
-  options.tcp_connections_per_peer = a.connections;
-  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, CreateTransport(options));
-  KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<BenchMemory> local_mem,
-                           BenchMemory::Create(memory, pool));
-  // The memcpy baseline's source and destination (host memory only).
-  std::unique_ptr<Buffer> source;
-  std::unique_ptr<Buffer> dest;
-  if (baseline_name.empty() && backend == "shm" && memory == "host") {
-    source = std::make_unique<Buffer>(pool);
-    dest = std::make_unique<Buffer>(pool);
-    if (source->data() == nullptr || dest->data() == nullptr) {
-      return Status::ResourceExhausted("cannot allocate the benchmark buffers");
-    }
-    FillPattern(source->data(), pool, kPatternSeed, 0, 0);
+// Raw UCX: ucx_perftest's ucp_get of `block` bytes with 16 outstanding, server and client on
+// loopback, under this process's UCX environment (UCX_TLS): what the ucx backend is compared
+// against. NotFound when ucx_perftest is not installed (Debian's ucx-utils).
+Result<double> UcxPerftestGet(std::uint64_t block, double min_seconds) {
+  if (std::system("command -v ucx_perftest >/dev/null 2>&1") !=
+      0) {  // NOLINT(concurrency-mt-unsafe)
+    return Status::NotFound("ucx_perftest is not installed (Debian's ucx-utils)");
   }
-  // The local pool's pages faulted in before timing, as the peer's were by their filling.
-  KVFERRY_RETURN_IF_ERROR(local_mem->FillPattern(kPatternSeed + 1, pool));
-  std::byte* const local_base = local_mem->base();
-  KVFERRY_RETURN_IF_ERROR(t->RegisterMemory(0, local_base, pool, local_mem->kind()));
-  KVFERRY_ASSIGN_OR_RETURN(PeerId p,
-                           t->Connect(descriptor, DeadlineAfter(std::chrono::seconds(10))));
-  std::mt19937_64 rng(42);
-  for (std::uint64_t block : a.sizes) {
-    const std::uint64_t blocks = pool / block;
-    if (blocks == 0) continue;
-    // About 64 MiB per batch, as one request's blocks would be.
-    const std::uint64_t per_batch = std::clamp<std::uint64_t>((64u << 20) / block, 1, blocks);
-    // kvferry and its baseline alternate, `repeat` times; the medians are reported, so that a
-    // burst of noise on this shared machine does not decide the ratio.
-    std::vector<double> ours;
-    std::vector<double> base;
-    bool verified = false;
-    for (int rep = 0; rep < std::max(a.repeat, 1); ++rep) {
-      std::uint64_t bytes = 0;
-      const auto start = Clock::now();
-      auto now = start;
-      // Keep `inflight` batches outstanding, as a decode worker with several requests does; each
-      // writes into its own share of the local blocks.
-      struct InFlight {
-        BatchId id;
-        std::vector<std::pair<std::uint64_t, std::uint64_t>> plan;
-      };
-      std::deque<InFlight> inflight;
-      const auto slots = static_cast<std::uint64_t>(std::max(a.inflight, 1));
-      const std::uint64_t share = blocks / slots;
-      const std::uint64_t count = std::min(per_batch, std::max<std::uint64_t>(share, 1));
-      std::uint64_t submitted = 0;
-      auto finish_oldest = [&]() -> Status {
-        InFlight f = std::move(inflight.front());
-        inflight.pop_front();
-        BatchResult res = t->Wait(f.id, DeadlineAfter(std::chrono::seconds(61)));
-        t->Release(f.id);
-        if (res.state != BatchState::kDone) return res.status;
-        if (!verified) {
-          for (const auto& [r, l] : f.plan) {
-            KVFERRY_ASSIGN_OR_RETURN(std::vector<std::byte> got, local_mem->Read(l * block, block));
-            if (FirstPatternMismatch(got.data(), block, kPatternSeed, 0, r * block) >= 0) {
-              return Status::Internal("benchmark read returned wrong bytes");
-            }
-          }
-          verified = true;
-        }
-        bytes += f.plan.size() * block;
-        return Status::Ok();
-      };
-      do {
-        auto plan = ScatterPlan(std::max<std::uint64_t>(share, 1), count, rng);
-        const std::uint64_t base_block = (submitted++ % slots) * share;
-        for (auto& pr : plan) pr.second += base_block;
-        std::vector<ReadOp> ops;
-        ops.reserve(plan.size());
-        for (const auto& [r, l] : plan) {
-          ops.push_back({local_base + l * block, 0, (r % blocks) * block, block});
-        }
-        for (auto& pr : plan) pr.first %= blocks;
-        KVFERRY_ASSIGN_OR_RETURN(
-            BatchId b, t->SubmitReads(p, std::move(ops), DeadlineAfter(std::chrono::seconds(60))));
-        inflight.push_back({b, std::move(plan)});
-        if (inflight.size() >= slots) KVFERRY_RETURN_IF_ERROR(finish_oldest());
-        now = Clock::now();
-      } while (Seconds(start, now) < a.min_seconds);
-      while (!inflight.empty()) KVFERRY_RETURN_IF_ERROR(finish_oldest());
-      now = Clock::now();
-      ours.push_back(static_cast<double>(bytes) / Seconds(start, now) / 1e9);
-      if (baseline_name.empty() && backend == "shm" && memory != "host") {
-        KVFERRY_ASSIGN_OR_RETURN(
-            double gbps, DeviceCopyGather(memory, pool, block, a.min_seconds, per_batch, rng));
-        base.push_back(gbps);
-      } else if (baseline_name.empty()) {
-        base.push_back(backend == "shm"
-                           ? MemcpyGather(*source, *dest, block, a.min_seconds, per_batch, rng)
-                           : PlainTcpStream(a.min_seconds));
-      }
-    }
-    const std::size_t n = out->size();
-    if (!baseline_name.empty()) {
-      base.push_back(baseline_gbps != nullptr && n < baseline_gbps->size() ? (*baseline_gbps)[n]
-                                                                           : 0.0);
-    }
-    out->push_back({backend + (memory == "host" ? "" : "@" + memory), block, Median(ours),
-                    !baseline_name.empty()                 ? baseline_name
-                    : backend == "shm" && memory != "host" ? "device_copy_gather"
-                    : backend == "shm"                     ? "memcpy_gather"
-                                                           : "tcp_stream",
-                    Median(base)});
-  }
-  t->Disconnect(p);
-  return Status::Ok();
+  const int port = 13300 + static_cast<int>(getpid() % 500);
+  KVFERRY_ASSIGN_OR_RETURN(
+      Subprocess server,
+      Subprocess::Spawn({"/bin/sh", "-c", "exec ucx_perftest -p " + std::to_string(port)}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its listener's start
+  // About min_seconds of gets at the ~1 GB/s UCX's tcp transport reaches.
+  const std::uint64_t iters =
+      std::max<std::uint64_t>(1000, static_cast<std::uint64_t>(min_seconds * 1e9) / block);
+  KVFERRY_ASSIGN_OR_RETURN(
+      Subprocess client,
+      Subprocess::Spawn({"/bin/sh", "-c",
+                         "ucx_perftest 127.0.0.1 -p " + std::to_string(port) + " -t ucp_get -s " +
+                             std::to_string(block) + " -O 16 -n " + std::to_string(iters) +
+                             " 2>&1 | grep '^Final:'"}));
+  Result<std::string> line = client.ReadLine(std::chrono::seconds(120));
+  (void)client.CloseAndWait(std::chrono::seconds(5));
+  (void)server.CloseAndWait(std::chrono::seconds(5));
+  if (!line.ok()) return line.status().WithContext("ucx_perftest");
+  // Final: iterations, latency 50 %, average, overall, bandwidth average, overall (MiB/s), ...
+  std::istringstream in(line->substr(line->find(':') + 1));
+  std::vector<double> fields;
+  for (double v = 0; in >> v;) fields.push_back(v);
+  if (fields.size() < 6) return Status::Internal("ucx_perftest printed '" + *line + "'");
+  return fields[5] * 1048576.0 / 1e9;
 }
+
+// One backend's side of the benchmark: a peer process serving `pool` bytes of patterned memory
+// of `memory`, this process's transport connected to it, and a local pool of the same kind.
+class BackendBench {
+ public:
+  static Result<std::unique_ptr<BackendBench>> Start(const BenchArgs& a, const std::string& backend,
+                                                     const std::string& memory) {
+    auto b = std::unique_ptr<BackendBench>(new BackendBench(a, backend, memory));
+    std::vector<std::string> argv = {SelfExe(),
+                                     "bench",
+                                     "peer",
+                                     "--backend",
+                                     backend,
+                                     "--bytes",
+                                     std::to_string(b->pool_),
+                                     "--connections",
+                                     std::to_string(a.connections),
+                                     "--memory",
+                                     memory};
+    for (const std::string& arg : TransportOptArgv(a.transport_opts)) argv.push_back(arg);
+    KVFERRY_ASSIGN_OR_RETURN(Subprocess peer, Subprocess::Spawn(argv));
+    b->peer_.emplace(std::move(peer));
+    KVFERRY_ASSIGN_OR_RETURN(std::string line, b->peer_->ReadLine(std::chrono::seconds(60)));
+    if (line.rfind("READY ", 0) != 0) return Status::Internal("unexpected peer output: " + line);
+    KVFERRY_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> descriptor, FromHex(line.substr(6)));
+    TransportOptions options;
+    options.backend = backend;
+    KVFERRY_ASSIGN_OR_RETURN(options.backend_options,
+                             ParseTransportOpts(a.transport_opts, backend));
+    options.serve = false;
+    options.tcp_connections_per_peer = a.connections;
+    KVFERRY_ASSIGN_OR_RETURN(b->t_, CreateTransport(options));
+    KVFERRY_ASSIGN_OR_RETURN(b->local_, BenchMemory::Create(memory, b->pool_));
+    // The local pool's pages faulted in before timing, as the peer's were by their filling.
+    KVFERRY_RETURN_IF_ERROR(b->local_->FillPattern(kPatternSeed + 1, b->pool_));
+    KVFERRY_RETURN_IF_ERROR(
+        b->t_->RegisterMemory(0, b->local_->base(), b->pool_, b->local_->kind()));
+    KVFERRY_ASSIGN_OR_RETURN(b->peer_id_,
+                             b->t_->Connect(descriptor, DeadlineAfter(std::chrono::seconds(10))));
+    return b;
+  }
+  ~BackendBench() {
+    if (t_ && peer_id_ != 0) t_->Disconnect(peer_id_);
+    t_.reset();
+    if (peer_) (void)peer_->CloseAndWait(std::chrono::seconds(10));
+  }
+  BackendBench(const BackendBench&) = delete;
+  BackendBench& operator=(const BackendBench&) = delete;
+
+  // GB/s of `min_seconds` of scattered reads of `block`-byte blocks: batches of about 64 MiB, as
+  // one request's blocks would be, `inflight` of them outstanding, each into its own share of the
+  // local pool, from anywhere in the peer's. The first batch of each size is checked byte for byte.
+  Result<double> Measure(std::uint64_t block) {
+    const std::uint64_t blocks = pool_ / block;
+    const std::uint64_t per_batch = std::clamp<std::uint64_t>((64u << 20) / block, 1, blocks);
+    const auto slots = static_cast<std::uint64_t>(std::max(a_.inflight, 1));
+    const std::uint64_t share = std::max<std::uint64_t>(blocks / slots, 1);
+    struct InFlight {
+      BatchId id;
+      std::vector<std::pair<std::uint64_t, std::uint64_t>> plan;
+    };
+    std::deque<InFlight> inflight;
+    std::uint64_t bytes = 0;
+    std::uint64_t submitted = 0;
+    auto finish_oldest = [&]() -> Status {
+      InFlight f = std::move(inflight.front());
+      inflight.pop_front();
+      BatchResult res = t_->Wait(f.id, DeadlineAfter(std::chrono::seconds(61)));
+      t_->Release(f.id);
+      if (res.state != BatchState::kDone) return res.status;
+      if (verified_.insert(block).second) {
+        for (const auto& [r, l] : f.plan) {
+          KVFERRY_ASSIGN_OR_RETURN(std::vector<std::byte> got, local_->Read(l * block, block));
+          if (FirstPatternMismatch(got.data(), block, kPatternSeed, 0, r * block) >= 0) {
+            return Status::Internal("benchmark read returned wrong bytes");
+          }
+        }
+      }
+      bytes += f.plan.size() * block;
+      return Status::Ok();
+    };
+    const auto start = Clock::now();
+    auto now = start;
+    do {
+      auto plan = ScatterPlan(blocks, share, per_batch, rng_);
+      const std::uint64_t base_block = (submitted++ % slots) * share;
+      std::vector<ReadOp> ops;
+      ops.reserve(plan.size());
+      for (auto& pr : plan) {
+        pr.second += base_block;
+        ops.push_back({local_->base() + pr.second * block, 0, pr.first * block, block});
+      }
+      KVFERRY_ASSIGN_OR_RETURN(BatchId b, t_->SubmitReads(peer_id_, std::move(ops),
+                                                          DeadlineAfter(std::chrono::seconds(60))));
+      inflight.push_back({b, std::move(plan)});
+      if (inflight.size() >= slots) KVFERRY_RETURN_IF_ERROR(finish_oldest());
+      now = Clock::now();
+    } while (Seconds(start, now) < a_.min_seconds);
+    while (!inflight.empty()) KVFERRY_RETURN_IF_ERROR(finish_oldest());
+    return static_cast<double>(bytes) / Seconds(start, Clock::now()) / 1e9;
+  }
+
+  // The baseline of this backend and memory, measured now: the name, and GB/s.
+  Result<std::pair<std::string, double>> Baseline(std::uint64_t block) {
+    const std::uint64_t blocks = pool_ / block;
+    const std::uint64_t per_batch = std::clamp<std::uint64_t>((64u << 20) / block, 1, blocks);
+    if (backend_ == "shm" && memory_ != "host") {
+      KVFERRY_ASSIGN_OR_RETURN(
+          double g, DeviceCopyGather(memory_, pool_, block, a_.min_seconds, per_batch, rng_));
+      return std::make_pair(std::string("device_copy_gather"), g);
+    }
+    if (backend_ == "shm") {
+      if (!source_) {
+        source_ = std::make_unique<Buffer>(pool_);
+        dest_ = std::make_unique<Buffer>(pool_);
+        if (source_->data() == nullptr || dest_->data() == nullptr) {
+          return Status::ResourceExhausted("cannot allocate the benchmark buffers");
+        }
+        FillPattern(source_->data(), pool_, kPatternSeed, 0, 0);
+      }
+      return std::make_pair(std::string("memcpy_gather"),
+                            MemcpyGather(*source_, *dest_, block, a_.min_seconds, per_batch, rng_));
+    }
+    if (backend_ == "ucx") {
+      KVFERRY_ASSIGN_OR_RETURN(double g, UcxPerftestGet(block, a_.min_seconds));
+      return std::make_pair(std::string("ucx_perftest_get"), g);
+    }
+    return std::make_pair(std::string("tcp_stream"), PlainTcpStream(a_.min_seconds));
+  }
+
+ private:
+  BackendBench(const BenchArgs& a, std::string backend, std::string memory)
+      : a_(a), backend_(std::move(backend)), memory_(std::move(memory)), pool_(a.pool_mib << 20) {}
+
+  const BenchArgs& a_;
+  const std::string backend_;
+  const std::string memory_;
+  const std::uint64_t pool_;
+  std::optional<Subprocess> peer_;
+  std::unique_ptr<Transport> t_;
+  std::unique_ptr<BenchMemory> local_;
+  PeerId peer_id_ = 0;
+  std::mt19937_64 rng_{42};
+  std::set<std::uint64_t> verified_;
+  std::unique_ptr<Buffer> source_;  // the memcpy baseline's (host memory, shm)
+  std::unique_ptr<Buffer> dest_;
+};
 
 std::string SizeName(std::uint64_t b) {
   if (b >= (1u << 20) && b % (1u << 20) == 0) return std::to_string(b >> 20) + " MiB";
@@ -473,60 +528,125 @@ std::string SizeName(std::uint64_t b) {
   return std::to_string(b) + " B";
 }
 
+// What a run measures: a backend over a memory, against a baseline of its own (memcpy gather,
+// a tcp stream, raw UCX, device copies) or, for device memory over tcp, against host memory
+// over tcp measured in the same rounds.
+struct Target {
+  std::string backend;
+  std::string memory;
+  int against = -1;  // index of the target whose own figures are this one's baseline, or -1
+};
+
 int RunBench(const BenchArgs& a) {
-  std::vector<Measurement> results;
+  std::vector<Target> targets;
   if (a.memory != "host") {
-    // Device memory on both sides over tcp (staged through pinned buffers at both ends),
-    // against host-memory tcp measured just before in this run with the same blocks; then over
-    // shm (IPC, device to device) against device copies inside one process.
     if (a.memory != "sim" && a.memory != "cuda") {
       std::cerr << "kvferry bench transport: --memory expects host, sim or cuda; found " << a.memory
                 << "\n";
       return 2;
     }
-    std::vector<Measurement> host;
-    Status s = MeasureBackend(a, "tcp", "host", "", nullptr, &host);
-    std::vector<double> host_gbps;
-    for (const Measurement& m : host) host_gbps.push_back(m.gbps);
-    if (s.ok()) {
-      s = MeasureBackend(a, "tcp", a.memory + ":0", "tcp_host_memory", &host_gbps, &results);
-    }
-    // The same-host IPC path: device to device, against device copies inside one process.
-    if (s.ok()) s = MeasureBackend(a, "shm", a.memory + ":0", "", nullptr, &results);
-    if (!s.ok()) {
-      std::cerr << "kvferry bench transport (tcp, " << a.memory << "): " << s.ToString() << "\n";
+    // Device memory on both sides over tcp (staged through pinned buffers at both ends), against
+    // host-memory tcp in the same rounds; then over shm (IPC, device to device), against device
+    // copies inside one process.
+    targets = {{"tcp", "host", -1}, {"tcp", a.memory + ":0", 0}, {"shm", a.memory + ":0", -1}};
+  } else {
+    for (const std::string& b : a.backends) targets.push_back({b, "host", -1});
+  }
+  std::vector<std::unique_ptr<BackendBench>> benches;
+  for (const Target& t : targets) {
+    Result<std::unique_ptr<BackendBench>> b = BackendBench::Start(a, t.backend, t.memory);
+    if (!b.ok()) {
+      std::cerr << "kvferry bench transport (" << t.backend << ", " << t.memory
+                << "): " << b.status().ToString() << "\n";
       return 1;
     }
+    benches.push_back(std::move(b).value());
   }
-  for (const std::string& backend : a.memory == "host" ? a.backends : std::vector<std::string>{}) {
-    Status s = MeasureBackend(a, backend, "host", "", nullptr, &results);
-    if (!s.ok()) {
-      std::cerr << "kvferry bench transport (" << backend << "): " << s.ToString() << "\n";
-      return 1;
+  // results[target][size]; the rounds alternate every target and its baseline, so that a burst
+  // of noise on this shared machine lands on all of them and the medians are comparable.
+  std::vector<std::vector<Measurement>> results(targets.size());
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    for (std::uint64_t block : a.sizes) {
+      results[i].push_back(
+          {targets[i].backend + (targets[i].memory == "host" ? "" : "@" + targets[i].memory),
+           block,
+           {},
+           "",
+           {}});
     }
   }
-  char line[256];
+  for (int round = 0; round < std::max(a.rounds, 1); ++round) {
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      for (std::size_t k = 0; k < a.sizes.size(); ++k) {
+        const std::uint64_t block = a.sizes[k];
+        if ((a.pool_mib << 20) / block == 0) continue;
+        Result<double> ours = benches[i]->Measure(block);
+        if (!ours.ok()) {
+          std::cerr << "kvferry bench transport (" << targets[i].backend
+                    << "): " << ours.status().ToString() << "\n";
+          return 1;
+        }
+        Measurement& m = results[i][k];
+        m.ours.gbps.push_back(*ours);
+        if (targets[i].against >= 0) {
+          m.baseline = "tcp_host_memory";
+          continue;  // filled below from the other target's figures of this round
+        }
+        Result<std::pair<std::string, double>> base = benches[i]->Baseline(block);
+        if (base.ok()) {
+          m.baseline = base->first;
+          m.base.gbps.push_back(base->second);
+        } else if (m.baseline.empty()) {
+          m.baseline = "none (" + std::string(base.status().message()) + ")";
+        }
+      }
+    }
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      if (targets[i].against < 0) continue;
+      for (std::size_t k = 0; k < a.sizes.size(); ++k) {
+        const Series& other = results[static_cast<std::size_t>(targets[i].against)][k].ours;
+        if (!other.gbps.empty()) results[i][k].base.gbps.push_back(other.gbps.back());
+      }
+    }
+  }
+  benches.clear();
+  char line[512];
   if (a.json) {
-    std::cout << "{\"results\": [";
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      const Measurement& m = results[i];
-      std::snprintf(line, sizeof(line),
-                    "%s{\"backend\": \"%s\", \"block_bytes\": %llu, \"gbps\": %.3f, "
-                    "\"baseline\": \"%s\", \"baseline_gbps\": %.3f, \"ratio\": %.3f}",
-                    i ? ", " : "", m.backend.c_str(), static_cast<unsigned long long>(m.block),
-                    m.gbps, m.baseline.c_str(), m.baseline_gbps,
-                    m.baseline_gbps > 0 ? m.gbps / m.baseline_gbps : 0.0);
-      std::cout << line;
+    std::cout << "{\"rounds\": " << std::max(a.rounds, 1) << ", \"results\": [";
+    bool first = true;
+    for (const auto& per_target : results) {
+      for (const Measurement& m : per_target) {
+        if (m.ours.gbps.empty()) continue;
+        std::snprintf(line, sizeof(line),
+                      "%s{\"backend\": \"%s\", \"block_bytes\": %llu, \"gbps\": %.3f, "
+                      "\"gbps_min\": %.3f, \"gbps_max\": %.3f, \"baseline\": \"%s\", "
+                      "\"baseline_gbps\": %.3f, \"baseline_min\": %.3f, \"baseline_max\": %.3f, "
+                      "\"ratio\": %.3f}",
+                      first ? "" : ", ", m.backend.c_str(),
+                      static_cast<unsigned long long>(m.block), m.ours.Median(), m.ours.Min(),
+                      m.ours.Max(), m.baseline.c_str(), m.base.Median(), m.base.Min(), m.base.Max(),
+                      m.base.Median() > 0 ? m.ours.Median() / m.base.Median() : 0.0);
+        std::cout << line;
+        first = false;
+      }
     }
     std::cout << "]}\n";
     return 0;
   }
-  std::cout << "backend  block      GB/s  baseline         GB/s  ratio\n";
-  for (const Measurement& m : results) {
-    std::snprintf(line, sizeof(line), "%-8s %-9s %6.2f  %-14s %6.2f  %5.2f\n", m.backend.c_str(),
-                  SizeName(m.block).c_str(), m.gbps, m.baseline.c_str(), m.baseline_gbps,
-                  m.baseline_gbps > 0 ? m.gbps / m.baseline_gbps : 0.0);
-    std::cout << line;
+  std::cout << "medians of " << std::max(a.rounds, 1)
+            << " alternating rounds (min-max); ratio of the medians\n"
+            << "backend   block      GB/s (min-max)         baseline           GB/s (min-max)    "
+               "     ratio\n";
+  for (const auto& per_target : results) {
+    for (const Measurement& m : per_target) {
+      if (m.ours.gbps.empty()) continue;
+      std::snprintf(line, sizeof(line),
+                    "%-9s %-9s %6.2f (%5.2f-%5.2f)  %-18s %6.2f (%5.2f-%5.2f)  %5.2f\n",
+                    m.backend.c_str(), SizeName(m.block).c_str(), m.ours.Median(), m.ours.Min(),
+                    m.ours.Max(), m.baseline.c_str(), m.base.Median(), m.base.Min(), m.base.Max(),
+                    m.base.Median() > 0 ? m.ours.Median() / m.base.Median() : 0.0);
+      std::cout << line;
+    }
   }
   return 0;
 }
@@ -547,8 +667,12 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   transport->add_option("--min-seconds", targs->min_seconds, "Time per measurement")
       ->capture_default_str();
-  transport->add_option("--repeat", targs->repeat, "Alternating measurements; medians reported")
-      ->capture_default_str();
+  transport
+      ->add_option("--rounds,--repeat", targs->rounds,
+                   "Alternating rounds (every backend and its baseline once per round); medians "
+                   "and min-max reported")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   transport->add_option("--inflight", targs->inflight, "Batches kept outstanding")
       ->capture_default_str();
   AddTransportOptOption(*transport, targs->transport_opts);

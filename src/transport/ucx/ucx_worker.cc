@@ -148,25 +148,44 @@ void UcxWorker::Wake() {
   [[maybe_unused]] const ssize_t n = write(wake_fd_, &one, sizeof(one));
 }
 
-bool UcxWorker::RunQueued() {
+bool UcxWorker::Queued() {
+  MutexLock lock(mu_);
+  return !queue_.empty();
+}
+
+bool UcxWorker::RunQueued(bool* ran) {
   std::vector<std::function<void()>> work;
   {
     MutexLock lock(mu_);
     if (stopping_) return false;
     work.swap(queue_);
   }
+  *ran = !work.empty();
   for (std::function<void()>& fn : work) fn();
   return true;
 }
 
 void UcxWorker::Loop() {
   const int timeout_ms = static_cast<int>(interval_.count());
-  while (RunQueued()) {
-    while (Ucx().ucp_worker_progress(worker_) != 0) {
-    }
+  // Adaptive polling: after any activity the thread keeps polling the worker for kSpin before it
+  // arms it and sleeps. While gets flow, the next event is usually a few microseconds away, and a
+  // sleep and wake-up per event (over UCX's tcp transport: one per emulated get, on both sides)
+  // cost more than the event itself; idle, it sleeps after kSpin, so an idle peer costs nothing.
+  constexpr auto kSpin = std::chrono::microseconds(100);
+  Clock::time_point active = Clock::now();
+  bool ran = false;
+  while (RunQueued(&ran)) {
+    unsigned progressed = ran ? 1 : 0;
+    while (Ucx().ucp_worker_progress(worker_) != 0) ++progressed;
     tick_(worker_);
     // The tick may have issued operations or completed some: progress before sleeping.
-    if (Ucx().ucp_worker_progress(worker_) != 0) continue;
+    if (Ucx().ucp_worker_progress(worker_) != 0) {
+      active = Clock::now();
+      continue;
+    }
+    const Clock::time_point now = Clock::now();
+    if (progressed != 0 || Queued()) active = now;
+    if (now - active < kSpin) continue;  // still busy a moment ago: poll again
     const ucs_status_t armed = Ucx().ucp_worker_arm(worker_);
     if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile
     pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};

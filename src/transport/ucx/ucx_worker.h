@@ -67,7 +67,10 @@ class UcxWorker {
       : interval_(interval), tick_(std::move(tick)), stop_(std::move(stop)) {}
   void Loop() EXCLUDES(mu_);
   // Runs the queued closures; false once stop was requested.
-  bool RunQueued() EXCLUDES(mu_);
+  // Runs what was posted; `*ran` tells whether there was anything. False once stopping.
+  bool RunQueued(bool* ran) EXCLUDES(mu_);
+  // Whether anything waits to be run.
+  bool Queued() EXCLUDES(mu_);
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
