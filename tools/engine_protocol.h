@@ -30,8 +30,8 @@ inline constexpr std::size_t kMaxControlFrameBytes = 16u << 20;
 inline constexpr std::size_t kMaxControlTextBytes = 1024;
 inline constexpr std::size_t kMaxRemoteBlockIds = 1u << 20;
 inline constexpr std::int64_t kMaxRemoteTpSize = 1024;
-/// Allowed distance between a message's timestamp and the receiver's clock; also how long a
-/// request's nonce is remembered against replays.
+/// Allowed distance between a message's timestamp and the receiver's clock; an accepted
+/// request's nonce is remembered against replays for twice this (sidechannel::ReplayGuard).
 inline constexpr std::chrono::milliseconds kControlMaxClockSkew{30000};
 
 enum class ControlOp : std::uint8_t { kUnknown, kGenerate, kAbort, kStats, kShutdown };

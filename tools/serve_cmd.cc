@@ -233,7 +233,11 @@ int RunServe(const ServeArgs& a) {
     }
     if (!replay.Accept(*auth)) {
       refuse(identity, nonce,
-             Status::Unauthenticated("replayed message: this nonce was already accepted"), nullptr);
+             Status::Unauthenticated(
+                 "replayed message: this nonce was already accepted (under this or another "
+                 "timestamp), or the replay guard is full and the message is not newer than the "
+                 "newest nonce it had to forget; send a fresh message with a new nonce"),
+             nullptr);
       return;
     }
     ParsedControlRequest parsed = ParseControlRequest(frames[2], max_prompt_tokens);

@@ -101,31 +101,37 @@ std::optional<AuthNonce> RequestNonceOf(std::span<const std::uint8_t> header) {
   return nonce;
 }
 
+void ReplayGuard::ForgetOldest() {
+  nonces_.erase(by_time_.begin()->second);
+  by_time_.erase(by_time_.begin());
+}
+
 bool ReplayGuard::Accept(const AuthHeader& header) {
-  std::pair<std::uint64_t, AuthNonce> key{header.timestamp_ms, header.nonce};
   MutexLock lock(mu_);
   const std::uint64_t now = UnixMillis();
   const auto window = static_cast<std::uint64_t>(window_.count());
-  while (!seen_.empty() && seen_.begin()->first + 2 * window < now) seen_.erase(seen_.begin());
-  // Not newer than a header forgotten while still fresh: it may be that header's replay.
+  while (!by_time_.empty() && by_time_.begin()->first + 2 * window < now) ForgetOldest();
+  // Not newer than a nonce forgotten while still fresh: it may be that message's replay.
   if (header.timestamp_ms <= low_water_ms_) return false;
-  if (seen_.count(key) != 0) return false;
-  if (seen_.size() >= capacity_) {
-    // Full of fresh headers. A message older than all of them is refused as if it were the
+  // The nonce alone decides: the same nonce under another timestamp is refused too.
+  if (nonces_.count(header.nonce) != 0) return false;
+  if (by_time_.size() >= capacity_) {
+    // Full of fresh nonces. A message older than all of them is refused as if it were the
     // oldest forgotten; otherwise the oldest is forgotten and its timestamp refused from now on.
-    const std::uint64_t oldest = seen_.begin()->first;
+    const std::uint64_t oldest = by_time_.begin()->first;
     if (header.timestamp_ms <= oldest) return false;
     low_water_ms_ = std::max(low_water_ms_, oldest);
-    // Every header sharing the oldest timestamp goes too: the mark refuses their replays anyway.
-    while (!seen_.empty() && seen_.begin()->first <= low_water_ms_) seen_.erase(seen_.begin());
+    // Every nonce that came with the oldest timestamp goes too: the mark refuses their replays.
+    while (!by_time_.empty() && by_time_.begin()->first <= low_water_ms_) ForgetOldest();
   }
-  seen_.insert(std::move(key));
+  nonces_.insert(header.nonce);
+  by_time_.emplace(header.timestamp_ms, header.nonce);
   return true;
 }
 
 std::size_t ReplayGuard::size() const {
   MutexLock lock(mu_);
-  return seen_.size();
+  return nonces_.size();
 }
 
 std::uint64_t ReplayGuard::low_water_ms() const {

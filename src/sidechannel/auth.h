@@ -64,36 +64,45 @@ Result<AuthHeader> VerifyMessage(std::string_view secret, AuthKind kind,
 /// sender can verify the refusal and read the reason.
 std::optional<AuthNonce> RequestNonceOf(std::span<const std::uint8_t> header);
 
-/// Remembers the headers (timestamp and nonce) of recently accepted requests so a captured message
-/// cannot be replayed while its timestamp is still fresh. Thread-safe.
+/// Remembers the nonces of recently accepted requests, so that a nonce is accepted once: a
+/// captured message cannot be replayed while its timestamp is still fresh, and a message that
+/// repeats an accepted nonce under another timestamp (only a holder of the secret can sign one)
+/// is refused as well. Shared by the side channel's listener and `kvferry serve`'s control
+/// socket (docs/protocol.md, docs/control.md). Thread-safe.
 ///
-/// Memory is bounded: at most `capacity` headers are kept (size() <= capacity() always). Headers
-/// more than 2 * `window` old are forgotten; by then a replay is stale (the extra window is a
-/// margin for clock steps). When more than `capacity` fresh headers arrive within that time, the
-/// one with the oldest timestamp is forgotten and its timestamp becomes a low-water mark: from then
-/// on every message whose timestamp is not newer than the mark is refused, because it could be the
-/// replay of a forgotten one. Eviction therefore never opens a replay gap; it only refuses late
-/// messages (timestamps older than the newest forgotten one) while the guard is full.
+/// Memory is bounded: at most `capacity` nonces are kept (size() <= capacity() always). A nonce
+/// is forgotten once the timestamp it came with is more than 2 * `window` old; by then a replay
+/// is stale (the extra window is a margin for clock steps). When more than `capacity` fresh
+/// requests arrive within that time, the nonce with the oldest timestamp is forgotten and that
+/// timestamp becomes a low-water mark: from then on every message whose timestamp is not newer
+/// than the mark is refused, because it could be the replay of a forgotten one. Eviction therefore
+/// never lets a replay (same timestamp and nonce) through; it refuses late messages (timestamps
+/// not newer than the newest forgotten one) while the guard is full, and a forgotten nonce signed
+/// again under a newer timestamp is accepted.
 class ReplayGuard {
  public:
   ReplayGuard(std::chrono::milliseconds window, std::size_t capacity)
       : window_(window), capacity_(capacity > 0 ? capacity : 1) {}
-  /// True if the message is new (and records it); false for a replay, or for a message not newer
-  /// than the low-water mark.
+  /// True if the message's nonce is new (and records it); false for a nonce accepted before
+  /// (whatever the timestamp), or for a message not newer than the low-water mark.
   bool Accept(const AuthHeader& header) EXCLUDES(mu_);
-  /// Headers remembered now.
+  /// Nonces remembered now.
   std::size_t size() const EXCLUDES(mu_);
   std::size_t capacity() const { return capacity_; }
   /// Messages with timestamps at or below this are refused (0: nothing was forgotten early).
   std::uint64_t low_water_ms() const EXCLUDES(mu_);
 
  private:
+  // Forgets the oldest remembered nonce.
+  void ForgetOldest() REQUIRES(mu_);
+
   std::chrono::milliseconds window_;
   std::size_t capacity_;
   mutable Mutex mu_;
-  // By timestamp, so the oldest is forgotten first. A replay repeats the header exactly (the MAC
-  // covers both fields), so the pair identifies it.
-  std::set<std::pair<std::uint64_t, AuthNonce>> seen_ GUARDED_BY(mu_);
+  // The accepted nonces (the rule) and, by the timestamp each came with, the order in which they
+  // are forgotten; the two always hold the same nonces.
+  std::set<AuthNonce> nonces_ GUARDED_BY(mu_);
+  std::set<std::pair<std::uint64_t, AuthNonce>> by_time_ GUARDED_BY(mu_);
   std::uint64_t low_water_ms_ GUARDED_BY(mu_) = 0;
 };
 

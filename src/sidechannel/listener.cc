@@ -153,9 +153,9 @@ void Listener::HandleIncoming() {
   if (!replay_.Accept(*auth)) {
     Refuse(identity, auth->nonce,
            Status::Unauthenticated(
-               "replayed message: this header was already accepted, or the replay guard is full "
-               "and the message is older than the newest header it had to forget; send a fresh "
-               "message"),
+               "replayed message: this nonce was already accepted (under this or another "
+               "timestamp), or the replay guard is full and the message is not newer than the "
+               "newest nonce it had to forget; send a fresh message with a new nonce"),
            &unauthenticated_);
     return;
   }

@@ -322,11 +322,20 @@ TEST_F(ServeControlTest, UnauthenticatedMessagesChangeNothing) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->value("code", std::string()), "Unauthenticated");
   EXPECT_THAT(r->value("error", std::string()), HasSubstr("replayed message"));
+  // The same nonce signed again under a later timestamp (a valid MAC): a nonce is accepted once,
+  // whatever its timestamp (docs/control.md).
+  header = sidechannel::SignMessageAt(kSecret, AuthKind::kRequest, Bytes(stats), AuthNonce{},
+                                      sidechannel::UnixMillis() + 1000, nonce);
+  raw_->SendFrames({header, {stats.begin(), stats.end()}});
+  r = raw_->Reply(nonce);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->value("code", std::string()), "Unauthenticated") << r->dump();
+  EXPECT_THAT(r->value("error", std::string()), HasSubstr("replayed message"));
 
   // Nothing above shut it down: a signed shutdown does, and it exits 0.
   Result<Json> stats_reply = client_->Call({{"op", "stats"}}, kReplyTimeout);
   ASSERT_TRUE(stats_reply.ok()) << stats_reply.status().ToString();
-  EXPECT_EQ(stats_reply->value("control_refused", 0), 8) << stats_reply->dump();
+  EXPECT_EQ(stats_reply->value("control_refused", 0), 9) << stats_reply->dump();
   Result<Json> bye = client_->Call({{"op", "shutdown"}}, kReplyTimeout);
   ASSERT_TRUE(bye.ok()) << bye.status().ToString();
   EXPECT_EQ(bye->value("ok", false), true);

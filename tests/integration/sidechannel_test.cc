@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -255,8 +256,15 @@ TEST(SideChannelTest, WrongSecretStaleTimestampAndReplayAreRefusedAndChangeNothi
   ASSERT_TRUE(first.ok());
   EXPECT_TRUE(std::holds_alternative<wire::Ack>(*first));
   EXPECT_EQ(ErrorCode(raw.Exchange({fresh, body})), StatusCode::kUnauthenticated);
+  // Its nonce signed again under a later timestamp (a valid MAC) is a replay too: a nonce is
+  // accepted once, whatever its timestamp (docs/protocol.md).
+  AuthNonce used{};
+  std::memcpy(used.data(), fresh.data() + 12, used.size());
+  const auto resigned =
+      SignMessageAt("right", AuthKind::kRequest, body, {}, UnixMillis() + 1000, used);
+  EXPECT_EQ(ErrorCode(raw.Exchange({resigned, body})), StatusCode::kUnauthenticated);
   EXPECT_EQ(f.recorder.count(), 1u) << "only the one authentic message reached the handler";
-  EXPECT_EQ(f.listener->Stats().unauthenticated, 4u);
+  EXPECT_EQ(f.listener->Stats().unauthenticated, 5u);
 }
 
 TEST(SideChannelTest, DeadPeerFailsInBoundedTimeWithoutDelayingOthers) {

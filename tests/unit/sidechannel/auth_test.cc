@@ -70,6 +70,24 @@ TEST(ReplayGuardTest, SecondUseOfANonceIsRefused) {
   EXPECT_FALSE(guard.Accept(b));
 }
 
+// A nonce is accepted once, whatever timestamp comes with it: a sender that signs the same nonce
+// again under a new timestamp (a valid MAC) is refused as a replay (docs/control.md,
+// docs/protocol.md). The guard used to remember (timestamp, nonce) pairs and accepted this.
+TEST(ReplayGuardTest, ANonceIsRefusedUnderANewTimestampToo) {
+  ReplayGuard guard(milliseconds(30000), 4);
+  const std::uint64_t now = UnixMillis();
+  AuthHeader first{AuthKind::kRequest, now - 10, {}};
+  first.nonce[0] = 9;
+  AuthHeader again = first;
+  again.timestamp_ms = now;
+  AuthHeader earlier = first;
+  earlier.timestamp_ms = now - 20;
+  EXPECT_TRUE(guard.Accept(first));
+  EXPECT_FALSE(guard.Accept(again));
+  EXPECT_FALSE(guard.Accept(earlier));
+  EXPECT_EQ(guard.size(), 1u);
+}
+
 AuthHeader Header(std::uint64_t timestamp_ms, int id) {
   AuthHeader h{AuthKind::kRequest, timestamp_ms, {}};
   std::memcpy(h.nonce.data(), &id, sizeof(id));
