@@ -68,11 +68,13 @@ struct FakeStream {};
 struct FakeEvent {};
 
 std::mutex mu;
-std::map<std::uintptr_t, Allocation> allocations;       // by data address; guarded by mu
-std::map<std::string, Import> imports;                  // by key; guarded by mu
-std::map<std::uintptr_t, std::size_t> pinned;           // guarded by mu
-std::set<FakeStream*> streams;                          // guarded by mu
-std::set<FakeEvent*> events;                            // guarded by mu
+std::map<std::uintptr_t, Allocation> allocations;  // by data address; guarded by mu
+std::map<std::string, Import> imports;             // by key; guarded by mu
+std::map<std::uintptr_t, std::size_t> pinned;      // guarded by mu
+// Never destroyed: a stream left running (its owner timed out waiting) stays known until the
+// process ends, as with the real runtime, and the leak checker must find it reachable at exit.
+auto& streams = *new std::set<FakeStream*>;             // guarded by mu
+auto& events = *new std::set<FakeEvent*>;               // guarded by mu
 int device_count = 1;                                   // guarded by mu
 int init_calls = 0;                                     // guarded by mu
 int init_result = -1;                                   // guarded by mu; -1: the default behaviour
