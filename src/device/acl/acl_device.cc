@@ -79,9 +79,10 @@ std::string Hex(std::uint64_t v) {
   return buf;
 }
 
+// A device address as the runtime's void*: never dereferenced here.
 void* Ptr(DeviceAddress a) {
-  return reinterpret_cast<void*>(a);
-}  // NOLINT(performance-no-int-to-ptr)
+  return reinterpret_cast<void*>(a);  // NOLINT(performance-no-int-to-ptr)
+}
 DeviceAddress Addr(const void* p) { return reinterpret_cast<DeviceAddress>(p); }
 
 class AclAllocation final : public DeviceAllocation {

@@ -19,6 +19,7 @@ bool RequireNpu() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+// NOLINTBEGIN(bugprone-macro-parentheses): `var` names a variable
 #define KVFERRY_OPEN_NPU(var)                                                                  \
   auto var##_result = OpenDevice("npu:0");                                                     \
   if (!var##_result.ok()) {                                                                    \
@@ -26,6 +27,7 @@ bool RequireNpu() {
     GTEST_SKIP() << "no NPU runtime/device: " << var##_result.status().ToString();             \
   }                                                                                            \
   Device& var = **var##_result
+// NOLINTEND(bugprone-macro-parentheses)
 
 TEST(AclNpuTest, CopiesInEveryDirectionAreByteExact) {
   KVFERRY_OPEN_NPU(dev);

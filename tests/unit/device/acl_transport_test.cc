@@ -37,7 +37,7 @@ bool OldRuntime() {
 }
 
 // Points "npu:N" of this process (and of processes it starts) at the fake, before any test runs.
-const bool kFakeChosen = [] {
+const bool fake_chosen = [] {
   // NOLINTNEXTLINE(concurrency-mt-unsafe): before main, one thread
   return setenv("KVFERRY_ACL_LIBRARY",
                 OldRuntime() ? KVFERRY_FAKE_LIBASCENDCL_OLD_PATH : KVFERRY_FAKE_LIBASCENDCL_PATH,
@@ -67,7 +67,9 @@ class Region {
   }
   MemoryKind kind() const { return *ParseMemoryKind(kind_); }
   std::byte* base() {
-    return dev_ == nullptr ? host_.data() : reinterpret_cast<std::byte*>(alloc_->address());
+    // A device address carried in a pointer, never dereferenced (docs/device.md).
+    return dev_ == nullptr ? host_.data()
+                           : reinterpret_cast<std::byte*>(alloc_->address());  // NOLINT
   }
   std::vector<std::byte> Contents() {
     if (dev_ == nullptr) return host_;
@@ -152,7 +154,7 @@ void ReadScatteredAndCheck(Transport& client, PeerId peer, Region& local) {
 class AclTransportTest : public ::testing::TestWithParam<Path> {};
 
 TEST_P(AclTransportTest, ScatteredReadsAreByteExact) {
-  ASSERT_TRUE(kFakeChosen);
+  ASSERT_TRUE(fake_chosen);
   const Path& path = GetParam();
   Region remote(path.remote, true);
   Region local(path.local, false);
