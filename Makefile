@@ -41,7 +41,8 @@ test: build
 # itself then exits 2; scripts/gpu_check.sh exits 77), or 1 when KVFERRY_REQUIRE_GPU=1. With a GPU,
 # the device tests run with KVFERRY_REQUIRE_GPU=1, so a GPU test cannot skip.
 DEVICE_TARGETS = device_ipc_peer device_test cuda_header_check_test cuda_gpu_test device_transport_test \
-  kvferry_cli
+  kvferry_cli fake_libcuda cuda_fake_driver_test fake_libascendcl fake_libascendcl_old acl_device_test \
+  acl_transport_test acl_npu_test acl_header_check_test device_transfer_check
 test-gpu: configure
 	cmake --build $(BUILD) -j $(JOBS) --target $(DEVICE_TARGETS)
 	@$(BUILD)/tests/device_ipc_peer probe; rc=$$?; \
