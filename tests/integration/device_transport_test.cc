@@ -443,13 +443,13 @@ TEST(DeviceIpcTest, AHandleThatDoesNotOpenFallsBackToStagedTcp) {
   Result<ShmSection> shm = DecodeShmSection(d->Section("shm"));
   ASSERT_TRUE(shm.ok());
   ASSERT_EQ(shm->ipc.size(), 1u);
-  Result<device::IpcHandle> h = device::IpcHandle::Decode(shm->ipc[0].handle);
+  Result<device::IpcHandle> h = device::IpcHandle::Decode(shm->ipc[0].bytes);
   ASSERT_TRUE(h.ok());
   // The sim handle's opaque bytes start with the exporter's pid and the memfd's descriptor
   // number (docs/device.md): point it at descriptor 0, which is no memfd of that allocation.
   ASSERT_GE(h->opaque.size(), 8u);
   std::memset(h->opaque.data() + 4, 0, 4);
-  shm->ipc[0].handle = h->Encode();
+  shm->ipc[0].bytes = h->Encode();
   d->sections["shm"] = EncodeShmSection(*shm);
   Result<PeerId> p = client->Connect(EncodeDescriptor(*d), DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(p.ok()) << p.status().ToString();

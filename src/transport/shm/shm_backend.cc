@@ -1,16 +1,13 @@
 #include "transport/shm/shm_backend.h"
 
 #include <openssl/rand.h>
-#include <poll.h>
 #include <sys/prctl.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
-#include <climits>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -40,19 +37,14 @@ using Piece = HostRead;
 // The state units of one peer share; outlives the peer object while units still run.
 class ShmPeerState {
  public:
-  ShmPeerState(pid_t pid, int pidfd) : pid_(pid), pidfd_(pidfd) {}
-  ~ShmPeerState() { close(pidfd_); }
+  explicit ShmPeerState(PeerProcess process) : process_(std::move(process)) {}
   ShmPeerState(const ShmPeerState&) = delete;
   ShmPeerState& operator=(const ShmPeerState&) = delete;
 
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return process_.pid(); }
 
-  // True while the process lives. A pidfd becomes readable when its process exits, so this cannot
-  // be fooled by PID reuse.
-  bool Alive() const {
-    pollfd p{pidfd_, POLLIN, 0};
-    return poll(&p, 1, 0) == 0;
-  }
+  // True while the process lives; cannot be fooled by PID reuse (PeerProcess).
+  bool Alive() const { return process_.Alive(); }
 
   bool Enter() EXCLUDES(mu_) {
     MutexLock lock(mu_);
@@ -71,8 +63,7 @@ class ShmPeerState {
   }
 
  private:
-  const pid_t pid_;
-  const int pidfd_;
+  const PeerProcess process_;
   Mutex mu_;
   CondVar idle_;
   bool shut_ GUARDED_BY(mu_) = false;
@@ -342,18 +333,11 @@ class ShmPeer final : public BackendPeer {
   std::map<device::Device*, std::shared_ptr<StagingLanes>> lanes_ GUARDED_BY(lanes_mu_);
 };
 
-// Proves that the process behind `peer` (a pidfd opened before this call) is the one that wrote
-// `proof`: same start time, same instance nonce in its memory, and still alive after both checks,
-// so that neither check can have looked at a process that replaced it.
+// shm's check on top of the peer-process proof (PeerProcess::Prove, which `peer` passed): the
+// instance nonce in the process's memory is the one `proof` names, and the process is still alive
+// after reading it, so the check cannot have looked at a process that replaced it.
 Status ProveInstance(const ShmPeerState& peer, const ShmProof& proof) {
   const pid_t pid = peer.pid();
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t start, ProcessStartTime(pid));
-  if (start != proof.start_time) {
-    return Status::PeerDisconnected(
-        "process " + std::to_string(pid) + " started at tick " + std::to_string(start) +
-        " but the descriptor names a process started at tick " + std::to_string(proof.start_time) +
-        ": the peer exited and its pid names another process now; get a new descriptor");
-  }
   std::uint64_t nonce = 0;
   iovec local{&nonce, sizeof(nonce)};
   // An address in the peer's address space, never dereferenced here.
@@ -501,23 +485,13 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
                                                          Deadline /*deadline*/) {
   KVFERRY_RETURN_IF_ERROR(CanReach(peer));
   KVFERRY_ASSIGN_OR_RETURN(const ShmSection section, DecodeShmSection(peer.section));
-  if (section.host.pid <= 0 || section.host.pid > INT_MAX) {
-    return Status::InvalidArgument("the peer's pid is " + std::to_string(section.host.pid) +
-                                   ": expected the serving process's pid (> 0)");
-  }
-  const auto pid = static_cast<pid_t>(section.host.pid);
-  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
-  if (pidfd < 0) {
-    const int err = errno;
-    if (err == ESRCH) {
-      return Status::Unavailable("peer process " + std::to_string(pid) + " does not exist");
-    }
-    return Status::Unavailable("pidfd_open(" + std::to_string(pid) + ") failed: " + ErrnoText(err) +
-                               "; shm needs Linux 5.3 or later");
-  }
-  auto state = std::make_shared<ShmPeerState>(pid, pidfd);
   // Before the first read of a region: prove that the process is the one that wrote the
-  // descriptor, so a reused pid is never read as the peer.
+  // descriptor (the peer-process proof, then shm's nonce), so a reused pid is never read as the
+  // peer.
+  KVFERRY_ASSIGN_OR_RETURN(PeerProcess process,
+                           PeerProcess::Prove(self_, section.host, section.proof.start_time));
+  const pid_t pid = process.pid();
+  auto state = std::make_shared<ShmPeerState>(std::move(process));
   KVFERRY_RETURN_IF_ERROR(ProveInstance(*state, section.proof));
   // Probe one byte of a host region, so that unmapped memory is found now, not mid-transfer.
   const auto host_region = std::find_if(peer.regions.begin(), peer.regions.end(),

@@ -47,10 +47,11 @@ class ShmBackend final : public Backend {
   /// OK for a peer whose shm section names this kernel and PID namespace; Unavailable when it has
   /// no section or another host; InvalidArgument/NotSupported for a section that does not decode.
   Status CanReach(const PeerView& peer) override;
-  /// Before any read: the peer's pid must be > 0 and name a live process whose start time
-  /// (/proc/PID/stat) equals the section's and whose instance nonce, read from its memory,
-  /// equals the section's; otherwise PeerDisconnected (the process is gone or was replaced)
-  /// or Unavailable (another host, no shm section, or the kernel refused the read).
+  /// Before any read: the peer-process proof (PeerProcess::Prove: a pidfd on the section's pid
+  /// naming a live process with the section's start time), then the instance nonce, read from the
+  /// process's memory, must equal the section's; otherwise PeerDisconnected (the process is gone
+  /// or was replaced) or Unavailable (another host, no shm section, no pidfd, or the kernel
+  /// refused the read).
   Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
   /// Host memory into host memory (process_vm_readv) or into device memory (process_vm_readv
   /// into pinned buffers, then a copy up); a peer's device memory, opened through its IPC handle,

@@ -161,7 +161,7 @@ Result<std::map<RegionId, ImportedRegion>> ImportPeerRegions(const std::vector<S
   for (const ShmIpcRegion& e : ipc) {
     auto region = table.find(e.region);
     if (region == table.end() || region->second.kind.is_host()) continue;
-    KVFERRY_ASSIGN_OR_RETURN(device::IpcHandle h, device::IpcHandle::Decode(e.handle));
+    KVFERRY_ASSIGN_OR_RETURN(device::IpcHandle h, device::IpcHandle::Decode(e.bytes));
     const std::string name = h.kind + ":" + std::to_string(h.device_index);
     if (name != region->second.kind.ToString()) {
       return Status::InvalidArgument("the peer's IPC handle of region " + std::to_string(e.region) +
@@ -172,7 +172,7 @@ Result<std::map<RegionId, ImportedRegion>> ImportPeerRegions(const std::vector<S
     if (!dev.ok()) {
       return Status::Unavailable("shm cannot open " + name + ": " + dev.status().ToString());
     }
-    std::shared_ptr<device::ImportedMemory>& mem = opened[e.handle];
+    std::shared_ptr<device::ImportedMemory>& mem = opened[e.bytes];
     if (!mem) {
       Result<std::unique_ptr<device::ImportedMemory>> m = (*dev)->ImportIpc(h);
       if (!m.ok()) {

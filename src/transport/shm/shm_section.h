@@ -11,19 +11,10 @@
 #include <vector>
 
 #include "kvferry/status.h"
-#include "wire/msgpack_reader.h"
+#include "transport/peer_process.h"
+#include "transport/section_fields.h"
 
 namespace kvferry {
-
-/// Same boot id and PID namespace means a peer's PID names a process on this kernel. A decoded
-/// section always has pid > 0.
-struct HostIdentity {
-  std::string boot_id;
-  std::uint64_t pid_namespace = 0;
-  std::int64_t pid = 0;
-
-  friend bool operator==(const HostIdentity&, const HostIdentity&) = default;
-};
 
 /// What a same-host reader checks before its first read of the process at `HostIdentity::pid`,
 /// so that a pid reused by another process (a restarted instance) is never read as the old peer.
@@ -39,13 +30,10 @@ struct ShmProof {
   friend bool operator==(const ShmProof&, const ShmProof&) = default;
 };
 
-/// A registered device region exported for same-host readers: an encoded device::IpcHandle.
-struct ShmIpcRegion {
-  std::uint32_t region = 0;
-  std::vector<std::uint8_t> handle;
-
-  friend bool operator==(const ShmIpcRegion&, const ShmIpcRegion&) = default;
-};
+/// A registered device region exported for same-host readers: its bytes are an encoded
+/// device::IpcHandle (at most kMaxShmIpcHandleBytes).
+using ShmIpcRegion = RegionBlob;
+inline constexpr std::size_t kMaxShmIpcHandleBytes = 4096 + 64;
 
 struct ShmSection {
   HostIdentity host;
@@ -60,25 +48,8 @@ inline constexpr std::uint32_t kShmSectionVersion = 1;
 
 std::vector<std::uint8_t> EncodeShmSection(const ShmSection& section);
 /// Never trusts its input: malformed bytes, another version (NotSupported), a pid that is not
-/// positive, a zero nonce address and an "ipc" entry that is not [region id, handle bytes of at
-/// most 4 KiB] are refused.
+/// positive, a zero nonce address and an "ipc" list that ReadRegionList refuses (an entry that is
+/// not [region id, handle bytes (1 to 4160)], a region listed twice) are refused.
 Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes);
-
-/// The fields of a section that names the process serving it, four map entries: "boot_id",
-/// "pidns", "pid" (of `host`) and "start" (the process's start time). The shm and ucx sections
-/// both carry them, so that a same-host reader can tell the very process that wrote them.
-void PackProcessFields(msgpack::packer<msgpack::sbuffer>& pk, const HostIdentity& host,
-                       std::uint64_t start_time);
-/// Reads those fields of `m`; a pid that is not positive is InvalidArgument naming the field.
-Status ReadProcessFields(const wire::MapView& m, HostIdentity* host, std::uint64_t* start_time);
-
-/// Field 22 of /proc/PID/stat: the process's start time in clock ticks since boot.
-/// PeerDisconnected when the process does not exist (any more). Shared with the ucx backend's
-/// liveness check.
-Result<std::uint64_t> ProcessStartTime(pid_t pid);
-
-/// This process's identity: /proc/sys/kernel/random/boot_id, the inode of /proc/self/ns/pid, and
-/// getpid().
-Result<HostIdentity> LocalHostIdentity();
 
 }  // namespace kvferry

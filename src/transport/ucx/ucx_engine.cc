@@ -1,13 +1,9 @@
 #include "transport/ucx/ucx_engine.h"
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
+#include <optional>
 
 #include "common/clock.h"
-#include "common/errno_text.h"
 #include "common/log.h"
 #include "transport/ucx/ucx_api.h"
 
@@ -164,37 +160,17 @@ void UcxEngine::Unmap(RegionId id) {
 Result<std::shared_ptr<UcxPeerState>> UcxEngine::Connect(const UcxSection& section,
                                                          const RemoteRegionTable& regions,
                                                          Deadline deadline) {
-  pid_t pid = 0;
-  int pidfd = -1;
-  if (section.host.boot_id == self_.boot_id && section.host.pid_namespace == self_.pid_namespace) {
-    // Same kernel and PID namespace: a pidfd tells when the peer exits, which an endpoint without
-    // peer error handling (shared-memory transports) never reports.
-    pid = static_cast<pid_t>(section.host.pid);
-    pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
-    if (pidfd < 0) {
-      const int err = errno;
-      if (err == ESRCH) {
-        return Status::PeerDisconnected("peer process " + std::to_string(pid) +
-                                        " does not exist (any more); get a new descriptor");
-      }
-      Log().warn("ucx: pidfd_open({}) failed ({}); a dead peer is found by UCX or the deadline",
-                 pid, ErrnoText(err));
-      pid = 0;
-    } else {
-      // The pidfd must name the process that wrote the descriptor, not a successor at its pid.
-      Result<std::uint64_t> start = ProcessStartTime(pid);
-      if (!start.ok() || *start != section.start_time) {
-        close(pidfd);
-        return Status::PeerDisconnected(
-            "process " + std::to_string(pid) +
-            (start.ok() ? " started at tick " + std::to_string(*start) + ", not at tick " +
-                              std::to_string(section.start_time) + " as the descriptor says"
-                        : " is gone") +
-            ": the peer exited; get a new descriptor");
-      }
-    }
+  std::optional<PeerProcess> process;
+  if (SameKernelAndPidNamespace(section.host, self_)) {
+    // Same kernel and PID namespace: the peer-process proof, one rule with shm's (a pidfd is
+    // required). Its pidfd tells when the peer exits, which an endpoint without peer error
+    // handling (shared-memory transports) never reports.
+    KVFERRY_ASSIGN_OR_RETURN(PeerProcess proven,
+                             PeerProcess::Prove(self_, section.host, section.start_time));
+    process.emplace(std::move(proven));
   }
-  auto peer = std::make_shared<UcxPeerState>(section, regions, pid, pidfd, options_.max_inflight);
+  auto peer =
+      std::make_shared<UcxPeerState>(section, regions, std::move(process), options_.max_inflight);
   Status created;
   const Status call = worker_->Call(
       [&] {

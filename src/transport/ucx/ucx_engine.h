@@ -72,7 +72,8 @@ class UcxEngine {
   void Unmap(RegionId id);
 
   /// Creates an endpoint to the worker of `section` and unpacks its keys; on the same host
-  /// (boot id and PID namespace) also opens a pidfd on the peer after proving its start time.
+  /// (boot id and PID namespace) first proves the peer process (PeerProcess::Prove, whose errors
+  /// it returns), keeping its pidfd to watch the peer.
   Result<std::shared_ptr<UcxPeerState>> Connect(const UcxSection& section,
                                                 const RemoteRegionTable& regions,
                                                 Deadline deadline);

@@ -1,8 +1,5 @@
 #include "transport/ucx/ucx_peer.h"
 
-#include <poll.h>
-#include <unistd.h>
-
 #include <cstring>
 
 #include "common/log.h"
@@ -37,20 +34,18 @@ Status GetFailed(ucs_status_t s, const UcxChunk& c) {
 
 }  // namespace
 
-UcxPeerState::UcxPeerState(UcxSection section, RemoteRegionTable regions, pid_t pid, int pidfd,
-                           std::uint64_t max_inflight)
+UcxPeerState::UcxPeerState(UcxSection section, RemoteRegionTable regions,
+                           std::optional<PeerProcess> process, std::uint64_t max_inflight)
     : section_(std::move(section)),
       regions_(std::move(regions)),
       keyed_(KeyedRegions(section_)),
-      pid_(pid),
-      pidfd_(pidfd),
+      process_(std::move(process)),
       max_inflight_(max_inflight) {}
 
 UcxPeerState::~UcxPeerState() {
   // Gets left here were abandoned on an endpoint without error handling; the worker that could
   // complete them is gone.
   for (UcxGet* g : gets_) delete g;
-  if (pidfd_ >= 0) close(pidfd_);
 }
 
 bool UcxPeerState::Enter() {
@@ -76,16 +71,6 @@ bool UcxPeerState::WaitIdle(Deadline deadline) {
     if (idle_.WaitUntil(mu_, deadline)) return running_ == 0;
   }
   return true;
-}
-
-bool UcxPeerState::Alive() const {
-  pollfd p{pidfd_, POLLIN, 0};
-  return poll(&p, 1, 0) == 0;
-}
-
-Status UcxPeerState::Gone() const {
-  return Status::PeerDisconnected("peer process " + std::to_string(pid_) +
-                                  " exited; its ucx reads cannot complete");
 }
 
 void UcxPeerState::OnGetDone(void* request, ucs_status_t status, void* user_data) {
@@ -127,7 +112,7 @@ Status UcxPeerState::EnsureEp(ucp_worker_h worker) {
       Log().info(
           "ucx: no transport of UCX_TLS reaches the peer with peer error handling; its endpoint "
           "has none (a dead peer is found by {}, a stopped one by the batch deadline)",
-          pidfd_ >= 0 ? "its pidfd" : "the batch deadline only");
+          process_ ? "its pidfd" : "the batch deadline only");
     }
   }
   if (s != UCS_OK) {
@@ -139,7 +124,7 @@ Status UcxPeerState::EnsureEp(ucp_worker_h worker) {
   ep_ = ep;
   for (const UcxRegionKey& k : section_.keys) {
     ucp_rkey_h rkey = nullptr;
-    s = Ucx().ucp_ep_rkey_unpack(ep_, k.rkey.data(), &rkey);
+    s = Ucx().ucp_ep_rkey_unpack(ep_, k.bytes.data(), &rkey);
     if (s != UCS_OK) {
       CloseEp();
       return Status::Unavailable("ucp_ep_rkey_unpack of the peer's key for region " +
@@ -312,10 +297,10 @@ void UcxPeerState::Pump(ucp_worker_h worker, std::chrono::steady_clock::time_poi
                                  "): the peer process exited or the network to it failed; "
                                  "connect to it again");
   }
-  if (failed_.ok() && pidfd_ >= 0 && (!units_.empty() || !gets_.empty()) &&
+  if (failed_.ok() && process_ && (!units_.empty() || !gets_.empty()) &&
       now >= next_liveness_check_) {
     next_liveness_check_ = now + kLivenessInterval;
-    if (!Alive()) failed_ = Gone();
+    if (!process_->Alive()) failed_ = process_->Gone("its ucx reads cannot complete");
   }
   if (!failed_.ok() && peer_mode_ && CloseEp()) Drain();
   if (units_.empty()) return;

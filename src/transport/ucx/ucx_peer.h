@@ -19,6 +19,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_set>
@@ -27,6 +28,7 @@
 #include "common/mutex.h"
 #include "transport/batch.h"
 #include "transport/descriptor.h"
+#include "transport/peer_process.h"
 #include "transport/ucx/ucx_section.h"
 
 namespace kvferry {
@@ -69,7 +71,9 @@ struct UcxUnit {
 
 class UcxPeerState {
  public:
-  UcxPeerState(UcxSection section, RemoteRegionTable regions, pid_t pid, int pidfd,
+  // `process`: the peer proven through a pidfd (PeerProcess::Prove) when it runs on this kernel
+  // and PID namespace; empty on another host.
+  UcxPeerState(UcxSection section, RemoteRegionTable regions, std::optional<PeerProcess> process,
                std::uint64_t max_inflight);
   ~UcxPeerState();
   UcxPeerState(const UcxPeerState&) = delete;
@@ -116,14 +120,11 @@ class UcxPeerState {
   bool CloseEp();
   // One pass over the units; true when a stopped unit has waited kStopGrace for its gets.
   bool SweepUnits(ucp_worker_h worker, std::chrono::steady_clock::time_point now);
-  bool Alive() const;
-  Status Gone() const;
 
   const UcxSection section_;
   const RemoteRegionTable regions_;
   const std::set<RegionId> keyed_;
-  const pid_t pid_;  // 0 on another host
-  const int pidfd_;  // -1 on another host
+  const std::optional<PeerProcess> process_;  // empty on another host
   const std::uint64_t max_inflight_;
 
   // Progress thread only.

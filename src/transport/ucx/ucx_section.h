@@ -10,18 +10,14 @@
 #include <vector>
 
 #include "kvferry/status.h"
-#include "transport/shm/shm_section.h"
+#include "transport/peer_process.h"
+#include "transport/section_fields.h"
 
 namespace kvferry {
 
-/// One region's packed remote key (ucp_rkey_pack). It is a capability: whoever holds it and the
-/// worker address can read the region (docs/transport.md, "ucx", Security).
-struct UcxRegionKey {
-  std::uint32_t region = 0;
-  std::vector<std::uint8_t> rkey;
-
-  friend bool operator==(const UcxRegionKey&, const UcxRegionKey&) = default;
-};
+/// One region's packed remote key (ucp_rkey_pack), its bytes. It is a capability: whoever holds
+/// it and the worker address can read the region (docs/transport.md, "ucx", Security).
+using UcxRegionKey = RegionBlob;
 
 struct UcxSection {
   /// ucp_worker_get_address of the serving worker.
@@ -42,8 +38,9 @@ inline constexpr std::size_t kMaxUcxRkeyBytes = 1024;
 
 std::vector<std::uint8_t> EncodeUcxSection(const UcxSection& section);
 /// Never trusts its input: malformed bytes, another version (NotSupported), an empty or oversized
-/// worker address, a pid that is not positive, a key entry that is not [region id, rkey bytes
-/// (1..1024)] and a region named twice are refused (InvalidArgument).
+/// worker address, a pid that is not positive, and an "rkeys" list that ReadRegionList refuses (an
+/// entry that is not [region id, rkey bytes (1..1024)], a region listed twice) are refused
+/// (InvalidArgument).
 Result<UcxSection> DecodeUcxSection(std::span<const std::uint8_t> bytes);
 
 }  // namespace kvferry

@@ -8,6 +8,7 @@
 
 #include "transport/shm/shm_section.h"
 #include "transport/tcp/tcp_section.h"
+#include "transport/ucx/ucx_section.h"
 
 namespace kvferry {
 namespace {
@@ -90,7 +91,7 @@ TEST(ShmSectionTest, RoundTripsIpcHandlesAndRefusesMalformedOnes) {
   s.ipc = {{3, std::vector<std::uint8_t>(8192, 1)}};  // larger than any handle
   Result<ShmSection> big = DecodeShmSection(EncodeShmSection(s));
   ASSERT_FALSE(big.ok());
-  EXPECT_THAT(big.status().message(), HasSubstr("ipc[0]: expected [region id, handle bytes"));
+  EXPECT_THAT(big.status().message(), HasSubstr("ipc[0]: expected [region id, IPC handle (1 to 4160 bytes)]"));
 }
 
 TEST(ShmSectionTest, RefusesPidZeroAndNegativePids) {
@@ -188,6 +189,43 @@ TEST(DescriptorTest, RandomCorruptionIsRefusedOrDecodesToAValidDescriptor) {
     EXPECT_EQ(DecodeDescriptor(prefix).status().code(), StatusCode::kInvalidArgument)
         << "prefix of " << n << " bytes";
   }
+}
+
+// One region-list rule for every section (docs/transport.md, "The descriptor"): an entry
+// without bytes and a region listed twice are refused, in the shm section's IPC handles as in the
+// ucx section's rkeys. shm used to accept both (the second handle of a region silently won).
+TEST(RegionListTest, EmptyAndRepeatedEntriesAreRefusedInEverySection) {
+  ShmSection shm = kShm;
+  shm.ipc = {{3, {1, 2}}, {4, {}}};
+  Result<ShmSection> empty_shm = DecodeShmSection(EncodeShmSection(shm));
+  EXPECT_EQ(empty_shm.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty_shm.status().message(), HasSubstr("descriptor.shm.ipc[1]"));
+  shm.ipc = {{3, {1, 2}}, {3, {5}}};
+  Result<ShmSection> twice_shm = DecodeShmSection(EncodeShmSection(shm));
+  EXPECT_EQ(twice_shm.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(twice_shm.status().message(), HasSubstr("region 3 is listed twice"));
+
+  UcxSection ucx;
+  ucx.worker_address = {1, 2, 3};
+  ucx.host = kShm.host;
+  ucx.keys = {{3, {1, 2}}, {4, {}}};
+  Result<UcxSection> empty_ucx = DecodeUcxSection(EncodeUcxSection(ucx));
+  EXPECT_EQ(empty_ucx.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty_ucx.status().message(), HasSubstr("descriptor.ucx.rkeys[1]"));
+  ucx.keys = {{3, {1, 2}}, {3, {5}}};
+  Result<UcxSection> twice_ucx = DecodeUcxSection(EncodeUcxSection(ucx));
+  EXPECT_EQ(twice_ucx.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(twice_ucx.status().message(), HasSubstr("region 3 is listed twice"));
+
+  // Well-formed lists decode to what was encoded.
+  shm.ipc = {{3, {1, 2}}, {4, {7}}};
+  Result<ShmSection> good_shm = DecodeShmSection(EncodeShmSection(shm));
+  ASSERT_TRUE(good_shm.ok()) << good_shm.status().ToString();
+  EXPECT_EQ(*good_shm, shm);
+  ucx.keys = {{3, {1, 2}}, {4, {7}}};
+  Result<UcxSection> good_ucx = DecodeUcxSection(EncodeUcxSection(ucx));
+  ASSERT_TRUE(good_ucx.ok()) << good_ucx.status().ToString();
+  EXPECT_EQ(*good_ucx, ucx);
 }
 
 TEST(ShmSectionTest, LocalIdentityIsReadable) {

@@ -104,9 +104,9 @@ TEST(UcxSectionTest, MalformedSectionsAreRefused) {
   UcxSection twice = ValidSection();
   twice.keys.push_back({7, {1}});
   EXPECT_THAT(DecodeUcxSection(EncodeUcxSection(twice)).status().message(),
-              HasSubstr("region 7 has a key already"));
+              HasSubstr("region 7 is listed twice"));
   UcxSection empty_key = ValidSection();
-  empty_key.keys[0].rkey.clear();
+  empty_key.keys[0].bytes.clear();
   EXPECT_EQ(DecodeUcxSection(EncodeUcxSection(empty_key)).status().code(),
             StatusCode::kInvalidArgument);
   const std::vector<std::uint8_t> garbage = {0xc1, 0x00};
