@@ -192,12 +192,14 @@ Status TransportCore::DeregisterMemory(RegionId id) {
 
 Result<std::vector<std::uint8_t>> TransportCore::Descriptor() {
   PeerDescriptor d;
+  // The regions first: each backend's section then covers every region listed, even one
+  // registered meanwhile (a reader refuses ucx for a listed region without a key).
+  for (const RegionInfo& r : registry_.List()) {
+    d.regions.push_back({r.id, reinterpret_cast<std::uint64_t>(r.addr), r.length, r.kind});
+  }
   for (const auto& backend : backends_) {
     std::vector<std::uint8_t> section = backend->DescriptorSection();
     if (!section.empty()) d.sections.emplace(backend->name(), std::move(section));
-  }
-  for (const RegionInfo& r : registry_.List()) {
-    d.regions.push_back({r.id, reinterpret_cast<std::uint64_t>(r.addr), r.length, r.kind});
   }
   return EncodeDescriptor(d);
 }

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <set>
+
 #include "transport/backend_options.h"
 #include "transport/ucx/ucx_section.h"
 
@@ -64,13 +66,25 @@ std::vector<std::uint8_t> UcxBackend::DescriptorSection() {
   return engine_->Section(regions_->List());
 }
 
-Status UcxBackend::CanReach(const PeerView& peer) {
+Status UcxCanReach(std::uint64_t memory_types, const PeerView& peer) {
   if (peer.section.empty()) {
     return Status::Unavailable(
         "the peer's descriptor has no ucx section: it does not serve over ucx (name ucx in its "
         "transport backend list and let it serve)");
   }
-  return DecodeUcxSection(peer.section).status();
+  KVFERRY_ASSIGN_OR_RETURN(const UcxSection section, DecodeUcxSection(peer.section));
+  std::set<std::uint32_t> keyed;
+  for (const UcxRegionKey& k : section.keys) keyed.insert(k.region);
+  for (const RemoteRegion& r : peer.regions) {
+    if (!UcxReadsKind(memory_types, r.kind) || keyed.count(r.id) != 0) continue;
+    return Status::Unavailable(
+        "the peer published no ucx key for its region " + std::to_string(r.id) + " (" +
+        r.kind.ToString() +
+        " memory): its UCX does not read that kind (a UCX built without CUDA, for cuda memory) "
+        "or could not map the region (the peer's log says why); read it over another backend "
+        "(a list such as ucx,tcp) or give the peer a UCX that reads it");
+  }
+  return Status::Ok();
 }
 
 Result<std::unique_ptr<BackendPeer>> UcxBackend::Connect(const PeerView& peer, Deadline deadline) {

@@ -18,6 +18,16 @@ namespace kvferry {
 /// a bad value.
 Result<UcxOptions> ParseUcxOptions(const TransportOptions& options, const TransportOptionMap& own);
 
+/// Backend::CanReach of the ucx backend, given `memory_types`, the memory types of this process's
+/// UCX (UcxReadsKind): OK when the peer's ucx section decodes and holds a key for every region of
+/// the peer of a kind this UCX reads. A region without one is memory the peer's UCX does not read
+/// (cuda memory of a server whose UCX has no CUDA, met by a reader whose UCX has) or could not
+/// map; reading it over ucx would fail at read time, so this is Unavailable naming the region,
+/// and a preference list ("ucx,tcp") carries the peer over its next backend. Unavailable without
+/// a section; the decoder's error for a section that does not decode. Regions of kinds this UCX
+/// does not read are CanRead's to refuse.
+Status UcxCanReach(std::uint64_t memory_types, const PeerView& peer);
+
 class UcxBackend final : public Backend {
  public:
   /// `serve`: whether this process publishes its regions (TransportOptions::serve). `regions`
@@ -32,13 +42,15 @@ class UcxBackend final : public Backend {
   /// of a kind UCX reads (UcxReadsKind; each mapped with ucp_mem_map on first use). Empty when
   /// not serving.
   std::vector<std::uint8_t> DescriptorSection() override;
-  /// OK for any peer with a ucx section that decodes (UCX itself finds out at Connect whether a
-  /// transport reaches it); Unavailable without one.
-  Status CanReach(const PeerView& peer) override;
+  /// UcxCanReach with the memory types of the UCX this process loaded (UCX itself finds out at
+  /// Connect whether a transport reaches the peer).
+  Status CanReach(const PeerView& peer) override {
+    return UcxCanReach(engine_->memory_types(), peer);
+  }
   /// Creates the endpoint and unpacks the keys; on the same host first proves, through a pidfd
   /// and the process start time, that the peer's pid still names the process that wrote the
-  /// descriptor (PeerDisconnected otherwise). Unavailable when UCX reaches the peer over none of
-  /// its transports.
+  /// descriptor (PeerProcess::Prove, shm's rule: PeerDisconnected when it does not, Unavailable
+  /// without a pidfd). Unavailable when UCX reaches the peer over none of its transports.
   Result<std::unique_ptr<BackendPeer>> Connect(const PeerView& peer, Deadline deadline) override;
   /// The memory types the loaded UCX supports (UcxReadsKind).
   std::uint64_t memory_types() const { return engine_->memory_types(); }

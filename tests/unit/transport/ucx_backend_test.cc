@@ -24,6 +24,7 @@
 #include "common/pattern.h"
 #include "tests/bench_peer.h"
 #include "tests/test_timing.h"
+#include "transport/descriptor.h"
 #include "transport/region_registry.h"
 #include "transport/ucx/ucx_section.h"
 
@@ -168,6 +169,82 @@ TEST(UcxKindsTest, CudaOnlyWhereUcxReportsItAndSimNever) {
   }
   EXPECT_EQ(UcxMemoryType(host), UCS_MEMORY_TYPE_HOST);
   EXPECT_EQ(UcxMemoryType(cuda), UCS_MEMORY_TYPE_CUDA);
+}
+
+// A reader whose UCX has CUDA meeting a server whose UCX has not: the server publishes no key for
+// its cuda regions. Decided when connecting, not at the first read, so a preference list goes on
+// to its next backend (the memory types are faked, as UCX would report them).
+TEST(UcxKindsTest, CudaOnOneSideOnlyIsDecidedWhenConnecting) {
+  const std::uint64_t host_only = UCS_BIT(UCS_MEMORY_TYPE_HOST);
+  const std::uint64_t with_cuda = host_only | UCS_BIT(UCS_MEMORY_TYPE_CUDA);
+  const std::vector<RemoteRegion> regions = {{0, 0x10000, 4096, MemoryKind::Host()},
+                                             {1, 0x20000, 4096, MemoryKind{"cuda", 0}}};
+  UcxSection server_without_cuda = ValidSection();
+  server_without_cuda.keys = {{0, {9}}};
+  const std::vector<std::uint8_t> without = EncodeUcxSection(server_without_cuda);
+  const Status refused = UcxCanReach(with_cuda, PeerView{regions, without});
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable) << refused.ToString();
+  EXPECT_THAT(refused.message(), HasSubstr("no ucx key for its region 1 (cuda:0 memory)"));
+  // A reader without CUDA reaches it: CanRead refuses its cuda region, per read or, with a list,
+  // per peer in the core.
+  EXPECT_TRUE(UcxCanReach(host_only, PeerView{regions, without}).ok());
+  // Both sides with CUDA: a key for every region.
+  UcxSection server_with_cuda = ValidSection();
+  server_with_cuda.keys = {{0, {9}}, {1, {8}}};
+  EXPECT_TRUE(UcxCanReach(with_cuda, PeerView{regions, EncodeUcxSection(server_with_cuda)}).ok());
+}
+
+// The same through the transport, with host memory: a server whose section has no key for one of
+// its regions (as its UCX leaves out memory it cannot read) is read over the next backend of the
+// list, and refused at Connect with ucx alone. Both used to connect over ucx and fail at the
+// first read of that region ("the peer published no ucx key").
+TEST(UcxReachTest, ARegionWithoutAKeyIsRefusedAtConnectSoAListFallsThrough) {
+  constexpr std::uint64_t kBytes = 1u << 20;
+  std::vector<std::byte> served(2 * kBytes);
+  for (std::size_t i = 0; i < served.size(); ++i) served[i] = static_cast<std::byte>(i * 7 + 3);
+  TransportOptions so;
+  so.backend = "ucx,tcp";
+  Result<std::unique_ptr<Transport>> server = CreateTransport(so);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  ASSERT_TRUE((*server)->RegisterMemory(0, served.data(), kBytes).ok());
+  ASSERT_TRUE((*server)->RegisterMemory(1, served.data() + kBytes, kBytes).ok());
+  Result<std::vector<std::uint8_t>> descriptor = (*server)->Descriptor();
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status().ToString();
+  Result<PeerDescriptor> d = DecodeDescriptor(*descriptor);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  Result<UcxSection> ucx = DecodeUcxSection(d->Section("ucx"));
+  ASSERT_TRUE(ucx.ok()) << ucx.status().ToString();
+  ASSERT_EQ(ucx->keys.size(), 2u);
+  std::erase_if(ucx->keys, [](const UcxRegionKey& k) { return k.region == 1; });
+  d->sections["ucx"] = EncodeUcxSection(*ucx);
+  const std::vector<std::uint8_t> without_key = EncodeDescriptor(*d);
+
+  std::vector<std::byte> local(kBytes);
+  for (const std::string backend : {"ucx,tcp", "ucx"}) {
+    SCOPED_TRACE(backend);
+    TransportOptions co;
+    co.backend = backend;
+    co.serve = false;
+    Result<std::unique_ptr<Transport>> client = CreateTransport(co);
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    ASSERT_TRUE((*client)->RegisterMemory(100, local.data(), local.size()).ok());
+    Result<PeerId> p = (*client)->Connect(without_key, DeadlineAfter(milliseconds(5000)));
+    if (backend == "ucx") {
+      ASSERT_FALSE(p.ok()) << "connected over ucx to a peer without a key for region 1";
+      EXPECT_EQ(p.status().code(), StatusCode::kUnavailable);
+      EXPECT_THAT(p.status().message(), HasSubstr("no ucx key for its region 1"));
+      continue;
+    }
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ(*(*client)->PeerBackend(*p), "tcp");
+    Result<BatchId> b = (*client)->SubmitReads(*p, {{local.data(), 1, 0, kBytes}},
+                                               DeadlineAfter(milliseconds(5000)));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    const BatchResult r = (*client)->Wait(*b, DeadlineAfter(milliseconds(10000)));
+    ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+    (*client)->Release(*b);
+    EXPECT_EQ(std::memcmp(local.data(), served.data() + kBytes, kBytes), 0);
+  }
 }
 
 TEST(UcxBackendTest, ReadsTheKindsTheLoadedUcxSupportsAndNeverSimMemory) {
