@@ -3,11 +3,12 @@
 In host-buffer mode (kv_buffer_device "cpu") kvferry moves host mirrors of vLLM's device caches
 (``vllm_layout.host_mirrors``) and blocks are copied between each device tensor and its mirror:
 device -> host when a prefill completes, host -> device before a load is reported. vLLM hands
-its own copy op through ``set_host_xfer_buffer_ops`` on some platforms only; without one, these
-functions copy the same blocks with torch: gathered with ``index_select`` on the source's device,
-moved to the destination's device, scattered with ``index_copy_`` there. Every tensor op runs on
-the tensor's own device, on its current stream, so the copy is ordered after the forward pass that
-wrote the blocks, as vLLM's own copy op is.
+its own copy op through ``set_host_xfer_buffer_ops`` on some platforms only (vllm-ascend never
+calls it); without one, these functions copy the same blocks with torch: gathered with
+``index_select`` on the source's device, moved to the destination's device, scattered with
+``index_copy_`` there. Every tensor op runs on the tensor's own device (a CUDA or torch_npu NPU
+tensor: the index tensors are made there with ``new_tensor``), on its current stream, so the copy
+is ordered after the forward pass that wrote the blocks, as vLLM's own copy op is.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def block_axis(tensor: Any, registration: Registration) -> int:
     """The axis of kernel blocks in one cache tensor (or one part of a per-layer tuple):
     1 for ``(2, num_blocks, ...)`` tensors (K and V each one region: the registration has no
     block strides), 0 for every other layout kvferry accepts (``(num_blocks, 2, ...)``, fused
-    MLA, per-part tensors)."""
+    MLA, the parts of vllm-ascend's per-layer tuples)."""
     shape = tuple(tensor.shape)
     if (registration.kind == "mha" and len(shape) == 5 and shape[0] == 2
             and not registration.block_strides):

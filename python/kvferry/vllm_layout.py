@@ -15,12 +15,13 @@ Accepted (see README, "Using kvferry from Python and vLLM"):
   * ``(2, num_blocks, heads, block_size, head_dim)``, vLLM's CPU backend (head-major blocks);
   * ``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)`` contiguous, vLLM's MLA
     backends: one ``mla_fused`` part whose split (from the model config) enters the hash;
-  * per-layer tuples of contiguous parts: ``(K, V)`` each ``(num_blocks, block_size, heads,
-    head_dim)``, ``(latent, rope)`` or ``(latent, rope, indexer)`` each
-    ``(num_blocks, block_size, dim)`` (vllm-ascend);
+  * vllm-ascend's per-layer tuples of contiguous parts (``kvferry.vllm_ascend_layout``):
+    ``(k_cache, v_cache)``, ``(nope_cache, rope_cache)``, ``(nope, rope, indexer_k)``,
+    ``(k_cache,)``;
   * dtypes fp16, bf16, fp32 and the 1-byte fp8 caches (uint8, int8, float8_e4m3fn, float8_e5m2).
-Device tensors move through host mirrors when vLLM runs with kv_buffer_device "cpu"
-(``host_mirrors``); without it they are refused naming the device and that way out. Refused too,
+CUDA and NPU tensors are registered as device memory ("cuda:N", "npu:N"). Device tensors move
+through host mirrors when vLLM runs with kv_buffer_device "cpu" (``host_mirrors``); other devices
+are refused without it, naming the device and that way out. Refused too,
 naming what was found: ``(num_blocks, 2, ...)`` tensors whose kernel blocks are smaller than
 vLLM's blocks, a fused MLA tensor without the model's kv_lora_rank and qk_rope_head_dim or whose
 width disagrees with them, any other shape or stride pattern.
@@ -28,8 +29,9 @@ width disagrees with them, any other shape or stride pattern.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from . import _kvferry
 
@@ -75,6 +77,20 @@ class CacheLayoutError(_kvferry.NotSupportedError):  # type: ignore[misc, valid-
     """The tensors are in a layout kvferry cannot move without corrupting them."""
 
 
+class Geometry(NamedTuple):
+    """What one layer's tensors say about the cache; every layer must give the same."""
+
+    kind: str
+    layout: str
+    dtype: str
+    parts: tuple[tuple[str, int, int], ...]
+    num_blocks: int
+    local_heads: int
+    block_strides: tuple[int, ...] = ()
+    kernel_blocks_per_block: int = 1
+    fields: tuple[int, ...] = ()
+
+
 @dataclass
 class Registration:
     """What register_kv_caches hands the native worker."""
@@ -88,10 +104,10 @@ class Registration:
     local_heads: int  # KV heads per part on this rank (1 for MLA parts)
     bases: list[list[int]]  # [unique layer][part]
     layer_names: list[str]  # one name per unique tensor (layers sharing a tensor: the first)
-    fields: tuple[int, ...] = ()  # mla_fused: (kv_lora_rank, qk_rope_head_dim)
+    fields: tuple[int, ...] = ()  # mla_fused: (kv_lora_rank, qk_rope_head_dim or the rest)
     block_strides: tuple[int, ...] = ()  # bytes between blocks of a part; () when packed
     kernel_blocks_per_block: int = 1  # kernel (tensor) blocks in one logical block
-    memory: str = "host"  # where the tensors are: "host" or "cuda:N" (memory_kind)
+    memory: str = "host"  # where the tensors are: "host", "cuda:N" or "npu:N" (memory_kind)
 
 
 def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
@@ -99,13 +115,13 @@ def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
 
 
 # Device types whose memory kvferry moves itself (docs/device.md): the tensor's device type and
-# index name the memory kind ("cuda:1").
-_DEVICE_TYPES = ("cuda",)
+# index name the memory kind ("cuda:1", "npu:0" for torch_npu's tensors).
+_DEVICE_TYPES = ("cuda", "npu")
 
 
 def memory_kind(name: str, info: TensorInfo) -> str:
-    """The kvferry memory kind of a tensor: "host" for CPU tensors, "cuda:N" for CUDA ones;
-    other devices are refused naming the type and the way out."""
+    """The kvferry memory kind of a tensor: "host" for CPU tensors, "cuda:N" or "npu:N" for
+    CUDA and NPU ones; other devices are refused naming the type and the way out."""
     if info.device.startswith("cpu"):
         return "host"
     kind, _, index = info.device.partition(":")
@@ -117,6 +133,36 @@ def memory_kind(name: str, info: TensorInfo) -> str:
         "with misleading errors); set kv_buffer_device \"cpu\" in vLLM's KVTransferConfig "
         "(host-buffer mode: kvferry moves host mirrors of the cache and vLLM's copy ops move "
         "blocks between them and the device), or run vLLM with its CPU backend"))
+
+
+# torch_npu's storage formats whose bytes are laid out as the strides say (ACL_FORMAT_NCHW,
+# NHWC, ND, NDHWC, NCDHW); the others (FRACTAL_NZ, NC1HWC0, ...) tile the last dims.
+_NPU_PLAIN_FORMATS = (0, 1, 2, 27, 30)
+
+
+def npu_storage_format(t: Any) -> Optional[int]:
+    """torch_npu's storage format of an NPU tensor (torch_npu.get_npu_format), or None where
+    torch_npu is not loaded (then no tensor is an NPU tensor) or cannot tell."""
+    torch_npu = sys.modules.get("torch_npu")
+    get = getattr(torch_npu, "get_npu_format", None)
+    if get is None:
+        return None
+    try:
+        return int(get(t))
+    except Exception:  # not an NPU tensor, or a torch_npu without it
+        return None
+
+
+def _check_npu_format(name: str, t: Any, info: TensorInfo) -> None:
+    """kvferry moves an NPU tensor's bytes as its shape and strides place them; a tensor in a
+    private format (vllm-ascend casts caches to FRACTAL_NZ on some SoCs) is not laid out so."""
+    fmt = npu_storage_format(t)
+    if fmt is not None and fmt not in _NPU_PLAIN_FORMATS:
+        raise _refuse(name, info, (
+            f"the NPU tensor's storage format is ACL format {fmt} (torch_npu.get_npu_format), "
+            "not one laid out as its strides say (ND, NCHW, ...); kvferry would move the wrong "
+            "bytes. Set \"kv_buffer_device\": \"cpu\" in --kv-transfer-config on both instances "
+            "(host-buffer mode: torch converts the format when it copies blocks to the host)"))
 
 
 def _dtype(name: str, info: TensorInfo) -> tuple[str, str]:
@@ -270,14 +316,17 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
     for name, cache in kv_caches.items():
         tensors = list(cache) if isinstance(cache, (tuple, list)) else [cache]
         infos = [tensor_info(t) for t in tensors]
-        for info in infos:
+        for t, info in zip(tensors, infos):
             kind = memory_kind(name, info)
             memories.setdefault(kind, name)
+            if kind.startswith("npu"):
+                _check_npu_format(name, t, info)
         key = (infos[0].address, infos[0].shape)
         if key in seen:  # a layer sharing another's tensor: registered once
             continue
         g, layer_bases = _read_layer(name, infos, block_size, total_kv_heads, tp_size,
-                                     prefer_heads_first, mla_split)
+                                     prefer_heads_first, mla_split,
+                                     isinstance(cache, (tuple, list)))
         if geometry is None:
             geometry = g
         elif g != geometry:
@@ -293,22 +342,23 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
             "the caches are in more than one memory (" +
             ", ".join(f"{m}: layer {n}" for m, n in memories.items()) +
             "); kvferry registers one worker's caches in one memory")
-    kind, layout, dtype, parts, num_blocks, local_heads, strides, ratio = geometry
-    fields = tuple(mla_split) if kind == "mla_fused" and mla_split else ()
-    return Registration(kind, layout, dtype, list(parts), num_blocks, block_size, local_heads,
-                        bases, names, fields, tuple(strides), ratio, next(iter(memories)))
+    g = geometry
+    return Registration(g.kind, g.layout, g.dtype, list(g.parts), g.num_blocks, block_size,
+                        g.local_heads, bases, names, tuple(g.fields), tuple(g.block_strides),
+                        g.kernel_blocks_per_block, next(iter(memories)))
 
 
 def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                 total_kv_heads: Optional[int], tp_size: int, prefer_heads_first: bool,
-                mla_split: Optional[tuple[int, int]] = None):
+                mla_split: Optional[tuple[int, int]] = None,
+                is_tuple: bool = False) -> tuple[Geometry, list[int]]:
     first = infos[0]
     dtype, tag = _dtype(name, first)
     for info in infos[1:]:
         if info.dtype != first.dtype:
             raise _refuse(name, info, f"part dtype differs from the first part's {first.dtype}")
     suffix = f":{tag}" if tag else ""
-    if len(infos) == 1:
+    if not is_tuple:
         s = first.shape
         if len(s) == 5 and s[0] == 2:
             local = None
@@ -321,7 +371,7 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
             model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
             parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
             ratio = kblocks // nblocks
-            return ("mha", layout, dtype, parts, nblocks, heads, (), ratio), layer_bases
+            return Geometry("mha", layout, dtype, parts, nblocks, heads, (), ratio), layer_bases
         if len(s) == 5 and s[1] == 2:
             local = None
             if total_kv_heads is not None:
@@ -330,47 +380,21 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                 name, first, block_size, local)
             model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
             parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
-            return ("mha", layout, dtype, parts, nblocks, heads, (stride, stride), 1), layer_bases
+            return (Geometry("mha", layout, dtype, parts, nblocks, heads, (stride, stride)),
+                    layer_bases)
         if len(s) == 3:
             return _fused_mla(name, first, block_size, mla_split, suffix, dtype)
         raise _refuse(name, first, "not a KV cache layout kvferry knows (see the README)")
-    # vllm-ascend: a tuple of contiguous parts per layer.
-    for info in infos:
-        if not _contiguous(info):
-            raise _refuse(name, info, "a per-layer part must be contiguous")
-        if info.shape[0] != first.shape[0]:
-            raise _refuse(name, info, f"part block count differs from {first.shape[0]}")
-    if len(infos) == 2 and all(len(i.shape) == 4 for i in infos) and infos[0].shape == infos[1].shape:
-        nb, x, y, head_dim = first.shape
-        local = max(total_kv_heads // tp_size, 1) if total_kv_heads is not None else None
-        if x == block_size and (local is None or y == local):
-            layout, heads = "token_major", y
-        elif y == block_size and (local is None or x == local):
-            layout, heads = "head_major", x
-        else:
-            raise _refuse(name, first, f"no dim 1 or 2 is vLLM's block size {block_size} with "
-                          f"this rank's {local} heads beside it")
-        model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
-        parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
-        return ("mha", layout, dtype, parts, nb, heads, (), 1), [i.address for i in infos]
-    if len(infos) in (2, 3) and all(len(i.shape) in (3, 4) for i in infos):
-        dims = []
-        for info in infos:
-            if info.shape[1] != block_size or (len(info.shape) == 4 and info.shape[2] != 1):
-                raise _refuse(name, info, f"an MLA part must be (num_blocks, {block_size}, dim)")
-            dims.append(info.shape[-1])
-        if len(infos) == 2 and dims[0] == dims[1]:
-            raise _refuse(name, first, "two parts of equal width but not 4-D K/V")
-        labels = ("latent", "rope", "indexer")
-        parts = tuple((labels[i] + suffix, 1, d) for i, d in enumerate(dims))
-        kind = "mla" if len(infos) == 2 else "sparse_mla"
-        geometry = (kind, "token_major", dtype, parts, first.shape[0], 1, (), 1)
-        return geometry, [i.address for i in infos]
-    raise _refuse(name, first, f"{len(infos)} parts per layer in a layout kvferry does not know")
+    # vllm-ascend: a tuple of parts per layer. Imported here: that module builds on this one.
+    from .vllm_ascend_layout import read_tuple_layer
+    local = max(total_kv_heads // tp_size, 1) if total_kv_heads is not None else None
+    return read_tuple_layer(name, infos, block_size, total_kv_heads, local, tp_size, mla_split,
+                            dtype, suffix)
 
 
 def _fused_mla(name: str, info: TensorInfo, block_size: int,
-               mla_split: Optional[tuple[int, int]], suffix: str, dtype: str):
+               mla_split: Optional[tuple[int, int]], suffix: str,
+               dtype: str) -> tuple[Geometry, list[int]]:
     """vLLM's MLA cache: (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim), each token's
     row holding latent then rope. Moved as one replicated part of whole blocks; the split comes
     from the model config and enters the compatibility hash."""
@@ -390,4 +414,5 @@ def _fused_mla(name: str, info: TensorInfo, block_size: int,
     nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size, False)
     parts = (("latent_rope" + suffix, 1, lora + rope),)
     ratio = info.shape[0] // nblocks
-    return ("mla_fused", "token_major", dtype, parts, nblocks, 1, (), ratio), [info.address]
+    return (Geometry("mla_fused", "token_major", dtype, parts, nblocks, 1, (), ratio, (lora, rope)),
+            [info.address])

@@ -15,6 +15,8 @@ import kvferry.vllm
 import kvferry.vllm_layout
 from kvferry.vllm_layout import CacheLayoutError
 from common import free_port
+# Device tensors (host-buffer mode): bytes kvferry never sees, torch ops as strict as CUDA's.
+from fake_devices import FakeCudaTensor, FakeDeviceTensor
 
 BS, HEADS, DIM, NB, LAYERS = 4, 2, 8, 16, 2
 
@@ -421,25 +423,31 @@ def test_cuda_refusal_without_a_driver_names_what_a_vllm_user_can_do():
     assert "sim device" not in message, message
 
 
+def refused_registration(monkeypatch, caches, memory, native):
+    """The message register_kv_caches raises when the native worker refuses `memory` with
+    UnavailableError(native), as the device layer does without a driver or runtime."""
+    class Unavailable:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def register_kv_caches(self, spec, bases, memory_kind):
+            assert memory_kind == memory
+            raise kvferry.UnavailableError(native)
+
+    monkeypatch.setattr(kvferry.vllm._kvferry, "Worker", Unavailable)
+    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
+    with pytest.raises(kvferry.UnavailableError) as e:
+        w.register_kv_caches(caches)
+    return str(e.value)
+
+
 @pytest.mark.parametrize("native", [
     "region 0: no CUDA driver: dlopen(libcuda.so.1) failed: libcuda.so.1: cannot open shared "
     "object file: No such file or directory; install the NVIDIA driver, or use the sim device",
     "region 0: no CUDA device: cuInit failed: CUresult 100 (no CUDA-capable device is detected)",
 ], ids=["no_driver", "no_device"])
 def test_cuda_refusal_is_rewritten_for_vllm_users(monkeypatch, native):
-    class Unavailable:  # the native worker, refusing the cuda memory as the device layer does
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def register_kv_caches(self, spec, bases, memory):
-            assert memory == "cuda:0"
-            raise kvferry.UnavailableError(native)
-
-    monkeypatch.setattr(kvferry.vllm._kvferry, "Worker", Unavailable)
-    w = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER")
-    with pytest.raises(kvferry.UnavailableError) as e:
-        w.register_kv_caches({"l0": DeviceTensor()})
-    message = str(e.value)
+    message = refused_registration(monkeypatch, {"l0": DeviceTensor()}, "cuda:0", native)
     assert native.split(": ", 1)[1].split(";")[0] in message  # what was found, kept
     assert "NVIDIA driver is installed" in message and '"kv_buffer_device": "cpu"' in message
     assert "sim device" not in message
@@ -613,84 +621,6 @@ def test_finished_req_ids_abort_a_load_in_flight():
 
 # ------------------------------------------------ host-buffer mode (kv_buffer_device "cpu")
 
-class CudaDevice:
-    """torch.device("cuda:0") as the adapter reads it."""
-
-    type, index = "cuda", 0
-
-    def __str__(self):
-        return "cuda:0"
-
-
-class FakeCudaTensor:
-    """A device tensor: its bytes live in a torch tensor of their own that kvferry never sees;
-    data_ptr() is an address kvferry cannot read (as device memory is), so registering it
-    instead of the host mirror would fail every transfer.
-
-    The torch ops host-buffer mode's own block copy uses (kvferry.vllm_hostcopy) work as on a
-    CUDA tensor and are as strict: index and source tensors must be on this device (a CPU tensor
-    is refused, as CUDA refuses it), and data leaves or enters it only through to("cpu") and
-    copy_(). `fail` names an op that raises, as a broken device would."""
-
-    fail = None
-
-    def __init__(self, storage, fake_address=0x7E0000000000):
-        self.storage, self.address = storage, fake_address
-        self.shape, self.dtype, self.device = storage.shape, storage.dtype, CudaDevice()
-
-    def data_ptr(self):
-        return self.address
-
-    def stride(self):
-        return self.storage.stride()
-
-    def element_size(self):
-        return self.storage.element_size()
-
-    @staticmethod
-    def _on_device(t, what):
-        if not isinstance(t, FakeCudaTensor):
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at "
-                               f"least two devices, cuda:0 and cpu! ({what})")
-        return t.storage
-
-    def _check(self, op):
-        if FakeCudaTensor.fail == op:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    def new_tensor(self, data, dtype=None):
-        import torch
-        return FakeCudaTensor(torch.tensor(data, dtype=dtype))
-
-    def new_empty(self, shape):
-        import torch
-        return FakeCudaTensor(torch.empty(shape, dtype=self.storage.dtype))
-
-    def index_select(self, dim, index):
-        self._check("index_select")
-        return FakeCudaTensor(self.storage.index_select(dim, self._on_device(index, "index")))
-
-    def index_copy_(self, dim, index, source):
-        self._check("index_copy_")
-        self.storage.index_copy_(dim, self._on_device(index, "index"),
-                                 self._on_device(source, "source"))
-        return self
-
-    def copy_(self, source):  # host -> device
-        self._check("copy_")
-        import torch
-        if isinstance(source, FakeCudaTensor):
-            source = source.storage
-        assert isinstance(source, torch.Tensor) and str(source.device) == "cpu"
-        self.storage.copy_(source)
-        return self
-
-    def to(self, device):  # device -> host
-        self._check("to")
-        assert str(device) == "cpu", device
-        return self.storage.clone()
-
-
 class CopyOps:
     """vLLM's copy_kv_blocks for these layouts: copies whole blocks between the device tensors
     and the host mirrors, and records each call; `fail` makes a direction raise."""
@@ -705,8 +635,8 @@ class CopyOps:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         for name, src in src_caches.items():
             dst = dst_caches[name]
-            src = src.storage if isinstance(src, FakeCudaTensor) else src
-            dst = dst.storage if isinstance(dst, FakeCudaTensor) else dst
+            src = src.storage if isinstance(src, FakeDeviceTensor) else src
+            dst = dst.storage if isinstance(dst, FakeDeviceTensor) else dst
             s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
             if self.block_dim == 0:
                 dst[d_idx] = src[s_idx]
@@ -751,7 +681,8 @@ def dev_block(arrays, name, block):
 def offer_and_load(sides, preq, remote, local, decode_id):
     """Host-buffer mode, after the prefill step that saved `preq`'s blocks: vLLM finishes the
     prefill request (the hold is offered), the decode instance takes its params and starts the
-    load into `local`; returns once the load is reported (never raising into vLLM)."""
+    load into `local`; returns the params vLLM got, once the load is reported (never raising
+    into vLLM)."""
     (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
     p_work.clear_connector_metadata()
     preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
@@ -765,6 +696,7 @@ def offer_and_load(sides, preq, remote, local, decode_id):
     d_work.bind_connector_metadata(d_sched.build_connector_meta(None))
     d_work.start_load_kv(None)
     assert poll(lambda: d_work.get_finished(set())[1], "the load") == {decode_id}
+    return params
 
 
 @pytest.mark.parametrize("make", [fa_nhd, fa_hnd, fa_main_nhd, fa_main_hnd],

@@ -21,14 +21,25 @@ It drives the connector the way vLLM v1 does, without vLLM:
 Cache contents are a deterministic function of (seed, layer, model-wide head), so the test can
 check every byte a decode rank holds against what the prefill instance computed, whatever the
 two TP sizes and layouts are.
+
+On Ascend (issue 22 item 3) it also builds what vllm-ascend's NPU model runner hands over: a
+tuple of parts per layer, each its own buffer (backends "ascend_*"), as torch_npu tensors
+(g["device"] "npu": fake NPU tensors, tests/python/fake_devices.py) with no copy op handed over
+(vllm-ascend never calls set_host_xfer_buffer_ops, so host-buffer mode copies with torch), the
+LLM-DataDist connector's kv_transfer_config and environment as they are (g["seed_config"]), and
+NPU memory from the fake CANN runtime the C++ tests use (g["acl"]: the path of
+libfake_libascendcl.so, which kvferry then opens as libascendcl.so).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import enum
 import json
 import math
 import multiprocessing
+import os
 import sys
 import time
 import types
@@ -155,6 +166,9 @@ class KVOutputAggregator:
 #   kv_inner: logical (num_blocks, 2, block_size, heads, head_dim)
 #   cpu:      logical (2, num_blocks, heads, block_size, head_dim)
 #   mla:      logical (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)
+#   ascend_*: vllm-ascend's tuple per layer, each part contiguous: (k, v) each (num_blocks,
+#             block_size, heads, head_dim); (nope, rope) each (num_blocks, block_size, 1, dim);
+#             (nope, rope, indexer_k), the indexer g["indexer"] wide (DeepSeek's 128)
 BACKENDS = {
     "flash_attn_old_nhd": ("kv_first", (0, 1, 2, 3, 4)),
     "flash_attn_old_hnd": ("kv_first", (0, 1, 3, 2, 4)),
@@ -163,7 +177,24 @@ BACKENDS = {
     "flashinfer_hnd": ("kv_inner", (0, 1, 3, 2, 4)),
     "cpu": ("cpu", (0, 1, 2, 3, 4)),
     "mla": ("mla", (0, 1, 2)),
+    "ascend_mha": ("ascend_kv", (0, 1, 2, 3)),
+    "ascend_mla": ("ascend_latent", (0, 1, 2, 3)),
+    "ascend_sfa": ("ascend_latent", (0, 1, 2, 3)),
 }
+
+
+def is_latent(g: dict) -> bool:
+    """MLA-style caches: no head axis, replicated on every TP rank."""
+    return g["backend"] in ("mla", "ascend_mla", "ascend_sfa")
+
+
+def part_widths(g: dict) -> tuple[int, ...]:
+    """The widths of an MLA-style layer's parts: (nope, rope[, indexer]); g["width"] in all."""
+    if g["backend"] == "ascend_sfa":
+        return (g["lora"], g["width"] - g["lora"] - g["indexer"], g["indexer"])
+    if g["backend"] == "ascend_mla":
+        return (g["lora"], g["width"] - g["lora"])
+    return (g["width"],)
 
 
 def local_heads(model_heads: int, tp: int, rank: int) -> tuple[int, int]:
@@ -180,7 +211,7 @@ def model_content(g: dict, layer: int) -> np.ndarray:
     head_dim * itemsize); MLA (blocks, block_size, width * itemsize). Independent of TP."""
     rng = np.random.default_rng(g["seed"] * 1000 + layer)
     isz = g["itemsize"]
-    if g["backend"] == "mla":
+    if is_latent(g):
         shape = (g["num_blocks"], g["block_size"], g["width"] * isz)
     else:
         shape = (2, g["num_blocks"], g["block_size"], g["heads"], g["head_dim"] * isz)
@@ -194,70 +225,126 @@ def _byte_view(torch, base, order):
     return base.view(torch.uint8).permute(*inverse)
 
 
-def build_cache(torch, g: dict, tp: int, rank: int):
-    """One layer's tensor in the backend's shape and strides, and its logical byte view in the
-    canonical layout of model_content (heads cut to this rank's)."""
+class Canon:
+    """A layer's bytes in model_content's canonical layout, over the cache's own memory:
+    `views` are byte views of its tensors, joined by "one" (the single view), "stack" (K and V,
+    each (nb, bs, h, d * itemsize)) or "concat" (MLA-style parts, each (nb, bs, 1, w *
+    itemsize), side by side in a row)."""
+
+    def __init__(self, torch, views: list, join: str = "one"):
+        self.torch, self.views, self.join = torch, views, join
+
+    def write(self, full: np.ndarray) -> None:
+        if self.join == "stack":
+            pieces = [full[i] for i in range(len(self.views))]
+        elif self.join == "concat":
+            edges = np.cumsum([0] + [v.shape[-1] for v in self.views])
+            pieces = [full[:, :, None, a:b] for a, b in zip(edges[:-1], edges[1:])]
+        else:
+            pieces = [full]
+        for view, piece in zip(self.views, pieces):
+            view.copy_(self.torch.from_numpy(np.ascontiguousarray(piece)))
+
+    def read(self) -> np.ndarray:
+        arrays = [v.numpy().copy() for v in self.views]
+        if self.join == "stack":
+            return np.stack(arrays)
+        if self.join == "concat":
+            return np.concatenate([a[:, :, 0] for a in arrays], axis=-1)
+        return arrays[0]
+
+
+def build_cache(torch, g: dict, tp: int, rank: int, alloc=None):
+    """One layer's tensor (vllm-ascend: tuple of tensors) in the backend's shape and strides,
+    and a Canon of its bytes in the canonical layout of model_content (heads cut to this
+    rank's). `alloc(shape, dtype)` makes zeroed memory (torch.zeros by default)."""
     kind, order = BACKENDS[g["backend"]]
     dtype = getattr(torch, g["dtype"])
+    alloc = alloc or (lambda shape, dt: torch.zeros(shape, dtype=dt))
     nb, bs, d = g["num_blocks"], g["block_size"], g["head_dim"]
     if kind == "mla":
-        base = torch.zeros((nb, bs, g["width"]), dtype=dtype)
-        return base, base.view(torch.uint8)
+        base = alloc((nb, bs, g["width"]), dtype)
+        return base, Canon(torch, [base.view(torch.uint8)])
+    if kind == "ascend_latent":
+        parts = tuple(alloc((nb, bs, 1, w), dtype) for w in part_widths(g))
+        return parts, Canon(torch, [p.view(torch.uint8) for p in parts], "concat")
     _, h = local_heads(g["heads"], tp, rank)
+    if kind == "ascend_kv":
+        parts = tuple(alloc((nb, bs, h, d), dtype) for _ in range(2))
+        return parts, Canon(torch, [p.view(torch.uint8) for p in parts], "stack")
     logical = {"kv_first": (2, nb, bs, h, d), "kv_inner": (nb, 2, bs, h, d),
                "cpu": (2, nb, h, bs, d)}[kind]
     physical = tuple(logical[i] for i in order)
-    base = torch.zeros(physical, dtype=dtype)
+    base = alloc(physical, dtype)
     inverse = [order.index(i) for i in range(len(order))]
     tensor = base.permute(*inverse)  # logical shape, the backend's strides
     assert tuple(tensor.shape) == logical
     view = _byte_view(torch, base, list(order))
     canon = {"kv_first": view, "kv_inner": view.transpose(0, 1),
              "cpu": view.transpose(2, 3)}[kind]  # (2, nb, bs, h, d * itemsize)
-    return tensor, canon
+    return tensor, Canon(torch, [canon])
 
 
 # ----------------------------------------------------------------------------- host-buffer mode
 
 
-class _CudaDevice:
-    """torch.device("cuda:0") as the connector reads it."""
+def on_device(g: dict, cache, layer: int, acl: "Optional[FakeAcl]"):
+    """A layer's tensor (or tuple) as device tensors (fake_devices.py) of g["device"] ("cuda"
+    by default, "npu"): with fake CANN memory (g["acl"]) at its real address, which kvferry
+    registers as npu:0; else at addresses kvferry cannot read (host-buffer mode never reads
+    them: it registers host mirrors). Vllm-ascend's parts each start 2 MiB-aligned."""
+    from fake_devices import FakeCudaTensor, FakeNpuTensor
 
-    type, index = "cuda", 0
+    kind = FakeNpuTensor if g.get("device") == "npu" else FakeCudaTensor
+    tensors = list(cache) if isinstance(cache, tuple) else [cache]
+    out = []
+    for i, t in enumerate(tensors):
+        address = t.data_ptr() if acl is not None else 0x7F0000000000 + (layer << 32) + (i << 28)
+        out.append(kind(t, address))
+    return tuple(out) if isinstance(cache, tuple) else out[0]
 
-    def __str__(self) -> str:
-        return "cuda:0"
 
+class FakeAcl:
+    """NPU memory from the fake CANN runtime (tests/unit/device/fake_libascendcl.cc): memory it
+    allocates (aclrtMalloc) and kvferry's acl device reads, writes, exports and imports through
+    it. Setting KVFERRY_ACL_LIBRARY before kvferry first touches NPU memory makes kvferry open
+    this library as libascendcl.so; dlopen of one path gives one library, so the allocations
+    here are the ones kvferry queries."""
 
-class DeviceTensor:
-    """A cache tensor in "device" memory (g["host_buffer"]): its bytes live in a torch tensor of
-    their own, and data_ptr() is an address kvferry cannot read, as device memory is."""
+    def __init__(self, path: str):
+        os.environ["KVFERRY_ACL_LIBRARY"] = path
+        self.lib = ctypes.CDLL(path)
+        self.lib.aclrtMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                         ctypes.c_int]
+        assert self.lib.aclInit(None) in (0, 100002)  # ACL_ERROR_REPEAT_INITIALIZE
+        assert self.lib.aclrtSetDevice(0) == 0
+        self.buffers: list = []  # never freed: the caches live as long as the process
 
-    def __init__(self, storage, address: int):
-        self.storage, self.address = storage, address
-        self.shape, self.dtype, self.device = storage.shape, storage.dtype, _CudaDevice()
-
-    def data_ptr(self) -> int:
-        return self.address
-
-    def stride(self):
-        return self.storage.stride()
-
-    def element_size(self) -> int:
-        return self.storage.element_size()
+    def zeros(self, torch, shape: tuple, dtype):
+        size = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        ptr = ctypes.c_void_p()
+        assert self.lib.aclrtMalloc(ctypes.byref(ptr), size, 0) == 0, "aclrtMalloc failed"
+        buffer = (ctypes.c_uint8 * size).from_address(ptr.value)
+        self.buffers.append(buffer)
+        tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+        tensor.zero_()
+        assert tensor.data_ptr() == ptr.value
+        return tensor
 
 
 def copy_kv_blocks_for(torch, kind: str, calls: list):
     """vLLM's copy_kv_blocks(src_caches, dst_caches, src_block_ids, dst_block_ids, direction)
     for this backend's tensors: whole blocks, indexed on the block dim; records each call."""
+    from fake_devices import FakeDeviceTensor
+
     block_dim = 1 if kind in ("kv_first", "cpu") else 0
 
     def copy(src_caches, dst_caches, src_ids, dst_ids, direction):
         calls.append((direction, list(src_ids)))
         for name, src in src_caches.items():
             dst = dst_caches[name]
-            src = src.storage if isinstance(src, DeviceTensor) else src
-            dst = dst.storage if isinstance(dst, DeviceTensor) else dst
+            src = src.storage if isinstance(src, FakeDeviceTensor) else src
+            dst = dst.storage if isinstance(dst, FakeDeviceTensor) else dst
             s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
             if block_dim == 0:
                 dst[d_idx] = src[s_idx]
@@ -282,14 +369,33 @@ def _fake_vllm(size: int, rank: int, cpu: bool) -> None:
     sys.modules["vllm.platforms"] = platforms
 
 
+# vllm-ascend's tutorial for its LLM-DataDist connector (docs/source/tutorials/
+# single_node_pd_disaggregation_llmdatadist.md), with only the connector's name and module path
+# changed: engine_id "0" and kv_port "20001" on both instances; the port each listens on comes
+# from VLLM_ASCEND_LLMDD_RPC_PORT (Instance's env), the devices from the rank table.
+SEED_KV_TRANSFER_CONFIG = {"kv_connector": "KvferryConnector", "kv_buffer_device": "npu",
+                           "kv_role": None, "kv_parallel_size": 1, "kv_port": "20001",
+                           "engine_id": "0", "kv_connector_module_path": "kvferry.vllm"}
+
+
 def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = None):
-    """The parts of VllmConfig the connector reads; the same object for every rank."""
+    """The parts of VllmConfig the connector reads; the same object for every rank. With
+    g["seed_config"] the kv_transfer_config is SEED_KV_TRANSFER_CONFIG (kv_buffer_device
+    g["seed_config"]) and nothing else: no extra config."""
     heads = g.get("heads", 1)
-    model = types.SimpleNamespace(use_mla=g["backend"] == "mla",
-                                  get_total_num_kv_heads=lambda: heads)
-    if g["backend"] == "mla":
+    model = types.SimpleNamespace(use_mla=is_latent(g), get_total_num_kv_heads=lambda: heads)
+    if is_latent(g):
+        widths = part_widths(g)
+        rope = widths[1] if len(widths) > 1 else g["width"] - g["lora"]
         model.hf_text_config = types.SimpleNamespace(kv_lora_rank=g["lora"],
-                                                     qk_rope_head_dim=g["width"] - g["lora"])
+                                                     qk_rope_head_dim=rope)
+    parallel = types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0)
+    cache = types.SimpleNamespace(block_size=g["block_size"])
+    if g.get("seed_config"):
+        ktc = dict(SEED_KV_TRANSFER_CONFIG, kv_role=role, kv_buffer_device=g["seed_config"])
+        return types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(**ktc),
+                                     parallel_config=parallel, cache_config=cache,
+                                     model_config=model)
     kv_extra = {"base_port": port, "host": "127.0.0.1", "transport": g.get("transport", "auto"),
                 "transfer_timeout_ms": 10000}
     kv_extra.update(extra or {})
@@ -297,10 +403,24 @@ def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = 
         kv_transfer_config=types.SimpleNamespace(
             kv_role=role, engine_id=f"{role}-{port}", kv_connector_extra_config=kv_extra,
             kv_load_failure_policy=g.get("policy", "recompute"),
-            kv_buffer_device="cpu" if g.get("host_buffer") else "cuda"),
-        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0),
-        cache_config=types.SimpleNamespace(block_size=g["block_size"]),
-        model_config=model)
+            kv_buffer_device="cpu" if g.get("host_buffer") else g.get("device", "cuda")),
+        parallel_config=parallel, cache_config=cache, model_config=model)
+
+
+@contextlib.contextmanager
+def environment(env: Optional[dict]):
+    """os.environ with `env` set, restored afterwards (the connector reads the reference's
+    variables when it is made)."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
@@ -320,26 +440,34 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                 if old is not None:
                     old.shutdown()
                     del old
-                g, role, port, tp, rank = arg
+                g, role, port, tp, rank, env = arg
                 _fake_vllm(tp, rank, g["backend"] == "cpu")
-                c = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, tp),
-                                                  KVConnectorRole.WORKER)
+                with environment(env):  # the reference's variables, read when it is made
+                    c = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, tp),
+                                                      KVConnectorRole.WORKER)
+                acl = None
+                if g.get("acl"):  # NPU memory from the fake CANN runtime, kept per process
+                    acl = state.get("acl") or FakeAcl(g["acl"])
+                    state["acl"] = acl
+                alloc = (lambda shape, dt: acl.zeros(torch, shape, dt)) if acl else None
                 caches, views = {}, []
                 for layer in range(g["layers"]):
-                    tensor, canon = build_cache(torch, g, tp, rank)
+                    tensor, canon = build_cache(torch, g, tp, rank, alloc)
                     if role == "kv_producer":
                         full = model_content(g, layer)
-                        if g["backend"] != "mla":
+                        if not is_latent(g):
                             first, n = local_heads(g["heads"], tp, rank)
                             full = full[:, :, :, first:first + n]
-                        canon.copy_(torch.from_numpy(np.ascontiguousarray(full)))
-                    if g.get("host_buffer"):  # the canonical view stays on the "device"
-                        tensor = DeviceTensor(tensor, 0x7F0000000000 + (layer << 32))
+                        canon.write(full)
+                    if g.get("host_buffer") or acl:  # the canonical views stay on the device
+                        tensor = on_device(g, tensor, layer, acl)
                     caches[f"model.layers.{layer}.self_attn.attn"] = tensor
                     views.append(canon)
                 c.register_kv_caches(caches)
                 copies: list = []
-                if g.get("host_buffer"):  # the model runner's order: then the copy ops
+                # The model runner's order: then the copy ops, where the platform hands them
+                # over (vllm-ascend never does: torch copies, kvferry/vllm_hostcopy.py).
+                if g.get("host_buffer") and g.get("copy_ops", g.get("device") != "npu"):
                     c.set_host_xfer_buffer_ops(
                         copy_kv_blocks_for(torch, BACKENDS[g["backend"]][0], copies))
                 errors: list = []
@@ -372,8 +500,14 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                 conn.send(("ok", (set(sending or ()), set(recving or ()), set(invalid), reported)))
             elif cmd == "copies":
                 conn.send(("ok", list(state["copies"])))
+            elif cmd == "registration":  # what the connector registered, and as which engine
+                c = state["connector"]
+                reg = c._registration
+                conn.send(("ok", {"memory": reg.memory, "kind": reg.kind, "layout": reg.layout,
+                                  "engine_id": c._settings.engine_id,
+                                  "base_port": c._settings.base_port}))
             elif cmd == "read":
-                conn.send(("ok", [v.numpy().copy() for v in state["views"]]))
+                conn.send(("ok", [v.read() for v in state["views"]]))
             else:
                 conn.send(("error", f"unknown command {cmd}"))
         except Exception as e:  # reported to the test, which fails with it
@@ -432,16 +566,20 @@ class SchedulerOutput:
 class Instance:
     """One vLLM instance: its scheduler (here) and its TP ranks (worker processes)."""
 
-    def __init__(self, g: dict, role: str, port: int, ranks: list[RankProcess]):
+    def __init__(self, g: dict, role: str, port: int, ranks: list[RankProcess],
+                 env: Optional[dict] = None):
+        """`env`: environment variables the instance's processes start with (the reference's
+        VLLM_ASCEND_LLMDD_RPC_PORT, DISAGGREGATED_PREFILL_RANK_TABLE_PATH, ...)."""
         import kvferry.vllm
 
         self.g, self.role, self.ranks, self.tp = g, role, ranks, len(ranks)
         for r, proc in enumerate(ranks):
-            proc.send("init", (g, role, port, self.tp, r))
+            proc.send("init", (g, role, port, self.tp, r, env))
         for proc in ranks:
             proc.recv()
-        self.connector = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, self.tp),
-                                                       KVConnectorRole.SCHEDULER)
+        with environment(env):
+            self.connector = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, self.tp),
+                                                           KVConnectorRole.SCHEDULER)
         self.bs = g["block_size"]
         # Block 0 is vLLM's null block; the rest in a per-instance order, so that remote and
         # local block ids differ and a misrouted block cannot go unnoticed.
@@ -588,6 +726,13 @@ class Instance:
             proc.send("copies")
         return [proc.recv() for proc in self.ranks]
 
+    def registrations(self) -> list[dict]:
+        """Every rank's registered memory kind, cache kind and layout, kvferry engine id and
+        base port."""
+        for proc in self.ranks:
+            proc.send("registration")
+        return [proc.recv() for proc in self.ranks]
+
     def read(self) -> list[list[np.ndarray]]:
         """Every rank's caches as [rank][layer] canonical byte arrays."""
         for proc in self.ranks:
@@ -638,7 +783,7 @@ def expected_decode_bytes(g: dict, decode: Instance, rank: int, layer: int,
     want = np.zeros_like(like)
     full = model_content(g, layer)
     for remote, local in pairs:
-        if g["backend"] == "mla":
+        if is_latent(g):
             want[local] = full[remote]
         else:
             first, n = local_heads(g["heads"], decode.tp, rank)
@@ -656,3 +801,31 @@ def check_every_byte(g: dict, decode: Instance, pairs: list[tuple[int, int]]) ->
                 raise AssertionError(
                     f"decode rank {rank} layer {layer}: {len(bad)} bytes differ, first at "
                     f"{tuple(int(x) for x in bad[0])} (pairs remote->local {pairs})")
+
+
+# ----------------------------------------------------------------------------- vllm-ascend's setup
+
+
+def seed_environment(directory: str, prefill_port: int, p_tp: int, decode_port: int,
+                     d_tp: int) -> tuple[dict, dict]:
+    """The environment of vllm-ascend's single-node LLM-DataDist tutorial for a prefill and a
+    decode instance on this host: a rank table in gen_ranktable.sh's format (server 127.0.0.1,
+    the prefill devices first, then the decode ones), each instance's own
+    VLLM_ASCEND_LLMDD_RPC_PORT and ASCEND_RT_VISIBLE_DEVICES, and VLLM_HOST_IP (vLLM's get_ip(),
+    which the rank table is searched by)."""
+    def entry(device: int) -> dict:
+        return {"server_id": "127.0.0.1", "device_id": str(device), "device_ip": "127.0.0.1",
+                "cluster_id": str(device + 1)}
+
+    table = {"version": "1.0", "server_count": "1", "status": "completed",
+             "prefill_device_list": [entry(d) for d in range(p_tp)],
+             "decode_device_list": [entry(p_tp + d) for d in range(d_tp)]}
+    path = os.path.join(directory, "ranktable.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(table, f)
+    common = {"DISAGGREGATED_PREFILL_RANK_TABLE_PATH": path, "VLLM_HOST_IP": "127.0.0.1"}
+    prefill = dict(common, VLLM_ASCEND_LLMDD_RPC_PORT=str(prefill_port),
+                   ASCEND_RT_VISIBLE_DEVICES=",".join(str(d) for d in range(p_tp)))
+    decode = dict(common, VLLM_ASCEND_LLMDD_RPC_PORT=str(decode_port),
+                  ASCEND_RT_VISIBLE_DEVICES=",".join(str(p_tp + d) for d in range(d_tp)))
+    return prefill, decode
