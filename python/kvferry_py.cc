@@ -367,7 +367,6 @@ PYBIND11_MODULE(_kvferry, m) {
                        const std::string& rank_table_path, const std::string& server_id,
                        const std::string& visible_devices, int transfer_timeout_ms,
                        int hold_lease_ms, const std::string& failure_policy,
-                       bool shm_permit_any_tracer,
                        const std::map<std::string, std::string>& transport_options) {
              WorkerConfig c;
              c.role = Unwrap(ParseRole(role));
@@ -379,7 +378,6 @@ PYBIND11_MODULE(_kvferry, m) {
              c.base_port = base_port;
              c.secret = secret;
              c.transport.backend = transport;
-             c.transport.shm_permit_any_tracer = shm_permit_any_tracer;
              c.transport.backend_options = transport_options;
              ThrowIfError(CheckTransportOptions(c.transport));
              if (!rank_table_path.empty()) c.rank_table = Unwrap(RankTable::Load(rank_table_path));
@@ -406,7 +404,7 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("secret") = "", py::arg("transport") = "auto", py::arg("rank_table_path") = "",
            py::arg("server_id") = "", py::arg("visible_devices") = "",
            py::arg("transfer_timeout_ms") = 30000, py::arg("hold_lease_ms") = 120000,
-           py::arg("failure_policy") = "recompute", py::arg("shm_permit_any_tracer") = false,
+           py::arg("failure_policy") = "recompute",
            py::arg("transport_options") = std::map<std::string, std::string>{})
       .def(
           "register_kv_caches",

@@ -135,12 +135,6 @@ struct PeerArgs {
   std::uint64_t bytes = 64u << 20;
   int regions = 1;
   std::uint64_t seed = kPatternSeed;
-  std::string host = "127.0.0.1";
-  std::uint16_t port = 0;
-  int connections = 4;
-  int handshake_timeout_ms = 3000;
-  std::size_t max_connections = TransportOptions{}.tcp_max_connections;
-  std::size_t max_connections_per_source = TransportOptions{}.tcp_max_connections_per_source;
   std::vector<std::string> transport_opts;
   std::string memory = "host";
 };
@@ -155,12 +149,6 @@ int RunPeer(const PeerArgs& a) {
   TransportOptions options;
   options.backend = a.backend;
   options.backend_options = *opts;
-  options.tcp_bind_host = a.host;
-  options.tcp_port = a.port;
-  options.tcp_connections_per_peer = a.connections;
-  options.tcp_handshake_timeout = std::chrono::milliseconds(a.handshake_timeout_ms);
-  options.tcp_max_connections = a.max_connections;
-  options.tcp_max_connections_per_source = a.max_connections_per_source;
   // Read once at startup, before any thread exists.
   const char* secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe)
   if (secret != nullptr) options.secret = secret;
@@ -210,6 +198,14 @@ struct BenchArgs {
   std::string memory = "host";  // host, sim or cuda: where both sides' blocks are
   bool json = false;
 };
+
+// The backend options both sides of `a` use: --connections is the option tcp.connections by its
+// own name, and a --transport-opt that sets it too comes later, so it decides.
+std::vector<std::string> TransportOpts(const BenchArgs& a) {
+  std::vector<std::string> opts = {"tcp.connections=" + std::to_string(a.connections)};
+  opts.insert(opts.end(), a.transport_opts.begin(), a.transport_opts.end());
+  return opts;
+}
 
 // The figures of one series (a backend's, or its baseline's) over the rounds.
 struct Series {
@@ -382,18 +378,11 @@ class BackendBench {
   static Result<std::unique_ptr<BackendBench>> Start(const BenchArgs& a, const std::string& backend,
                                                      const std::string& memory) {
     auto b = std::unique_ptr<BackendBench>(new BackendBench(a, backend, memory));
-    std::vector<std::string> argv = {SelfExe(),
-                                     "bench",
-                                     "peer",
-                                     "--backend",
-                                     backend,
-                                     "--bytes",
-                                     std::to_string(b->pool_),
-                                     "--connections",
-                                     std::to_string(a.connections),
-                                     "--memory",
-                                     memory};
-    for (const std::string& arg : TransportOptArgv(a.transport_opts)) argv.push_back(arg);
+    std::vector<std::string> argv = {
+        SelfExe(),  "bench", "peer", "--backend", backend, "--bytes", std::to_string(b->pool_),
+        "--memory", memory};
+    const std::vector<std::string> opts = TransportOpts(a);
+    for (const std::string& arg : TransportOptArgv(opts)) argv.push_back(arg);
     KVFERRY_ASSIGN_OR_RETURN(Subprocess peer, Subprocess::Spawn(argv));
     b->peer_.emplace(std::move(peer));
     KVFERRY_ASSIGN_OR_RETURN(std::string line, b->peer_->ReadLine(std::chrono::seconds(60)));
@@ -401,10 +390,8 @@ class BackendBench {
     KVFERRY_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> descriptor, FromHex(line.substr(6)));
     TransportOptions options;
     options.backend = backend;
-    KVFERRY_ASSIGN_OR_RETURN(options.backend_options,
-                             ParseTransportOpts(a.transport_opts, backend));
+    KVFERRY_ASSIGN_OR_RETURN(options.backend_options, ParseTransportOpts(opts, backend));
     options.serve = false;
-    options.tcp_connections_per_peer = a.connections;
     KVFERRY_ASSIGN_OR_RETURN(b->t_, CreateTransport(options));
     KVFERRY_ASSIGN_OR_RETURN(b->local_, BenchMemory::Create(memory, b->pool_));
     // The local pool's pages faulted in before timing, as the peer's were by their filling.
@@ -676,7 +663,10 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   transport->add_option("--inflight", targs->inflight, "Batches kept outstanding")
       ->capture_default_str();
   AddTransportOptOption(*transport, targs->transport_opts);
-  transport->add_option("--connections", targs->connections, "tcp connections per peer")
+  transport
+      ->add_option("--connections", targs->connections,
+                   "tcp connections per peer: the option tcp.connections (a --transport-opt "
+                   "that sets it decides)")
       ->capture_default_str();
   transport
       ->add_option("--memory", targs->memory,
@@ -695,14 +685,6 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   peer->add_option("--regions", pargs->regions, "Split into this many regions (ids 0..n-1)");
   peer->add_option("--seed", pargs->seed, "Pattern seed");
   peer->add_option("--memory", pargs->memory, "host, or a device of this process (sim:0, cuda:0)");
-  peer->add_option("--host", pargs->host, "tcp bind address");
-  peer->add_option("--port", pargs->port, "tcp port (0: any)");
-  peer->add_option("--connections", pargs->connections, "tcp connections per peer");
-  peer->add_option("--handshake-timeout-ms", pargs->handshake_timeout_ms,
-                   "tcp server: close connections that do not finish the handshake in time");
-  peer->add_option("--max-connections", pargs->max_connections, "tcp server: connection cap");
-  peer->add_option("--max-connections-per-source", pargs->max_connections_per_source,
-                   "tcp server: connection cap per client address");
   peer->callback([pargs, &exit_code] { exit_code = RunPeer(*pargs); });
 }
 

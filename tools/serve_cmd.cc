@@ -122,7 +122,9 @@ int RunServe(const ServeArgs& a) {
   }
   c.transport = a.transport;
   c.transport_options = *transport;
-  c.shm_permit_any_tracer = a.shm_permit_any_tracer;
+  // The flag is the option shm.permit_any_tracer by its own name; --transport-opt, when it sets
+  // the option too, decides.
+  if (a.shm_permit_any_tracer) c.transport_options.emplace("shm.permit_any_tracer", "true");
   c.model = *model;
   c.hold_lease = std::chrono::milliseconds(a.hold_lease_ms);
   c.compute_per_token = std::chrono::microseconds(a.compute_us_per_token);
@@ -402,9 +404,10 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
   serve->add_option("--transport", a->transport, TransportChoices())->capture_default_str();
   AddTransportOptOption(*serve, a->transport_opts);
   serve->add_flag("--shm-permit-any-tracer", a->shm_permit_any_tracer,
-                  "Prefill: prctl(PR_SET_PTRACER_ANY), so that under Yama ptrace_scope=1 decode "
-                  "instances beside this one can read it over shm; it lets every same-user "
-                  "process ptrace this one (docs/transport.md)");
+                  "Prefill: the transport option shm.permit_any_tracer=true, prctl("
+                  "PR_SET_PTRACER_ANY), so that under Yama ptrace_scope=1 decode instances beside "
+                  "this one can read it over shm; it lets every same-user process ptrace this one "
+                  "(docs/transport.md)");
   serve->add_option("--hold-lease-ms", a->hold_lease_ms, "Prefill hold lease")
       ->capture_default_str();
   serve->add_option("--compute-us-per-token", a->compute_us_per_token,

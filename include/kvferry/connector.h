@@ -225,7 +225,8 @@ struct WorkerConfig {
   std::optional<RankTable> rank_table;
   std::string server_id;                     ///< this host, as the rank table names it
   std::vector<std::string> visible_devices;  ///< empty: all
-  /// Data plane. Its secret and hosts default to the side channel's.
+  /// Data plane. Its secret defaults to the side channel's (`secret`), and so does the address
+  /// its tcp read server listens on (`host`) unless backend_options sets "tcp.bind_host".
   TransportOptions transport;
   /// Builds the data plane from the options above; default CreateTransport. For embedders and
   /// tests that wrap the transport (for example with fault injection or their own metrics).

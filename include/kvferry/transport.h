@@ -94,9 +94,9 @@ Status CheckTransportBackend(std::string_view backend);
 /// CheckTransportOptions).
 Status AddTransportOption(std::string_view key_value, TransportOptionMap* options);
 
-/// What CreateTransport builds. `backend`, `secret` and `serve` belong to the core; every other
-/// field is a typed default of one backend's option (named beside it), and `backend_options`
-/// overrides them by key.
+/// What CreateTransport builds: the core's fields and, by key, every backend's options. A backend
+/// owns its options (their parser, defaults and docs are in its folder, src/transport/<name>/),
+/// so they are set only through `backend_options`.
 struct TransportOptions {
   /// "auto" (shm and tcp, tried per peer in that order: shm when the peer is on this host, proves
   /// its instance, the kernel permits the read and shm can read every memory kind of the peer's
@@ -104,49 +104,17 @@ struct TransportOptions {
   /// name, or a comma-separated preference order tried the same way ("shm,ucx,tcp"). A peer can
   /// be read over a backend only if that backend runs in both processes: give both the same list.
   std::string backend = "auto";
-  /// "<backend>.<option>" = value; applied over the typed fields below. An unknown backend or
+  /// "<backend>.<option>" = value ("tcp.connections" = "4", "shm.permit_any_tracer" = "true"); the
+  /// keys, their defaults and meanings are docs/transport.md's "Options". An unknown backend or
   /// option, or a value that does not parse, is InvalidArgument naming the key.
   TransportOptionMap backend_options;
-  /// Where this process's tcp read server listens. Port 0 picks a free port. The address peers
-  /// are told is `tcp_advertise_host` (default: the bind address; required when binding to
-  /// 0.0.0.0 or ::).
-  std::string tcp_bind_host = "127.0.0.1";  ///< tcp.bind_host
-  std::uint16_t tcp_port = 0;               ///< tcp.port
-  std::string tcp_advertise_host;           ///< tcp.advertise_host
   /// Shared secret for tcp connections (challenge-response HMAC-SHA-256 both ways). Empty: the
   /// server accepts loopback clients only.
   std::string secret;
-  /// TCP connections per peer; requests are striped across them.
-  int tcp_connections_per_peer = 4;  ///< tcp.connections
-  /// Largest read request sent as one unit; larger reads are split.
-  std::uint64_t max_request_bytes = 8u << 20;  ///< tcp.max_request_bytes
-  /// Threads that carry out shm reads.
-  int shm_threads = 2;  ///< shm.threads
-  /// Serving side (`serve` set, backend not tcp): call prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY),
-  /// so that under Yama's kernel.yama.ptrace_scope=1 same-user processes that are not this one's
-  /// ancestors (a decode instance started beside it) may read its memory over shm. It grants
-  /// more than reads: every process that the kernel's other checks allow (same user, or
-  /// CAP_SYS_PTRACE) may then ptrace this process (attach, write its memory, change its
-  /// registers). It is never undone for the process. Off: no prctl, and under ptrace_scope=1 such
-  /// readers fail shm's check at Connect and, with kind auto, read over tcp (the log says why).
-  /// Without Yama, or with ptrace_scope=0, it changes nothing.
-  bool shm_permit_any_tracer = false;  ///< shm.permit_any_tracer
-  /// Whether to run a tcp read server (prefill side) at all. A decode-only process may skip it.
+  /// Whether this process serves its registered memory to peers (the prefill side): tcp runs its
+  /// read server, ucx publishes its keys, shm may permit tracers (shm.permit_any_tracer). A
+  /// decode-only process may skip it.
   bool serve = true;
-  /// How long a peer may go without progress on a read before the connection counts as dead
-  /// (TCP_USER_TIMEOUT and keepalive), in addition to each batch's own deadline.
-  std::chrono::milliseconds tcp_user_timeout{5000};  ///< tcp.user_timeout_ms
-  /// The tcp read server's limits on what clients may hold (docs/reliability.md, "Hostile
-  /// input"): a connection must finish its handshake within `tcp_handshake_timeout`; an
-  /// authenticated one idle for `tcp_idle_timeout`, or whose client stops taking responses for
-  /// `tcp_send_stall_timeout`, is closed; at most `tcp_max_connections` are open at once, and at
-  /// most `tcp_max_connections_per_source` from one client address. Past a cap a new connection
-  /// is closed at once, and existing ones are not disturbed.
-  std::chrono::milliseconds tcp_handshake_timeout{3000};    ///< tcp.handshake_timeout_ms
-  std::chrono::milliseconds tcp_idle_timeout{120000};       ///< tcp.idle_timeout_ms
-  std::chrono::milliseconds tcp_send_stall_timeout{10000};  ///< tcp.send_stall_timeout_ms
-  std::size_t tcp_max_connections = 512;                    ///< tcp.max_connections
-  std::size_t tcp_max_connections_per_source = 128;         ///< tcp.max_connections_per_source
 };
 
 /// Counters for one transport. Monotonic; safe to read at any time.

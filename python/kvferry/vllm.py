@@ -229,10 +229,12 @@ class _Settings:
         # Backend options by key ("tcp.connections": 4), checked by the transport.
         self.transport_options = {str(k): str(v).lower() if isinstance(v, bool) else str(v)
                                   for k, v in (extra.get("transport_options") or {}).items()}
-        # Prefill side: prctl(PR_SET_PTRACER_ANY), so shm works under Yama ptrace_scope=1; it lets
-        # every same-user process ptrace this one (docs/transport.md).
-        self.shm_permit_any_tracer = str(extra.get("shm_permit_any_tracer", False)).lower() in (
-            "1", "true", "yes")
+        # "shm_permit_any_tracer": true is the backend option shm.permit_any_tracer by its own
+        # name (prefill side: prctl(PR_SET_PTRACER_ANY), so shm works under Yama ptrace_scope=1; it
+        # lets every same-user process ptrace this one; docs/transport.md); transport_options,
+        # when it sets that option too, decides.
+        if str(extra.get("shm_permit_any_tracer", False)).lower() in ("1", "true", "yes"):
+            self.transport_options.setdefault("shm.permit_any_tracer", "true")
         self.rank_table = extra.get("rank_table_path",
                                     os.environ.get("DISAGGREGATED_PREFILL_RANK_TABLE_PATH", ""))
         self.visible_devices = extra.get("visible_devices",
@@ -534,7 +536,6 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             s.native_role, s.engine_id, tp_size, tp_rank, s.dp_rank, s.host, s.base_port,
             s.secret, s.transport, s.rank_table, s.server_id, s.visible_devices,
             s.transfer_timeout_ms, s.hold_lease_ms, s.failure_policy,
-            shm_permit_any_tracer=s.shm_permit_any_tracer,
             transport_options=s.transport_options)
         try:
             worker.register_kv_caches(spec, reg.bases, reg.memory)

@@ -171,9 +171,8 @@ Status WorkerImpl::Init() {
 
   TransportOptions t = cfg_.transport;
   if (t.secret.empty()) t.secret = cfg_.secret;
-  if (t.tcp_advertise_host.empty() && t.tcp_bind_host == TransportOptions{}.tcp_bind_host) {
-    t.tcp_bind_host = cfg_.host;
-  }
+  // The tcp read server listens where the side channel does, unless the options say where.
+  t.backend_options.emplace("tcp.bind_host", cfg_.host);
   t.serve = cfg_.role == Role::kPrefill;
   KVFERRY_ASSIGN_OR_RETURN(transport_,
                            cfg_.make_transport ? cfg_.make_transport(t) : CreateTransport(t));

@@ -124,7 +124,6 @@ Status Instance::Init() {
     w.visible_devices = c.visible_devices;
     w.transport.backend = c.transport;
     w.transport.backend_options = c.transport_options;
-    w.transport.shm_permit_any_tracer = c.shm_permit_any_tracer;
     w.hold_lease = c.hold_lease;
     w.layerwise_layers_per_notice = c.layers_per_notice;
     w.layerwise_start_timeout = c.layerwise_start_timeout;

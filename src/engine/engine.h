@@ -53,8 +53,6 @@ struct InstanceConfig {
   /// TransportOptions::backend and backend_options for every worker.
   std::string transport = "auto";
   TransportOptionMap transport_options;
-  /// TransportOptions::shm_permit_any_tracer for every worker.
-  bool shm_permit_any_tracer = false;
   std::optional<RankTable> rank_table;
   std::vector<std::string> visible_devices;
   /// Model shape, for every TP rank (the spec's TP fields are set per rank).

@@ -76,7 +76,7 @@ class Backend {
 
 /// What the core hands a backend's factory.
 struct BackendContext {
-  /// The whole options: the core's fields (secret, serve) and the typed defaults.
+  /// The whole options: the core's fields (secret, serve) and every backend's keys.
   const TransportOptions& options;
   /// This backend's keys of options.backend_options, without the "<name>." prefix.
   const TransportOptionMap& own_options;

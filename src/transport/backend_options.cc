@@ -68,13 +68,6 @@ Status BackendOptionReader::ReadMillis(std::string_view key, std::uint64_t min_m
   return Status::Ok();
 }
 
-Status BackendOptionReader::Require(bool ok, std::string_view key, std::string_view expected,
-                                    std::string_view found) const {
-  if (ok) return Status::Ok();
-  return Status::InvalidArgument(FullKey(key) + ": expected " + std::string(expected) + ", found " +
-                                 std::string(found));
-}
-
 Status BackendOptionReader::RejectUnknown() const {
   for (const auto& [key, value] : own_) {
     if (known_.count(key) != 0) continue;

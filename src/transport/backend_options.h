@@ -1,5 +1,5 @@
-// Reads one backend's string options ("connections" = "4" for the key tcp.connections) over its
-// typed defaults, with errors that name the full key.
+// Reads one backend's string options ("connections" = "4" for the key tcp.connections) over the
+// defaults its own options struct holds, with errors that name the full key.
 #pragma once
 
 #include <chrono>
@@ -30,10 +30,6 @@ class BackendOptionReader {
   /// Milliseconds, an unsigned decimal integer in [min_ms, max_ms].
   Status ReadMillis(std::string_view key, std::uint64_t min_ms, std::uint64_t max_ms,
                     std::chrono::milliseconds* value);
-  /// For the typed default too: InvalidArgument "<backend>.<key>: expected ..., found ..."
-  /// unless `ok`.
-  Status Require(bool ok, std::string_view key, std::string_view expected,
-                 std::string_view found) const;
   /// InvalidArgument naming the first key of `own` that no Read asked for, listing the known
   /// ones; OK when none is left.
   Status RejectUnknown() const;

@@ -85,8 +85,8 @@ std::unique_ptr<Transport> MakeTransport(bool serve, const std::string& backend 
   TransportOptions o;
   o.backend = backend;
   o.serve = serve;
-  o.tcp_connections_per_peer = 2;
-  o.max_request_bytes = 1u << 20;  // several requests per batch
+  o.backend_options = {{"tcp.connections", "2"},
+                       {"tcp.max_request_bytes", std::to_string(1u << 20)}};  // several per batch
   Result<std::unique_ptr<Transport>> t = CreateTransport(o);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
   return t.ok() ? std::move(t).value() : nullptr;

@@ -46,7 +46,7 @@ std::unique_ptr<Transport> MakeTransport(bool serve, int connections = 1) {
   TransportOptions o;
   o.backend = "tcp";
   o.serve = serve;
-  o.tcp_connections_per_peer = connections;
+  o.backend_options["tcp.connections"] = std::to_string(connections);
   Result<std::unique_ptr<Transport>> t = CreateTransport(o);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
   return std::move(t).value();
@@ -169,8 +169,10 @@ TEST(TcpServerHostileTest, IdleConnectionsNeitherSpinNorStarveTheServer) {
   }
   const std::string command =
       "ulimit -n " + std::to_string(descriptors) + " && exec " + std::string(KVFERRY_CLI_PATH) +
-      " bench peer --backend tcp --bytes 1048576 --regions 1" + " --handshake-timeout-ms " +
-      std::to_string(kHandshakeMs) + " --max-connections 4096 --max-connections-per-source 4096";
+      " bench peer --backend tcp --bytes 1048576 --regions 1" +
+      " --transport-opt tcp.handshake_timeout_ms=" + std::to_string(kHandshakeMs) +
+      " --transport-opt tcp.max_connections=4096" +
+      " --transport-opt tcp.max_connections_per_source=4096";
   Result<Subprocess> peer = Subprocess::Spawn({"/bin/sh", "-c", command});
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
   Result<std::string> line = peer->ReadLine(std::chrono::seconds(30));

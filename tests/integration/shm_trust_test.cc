@@ -239,7 +239,7 @@ ChildOutcome ReadThisProcessFromAChild(const std::string& backend, bool permit_a
   ChildOutcome outcome;
   {
     TransportOptions o;  // serving: tcp server on loopback, shm section in the descriptor
-    o.shm_permit_any_tracer = permit_any_tracer;
+    if (permit_any_tracer) o.backend_options["shm.permit_any_tracer"] = "true";
     Result<std::unique_ptr<Transport>> server = CreateTransport(o);
     EXPECT_TRUE(server.ok()) << server.status().ToString();
     std::vector<std::byte> memory(1u << 16, std::byte{0x33});
@@ -276,7 +276,7 @@ TEST(ShmTrustTest, AKernelRefusalSendsAutoToTcpAndSaysHowToEnableShm) {
   ASSERT_TRUE(forced.refused);
   EXPECT_THAT(forced.result, HasSubstr("error="));
   EXPECT_THAT(forced.result, HasSubstr("EPERM"));
-  EXPECT_THAT(forced.result, HasSubstr("shm_permit_any_tracer"));
+  EXPECT_THAT(forced.result, HasSubstr("shm.permit_any_tracer=true"));
   EXPECT_THAT(forced.result, HasSubstr("sysctl kernel.yama.ptrace_scope=0"));
 }
 

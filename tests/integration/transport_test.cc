@@ -71,8 +71,9 @@ std::unique_ptr<Transport> MakeClient(const std::string& backend, const std::str
   o.backend = backend;
   o.serve = false;
   o.secret = secret;
-  o.tcp_connections_per_peer = 3;
-  o.max_request_bytes = 1u << 20;  // many requests per batch, so striping is exercised
+  o.backend_options = {{"tcp.connections", "3"},
+                       // many requests per batch, so striping is exercised
+                       {"tcp.max_request_bytes", std::to_string(1u << 20)}};
   Result<std::unique_ptr<Transport>> t = CreateTransport(o);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
   return std::move(t).value();
@@ -437,7 +438,7 @@ TEST(TcpTransportTest, WrongOrMissingSecretIsRefused) {
 // the new process, which cannot prove it is the instance the descriptor named.
 TEST(TcpTransportTest, APeerRestartedOnTheSamePortIsNotReadAsTheOldOne) {
   const std::string port = std::to_string(FreeLoopbackPorts(1));
-  Peer first = StartPeer("tcp", "s3cret", {"--port", port});
+  Peer first = StartPeer("tcp", "s3cret", {"--transport-opt", "tcp.port=" + port});
   std::unique_ptr<Transport> client = MakeClient("tcp", "s3cret");
   LocalMemory local(1u << 20);
   ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
@@ -450,7 +451,7 @@ TEST(TcpTransportTest, APeerRestartedOnTheSamePortIsNotReadAsTheOldOne) {
 
   first.process->Signal(SIGKILL);
   (void)first.process->CloseAndWait(milliseconds(5000));
-  Peer second = StartPeer("tcp", "s3cret", {"--port", port, "--seed", "99"});
+  Peer second = StartPeer("tcp", "s3cret", {"--transport-opt", "tcp.port=" + port, "--seed", "99"});
   std::memset(local.data(), 0x11, 5000);
   b = client->SubmitReads(*p, {{local.data(), 1, 100, 5000}}, DeadlineAfter(milliseconds(5000)));
   ASSERT_TRUE(b.ok());
@@ -726,9 +727,6 @@ TEST(TransportOptionsTest, BadBackendOptionsAreRefusedNamingTheKey) {
   o.backend_options = {{"shm.threads", "0"}};
   EXPECT_THAT(refusal(o), HasSubstr("shm.threads"));
   o.backend_options.clear();
-  o.tcp_connections_per_peer = 0;  // a typed default is checked under its key
-  EXPECT_THAT(refusal(o), HasSubstr("tcp.connections"));
-  o.tcp_connections_per_peer = 4;
   o.backend = "rdma";
   EXPECT_THAT(refusal(o), HasSubstr("unknown transport 'rdma': expected auto"));
   TransportOptionMap map;
@@ -738,15 +736,15 @@ TEST(TransportOptionsTest, BadBackendOptionsAreRefusedNamingTheKey) {
   EXPECT_EQ(map.at("tcp.advertise_host"), "a=b");
 }
 
-TEST(TransportOptionsTest, AStringOptionOverridesItsTypedDefault) {
+// Backend options are set by key only (TransportOptions has no field of any backend): the keys
+// reach the backend.
+TEST(TransportOptionsTest, BackendOptionsAreSetByKey) {
   const int free_port = FreeLoopbackPorts(1);
   ASSERT_GT(free_port, 0);
   const auto port = static_cast<std::uint16_t>(free_port);
 
   TransportOptions o;
   o.backend = "tcp";
-  o.tcp_port = 0;
-  o.tcp_advertise_host = "typed.example";
   o.backend_options = {{"tcp.port", std::to_string(port)}, {"tcp.advertise_host", "localhost"}};
   Result<std::unique_ptr<Transport>> t = CreateTransport(o);
   ASSERT_TRUE(t.ok()) << t.status().ToString();

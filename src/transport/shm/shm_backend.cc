@@ -365,30 +365,6 @@ Status ProveInstance(const ShmPeerState& peer, const ShmProof& proof) {
 
 }  // namespace
 
-Result<ShmOptions> ParseShmOptions(const TransportOptions& options, const TransportOptionMap& own) {
-  ShmOptions o;
-  o.permit_any_tracer = options.shm_permit_any_tracer;
-  BackendOptionReader r("shm", own);
-  auto threads = static_cast<std::uint64_t>(std::max(options.shm_threads, 0));
-  KVFERRY_RETURN_IF_ERROR(r.ReadUint("threads", 1, 256, &threads));
-  KVFERRY_RETURN_IF_ERROR(r.Require(threads >= 1 && threads <= 256, "threads",
-                                    "1 to 256 reader threads", std::to_string(threads)));
-  o.threads = static_cast<int>(threads);
-  KVFERRY_RETURN_IF_ERROR(r.ReadBool("permit_any_tracer", &o.permit_any_tracer));
-  KVFERRY_RETURN_IF_ERROR(r.RejectUnknown());
-  return o;
-}
-
-bool ServingPermitsAnyTracer(const TransportOptions& options) {
-  if (!options.serve) return false;
-  Result<std::vector<std::string>> selected = SelectedTransportBackends(options.backend);
-  if (!selected.ok() || std::find(selected->begin(), selected->end(), "shm") == selected->end()) {
-    return false;
-  }
-  Result<ShmOptions> o = ParseShmOptions(options, OwnOptions(options.backend_options, "shm"));
-  return o.ok() && o->permit_any_tracer;
-}
-
 ShmBackend::ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer,
                        RegionRegistry* regions)
     : self_(std::move(self)),
@@ -465,7 +441,7 @@ void ShmBackend::PermitAnyTracer() {
   // Without Yama this has no effect and fails with EINVAL; nothing to report then.
   if (prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0) {
     Log().info(
-        "shm_permit_any_tracer: prctl(PR_SET_PTRACER_ANY) done; under Yama every process may "
+        "shm.permit_any_tracer: prctl(PR_SET_PTRACER_ANY) done; under Yama every process may "
         "now ptrace this one (not only read its memory)");
   }
 }
@@ -475,8 +451,8 @@ std::string ShmBackend::RefusedReadText(pid_t pid) {
          YamaScopeText() +
          "): shm needs the same user (or CAP_SYS_PTRACE) and, under Yama ptrace_scope=1, a "
          "reader that descends from the serving process or a serving process that permits "
-         "tracers: set shm_permit_any_tracer there (kvferry serve --shm-permit-any-tracer, or "
-         "the transport option shm.permit_any_tracer=true), "
+         "tracers: set the transport option shm.permit_any_tracer=true there (kvferry serve "
+         "--shm-permit-any-tracer), "
          "which lets every process ptrace it, or run `sysctl kernel.yama.ptrace_scope=0`; "
          "otherwise use the tcp transport";
 }

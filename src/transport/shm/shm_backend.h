@@ -14,23 +14,10 @@
 #include "common/work_queue.h"
 #include "device/device.h"
 #include "transport/backend.h"
+#include "transport/shm/shm_options.h"
 #include "transport/shm/shm_section.h"
 
 namespace kvferry {
-
-/// The shm backend's options (docs/transport.md, "Options"): the typed defaults of
-/// TransportOptions (shm_threads, shm_permit_any_tracer), overridden by shm.threads and
-/// shm.permit_any_tracer.
-struct ShmOptions {
-  int threads = 2;
-  bool permit_any_tracer = false;
-};
-Result<ShmOptions> ParseShmOptions(const TransportOptions& options, const TransportOptionMap& own);
-
-/// Whether a transport created with `options` calls prctl(PR_SET_PTRACER_ANY): only when it
-/// serves, has the shm backend (backend auto or shm), and shm.permit_any_tracer is set (false
-/// for options that do not parse).
-bool ServingPermitsAnyTracer(const TransportOptions& options);
 
 class ShmBackend final : public Backend {
  public:

@@ -618,7 +618,7 @@ Result<std::unique_ptr<TcpBackend>> TcpBackend::Create(TcpOptions options, bool 
     const std::string& advertise = o.advertise_host.empty() ? o.bind_host : o.advertise_host;
     if (advertise == "0.0.0.0" || advertise == "::") {
       return Status::InvalidArgument("the tcp server binds to " + o.bind_host +
-                                     "; set tcp.advertise_host (tcp_advertise_host) to the "
+                                     "; set tcp.advertise_host to the "
                                      "address peers should connect to");
     }
     KVFERRY_ASSIGN_OR_RETURN(

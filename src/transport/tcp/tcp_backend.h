@@ -10,31 +10,11 @@
 
 #include "device/device.h"
 #include "transport/backend.h"
+#include "transport/tcp/tcp_options.h"
 #include "transport/tcp/tcp_section.h"
 #include "transport/tcp/tcp_server.h"
 
 namespace kvferry::tcp {
-
-struct ClientOptions {
-  std::string secret;
-  int connections_per_peer = 4;
-  std::uint64_t max_request_bytes = 8u << 20;
-  std::chrono::milliseconds user_timeout{5000};
-};
-
-/// The tcp backend's options (docs/transport.md, "Options"): TransportOptions' tcp_* fields and
-/// max_request_bytes, overridden by the tcp.* keys.
-struct TcpOptions {
-  ClientOptions client;
-  std::string bind_host = "127.0.0.1";
-  std::uint16_t port = 0;
-  /// What peers are told; the bind address when empty. Required for 0.0.0.0 and ::.
-  std::string advertise_host;
-  ServerLimits limits;
-};
-/// InvalidArgument naming the key for an unknown key, a value that does not parse or is out of
-/// range, or a serving wildcard bind address without tcp.advertise_host.
-Result<TcpOptions> ParseTcpOptions(const TransportOptions& options, const TransportOptionMap& own);
 
 class TcpBackend final : public Backend {
  public:

@@ -1,19 +1,12 @@
-// The tcp backend's options: TransportOptions' typed defaults, overridden by the tcp.* keys.
+#include "transport/tcp/tcp_options.h"
+
 #include "transport/backend_options.h"
-#include "transport/tcp/tcp_backend.h"
 
 namespace kvferry::tcp {
 
 Result<TcpOptions> ParseTcpOptions(const TransportOptions& options, const TransportOptionMap& own) {
   TcpOptions o;
-  o.client = ClientOptions{options.secret, options.tcp_connections_per_peer,
-                           options.max_request_bytes, options.tcp_user_timeout};
-  o.bind_host = options.tcp_bind_host;
-  o.port = options.tcp_port;
-  o.advertise_host = options.tcp_advertise_host;
-  o.limits = ServerLimits{options.tcp_handshake_timeout, options.tcp_idle_timeout,
-                          options.tcp_send_stall_timeout, options.tcp_max_connections,
-                          options.tcp_max_connections_per_source};
+  o.client.secret = options.secret;
   BackendOptionReader r("tcp", own);
   constexpr std::uint64_t kDay = 24ull * 3600 * 1000;
   KVFERRY_RETURN_IF_ERROR(r.ReadString("bind_host", &o.bind_host));
@@ -21,15 +14,11 @@ Result<TcpOptions> ParseTcpOptions(const TransportOptions& options, const Transp
   KVFERRY_RETURN_IF_ERROR(r.ReadUint("port", 0, 65535, &port));
   o.port = static_cast<std::uint16_t>(port);
   KVFERRY_RETURN_IF_ERROR(r.ReadString("advertise_host", &o.advertise_host));
-  auto connections = static_cast<std::uint64_t>(std::max(o.client.connections_per_peer, 0));
+  auto connections = static_cast<std::uint64_t>(o.client.connections_per_peer);
   KVFERRY_RETURN_IF_ERROR(r.ReadUint("connections", 1, 1024, &connections));
-  KVFERRY_RETURN_IF_ERROR(r.Require(connections >= 1 && connections <= 1024, "connections",
-                                    "1 to 1024 connections per peer", std::to_string(connections)));
   o.client.connections_per_peer = static_cast<int>(connections);
   KVFERRY_RETURN_IF_ERROR(
       r.ReadUint("max_request_bytes", 1, std::uint64_t{1} << 40, &o.client.max_request_bytes));
-  KVFERRY_RETURN_IF_ERROR(r.Require(o.client.max_request_bytes > 0, "max_request_bytes",
-                                    "a positive request size", "0"));
   KVFERRY_RETURN_IF_ERROR(r.ReadMillis("user_timeout_ms", 1, kDay, &o.client.user_timeout));
   KVFERRY_RETURN_IF_ERROR(
       r.ReadMillis("handshake_timeout_ms", 1, kDay, &o.limits.handshake_timeout));

@@ -97,7 +97,7 @@ std::unique_ptr<Transport> Make(const std::string& backend, bool serve) {
   TransportOptions o;
   o.backend = backend;
   o.serve = serve;
-  o.max_request_bytes = 1u << 20;
+  o.backend_options["tcp.max_request_bytes"] = std::to_string(1u << 20);
   auto t = CreateTransport(o);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
   return t.ok() ? std::move(t).value() : nullptr;

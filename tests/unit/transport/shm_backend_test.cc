@@ -150,7 +150,7 @@ TEST_F(ShmProofTest, PidZeroIsRefusedByTheBackendToo) {
 TEST(ShmRefusalTest, TheRefusalSaysHowToEnableShm) {
   const std::string text = ShmBackend::RefusedReadText(1234);
   EXPECT_THAT(text, HasSubstr("EPERM"));
-  EXPECT_THAT(text, HasSubstr("shm_permit_any_tracer"));
+  EXPECT_THAT(text, HasSubstr("shm.permit_any_tracer=true"));
   EXPECT_THAT(text, HasSubstr("--shm-permit-any-tracer"));
   EXPECT_THAT(text, HasSubstr("sysctl kernel.yama.ptrace_scope=0"));
 }
@@ -158,27 +158,25 @@ TEST(ShmRefusalTest, TheRefusalSaysHowToEnableShm) {
 // Issue 11: every serving transport called PR_SET_PTRACER_ANY. Now only an explicit option does.
 TEST(ShmTracerDecisionTest, OnlyTheExplicitOptionPermitsAnyTracer) {
   TransportOptions o;
-  EXPECT_FALSE(o.shm_permit_any_tracer);
+  EXPECT_FALSE(ParseShmOptions(o, {})->permit_any_tracer);
   EXPECT_TRUE(o.serve);
   EXPECT_FALSE(ServingPermitsAnyTracer(o));  // the defaults: serving, auto, option off
   o.backend = "shm";
   EXPECT_FALSE(ServingPermitsAnyTracer(o));
-  o.shm_permit_any_tracer = true;
+  o.backend_options["shm.permit_any_tracer"] = "true";
   EXPECT_TRUE(ServingPermitsAnyTracer(o));
   o.backend = "auto";
+  EXPECT_TRUE(ServingPermitsAnyTracer(o));
+  o.backend = "tcp,shm";
   EXPECT_TRUE(ServingPermitsAnyTracer(o));
   o.backend = "tcp";
   EXPECT_FALSE(ServingPermitsAnyTracer(o));
   o.backend = "auto";
   o.serve = false;
   EXPECT_FALSE(ServingPermitsAnyTracer(o));
-  // The string option says the same as the typed field, and overrides it.
   o.serve = true;
   o.backend_options["shm.permit_any_tracer"] = "false";
   EXPECT_FALSE(ServingPermitsAnyTracer(o));
-  o.shm_permit_any_tracer = false;
-  o.backend_options["shm.permit_any_tracer"] = "true";
-  EXPECT_TRUE(ServingPermitsAnyTracer(o));
 }
 
 bool PermittedAnyTracer(const TransportCore& core) {
@@ -191,15 +189,14 @@ TEST(ShmTracerDecisionTest, AServingTransportCallsPrctlOnlyWithTheOption) {
   Result<std::unique_ptr<TransportCore>> plain = TransportCore::Create(o);
   ASSERT_TRUE(plain.ok()) << plain.status().ToString();
   EXPECT_FALSE(PermittedAnyTracer(**plain));
-  o.shm_permit_any_tracer = true;
+  o.backend_options["shm.permit_any_tracer"] = "true";
   Result<std::unique_ptr<TransportCore>> permitting = TransportCore::Create(o);
   ASSERT_TRUE(permitting.ok()) << permitting.status().ToString();
   EXPECT_TRUE(PermittedAnyTracer(**permitting));
-  TransportOptions by_key;
-  by_key.backend_options["shm.permit_any_tracer"] = "true";
-  Result<std::unique_ptr<TransportCore>> keyed = TransportCore::Create(by_key);
-  ASSERT_TRUE(keyed.ok()) << keyed.status().ToString();
-  EXPECT_TRUE(PermittedAnyTracer(**keyed));
+  o.serve = false;
+  Result<std::unique_ptr<TransportCore>> reading = TransportCore::Create(o);
+  ASSERT_TRUE(reading.ok()) << reading.status().ToString();
+  EXPECT_FALSE(PermittedAnyTracer(**reading));
 }
 
 TEST(ShmDescriptorTest, ATransportsDescriptorCarriesThisProcesssProof) {
