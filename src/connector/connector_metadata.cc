@@ -1,0 +1,205 @@
+// ConnectorMetadata's wire form (Encode and Decode): the plain value the scheduler builds each
+// step and the engine ships to its worker processes (DESIGN rule 3), decoded without trusting it.
+#include <limits>
+
+#include "kvferry/connector.h"
+#include "wire/messages.h"
+#include "wire/msgpack_reader.h"
+#include "wire/msgpack_writer.h"
+
+namespace kvferry {
+namespace {
+
+using wire::Packer;
+using wire::PackIds;
+using wire::PackStr;
+
+Result<std::vector<std::int64_t>> DecodeIds(const wire::MapView& m, const char* key) {
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, m.Require(key));
+  if (v->type != msgpack::type::ARRAY) {
+    return Status::InvalidArgument(m.At(key) + ": expected an array of block ids");
+  }
+  std::vector<std::int64_t> out;
+  out.reserve(v->via.array.size);
+  for (std::uint32_t i = 0; i < v->via.array.size; ++i) {
+    const msgpack::object& e = v->via.array.ptr[i];
+    if (e.type != msgpack::type::POSITIVE_INTEGER ||
+        e.via.u64 > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+      return Status::InvalidArgument(m.At(key) + "[" + std::to_string(i) +
+                                     "]: expected a non-negative block id");
+    }
+    out.push_back(static_cast<std::int64_t>(e.via.u64));
+  }
+  return out;
+}
+
+constexpr std::uint64_t kMaxInt = std::numeric_limits<int>::max();
+
+constexpr std::uint64_t kMaxInt64 = std::numeric_limits<std::int64_t>::max();
+
+Result<std::string> OptionalStr(const wire::MapView& m, const char* key) {
+  if (auto v = m.OptionalStr(key, wire::kMaxIdBytes)) return *v;
+  return std::string();
+}
+
+// The array under `key`, or nullptr when absent; InvalidArgument when it is not an array.
+Result<const msgpack::object*> OptionalArray(const wire::MapView& m, const char* key) {
+  const msgpack::object* v = m.Find(key);
+  if (v != nullptr && v->type != msgpack::type::ARRAY) {
+    return Status::InvalidArgument(m.At(key) + ": expected an array");
+  }
+  return v;
+}
+
+}  // namespace
+
+std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
+  msgpack::sbuffer buffer;
+  Packer pk(buffer);
+  pk.pack_map(5);
+  PackStr(pk, "v");
+  pk.pack_uint32(1);
+  PackStr(pk, "loads");
+  pk.pack_array(static_cast<std::uint32_t>(loads.size()));
+  for (const LoadSpec& l : loads) {
+    pk.pack_map(9);
+    PackStr(pk, "request_id");
+    PackStr(pk, l.request_id);
+    PackStr(pk, "local_block_ids");
+    PackIds(pk, l.local_block_ids);
+    PackStr(pk, "remote_block_ids");
+    PackIds(pk, l.remote_block_ids);
+    PackStr(pk, "remote_engine_id");
+    PackStr(pk, l.remote_engine_id);
+    PackStr(pk, "remote_host");
+    PackStr(pk, l.remote_host);
+    PackStr(pk, "remote_port");
+    pk.pack_int32(l.remote_port);
+    PackStr(pk, "remote_tp_size");
+    pk.pack_int32(l.remote_tp_size);
+    PackStr(pk, "remote_request_id");
+    PackStr(pk, l.remote_request_id);
+    PackStr(pk, "transfer_id");
+    PackStr(pk, l.transfer_id);
+  }
+  PackStr(pk, "holds");
+  pk.pack_array(static_cast<std::uint32_t>(holds.size()));
+  for (const HoldSpec& h : holds) {
+    pk.pack_map(3);
+    PackStr(pk, "request_id");
+    PackStr(pk, h.request_id);
+    PackStr(pk, "lease_ms");
+    pk.pack_int64(h.lease_ms);
+    PackStr(pk, "transfer_id");
+    PackStr(pk, h.transfer_id);
+  }
+  PackStr(pk, "saves");
+  pk.pack_array(static_cast<std::uint32_t>(saves.size()));
+  for (const LayerwiseSave& sv : saves) {
+    pk.pack_map(6);
+    PackStr(pk, "request_id");
+    PackStr(pk, sv.request_id);
+    PackStr(pk, "transfer_id");
+    PackStr(pk, sv.transfer_id);
+    PackStr(pk, "block_ids");
+    PackIds(pk, sv.block_ids);
+    PackStr(pk, "first_token");
+    pk.pack_int64(sv.first_token);
+    PackStr(pk, "end_token");
+    pk.pack_int64(sv.end_token);
+    PackStr(pk, "prompt_tokens");
+    pk.pack_int64(sv.prompt_tokens);
+  }
+  PackStr(pk, "transfer_ends");
+  pk.pack_array(static_cast<std::uint32_t>(transfer_ends.size()));
+  for (const TransferEnd& e : transfer_ends) {
+    pk.pack_map(2);
+    PackStr(pk, "transfer_id");
+    PackStr(pk, e.transfer_id);
+    PackStr(pk, "reason");
+    PackStr(pk, e.reason);
+  }
+  const auto* p = reinterpret_cast<const std::uint8_t*>(buffer.data());
+  return {p, p + buffer.size()};
+}
+
+Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t> bytes) {
+  KVFERRY_ASSIGN_OR_RETURN(msgpack::object_handle handle,
+                           wire::SafeUnpack(bytes, {1u << 22, 16, 5}));
+  KVFERRY_ASSIGN_OR_RETURN(wire::MapView m, wire::MapView::Of(handle.get(), "metadata"));
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t version, m.Uint("v", 255));
+  if (version != 1) {
+    return Status::NotSupported("connector metadata version " + std::to_string(version) +
+                                " is not supported; this build reads version 1");
+  }
+  ConnectorMetadata md;
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* loads, m.Require("loads"));
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* holds, m.Require("holds"));
+  if (loads->type != msgpack::type::ARRAY || holds->type != msgpack::type::ARRAY) {
+    return Status::InvalidArgument("metadata: expected arrays of loads and holds");
+  }
+  for (std::uint32_t i = 0; i < loads->via.array.size; ++i) {
+    KVFERRY_ASSIGN_OR_RETURN(
+        wire::MapView lm,
+        wire::MapView::Of(loads->via.array.ptr[i], "metadata.loads[" + std::to_string(i) + "]"));
+    LoadSpec l;
+    KVFERRY_ASSIGN_OR_RETURN(l.request_id, lm.Str("request_id", wire::kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(l.local_block_ids, DecodeIds(lm, "local_block_ids"));
+    KVFERRY_ASSIGN_OR_RETURN(l.remote_block_ids, DecodeIds(lm, "remote_block_ids"));
+    KVFERRY_ASSIGN_OR_RETURN(l.remote_engine_id, lm.Str("remote_engine_id", wire::kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(l.remote_host, lm.Str("remote_host", wire::kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t port, lm.Uint("remote_port", 65535));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp, lm.Uint("remote_tp_size", kMaxTpSize));
+    l.remote_port = static_cast<int>(port);
+    l.remote_tp_size = static_cast<int>(tp);
+    KVFERRY_ASSIGN_OR_RETURN(l.remote_request_id, lm.Str("remote_request_id", wire::kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(l.transfer_id, OptionalStr(lm, "transfer_id"));
+    md.loads.push_back(std::move(l));
+  }
+  for (std::uint32_t i = 0; i < holds->via.array.size; ++i) {
+    KVFERRY_ASSIGN_OR_RETURN(
+        wire::MapView hm,
+        wire::MapView::Of(holds->via.array.ptr[i], "metadata.holds[" + std::to_string(i) + "]"));
+    HoldSpec h;
+    KVFERRY_ASSIGN_OR_RETURN(h.request_id, hm.Str("request_id", wire::kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t lease, hm.Uint("lease_ms", kMaxInt));
+    h.lease_ms = static_cast<std::int64_t>(lease);
+    KVFERRY_ASSIGN_OR_RETURN(h.transfer_id, OptionalStr(hm, "transfer_id"));
+    md.holds.push_back(std::move(h));
+  }
+  // Layer-wise saves and transfer ends: optional, so metadata without them still decodes.
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* saves, OptionalArray(m, "saves"));
+  for (std::uint32_t i = 0; saves != nullptr && i < saves->via.array.size; ++i) {
+    KVFERRY_ASSIGN_OR_RETURN(
+        wire::MapView sm,
+        wire::MapView::Of(saves->via.array.ptr[i], "metadata.saves[" + std::to_string(i) + "]"));
+    LayerwiseSave sv;
+    KVFERRY_ASSIGN_OR_RETURN(sv.request_id, sm.Str("request_id", wire::kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(sv.transfer_id, sm.Str("transfer_id", wire::kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(sv.block_ids, DecodeIds(sm, "block_ids"));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t first, sm.Uint("first_token", kMaxInt64));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t end, sm.Uint("end_token", kMaxInt64));
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t prompt, sm.Uint("prompt_tokens", kMaxInt64));
+    if (first > end || end > prompt) {
+      return Status::InvalidArgument(sm.path() +
+                                     ": expected first_token <= end_token <= prompt_tokens");
+    }
+    sv.first_token = static_cast<std::int64_t>(first);
+    sv.end_token = static_cast<std::int64_t>(end);
+    sv.prompt_tokens = static_cast<std::int64_t>(prompt);
+    md.saves.push_back(std::move(sv));
+  }
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* ends, OptionalArray(m, "transfer_ends"));
+  for (std::uint32_t i = 0; ends != nullptr && i < ends->via.array.size; ++i) {
+    KVFERRY_ASSIGN_OR_RETURN(
+        wire::MapView em, wire::MapView::Of(ends->via.array.ptr[i],
+                                            "metadata.transfer_ends[" + std::to_string(i) + "]"));
+    TransferEnd e;
+    KVFERRY_ASSIGN_OR_RETURN(e.transfer_id, em.Str("transfer_id", wire::kMaxIdBytes));
+    KVFERRY_ASSIGN_OR_RETURN(e.reason, em.Str("reason", wire::kMaxTextBytes));
+    md.transfer_ends.push_back(std::move(e));
+  }
+  return md;
+}
+
+}  // namespace kvferry
