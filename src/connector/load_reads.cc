@@ -1,0 +1,262 @@
+// One whole-request load, step by step (DESIGN rules 8-10): its plan (the TP sources and the
+// prefill ranks to tell), the agents it reads from (handshakes, cached), the reads of each agent
+// merged into block runs, the batches and their failures, and the confirmation that every rank
+// read from still held the blocks. The runner around it (queueing, bookkeeping, aborts, leases)
+// is load_runner.cc; the layer-wise load, layerwise_load.cc.
+#include <algorithm>
+#include <set>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "connector/load_runner.h"
+
+namespace kvferry {
+namespace {
+
+// Remote input decides how many ranks a load talks to and their ports: bounded before any loop.
+Status CheckRemoteRanks(int remote_tp_size, int remote_port) {
+  if (remote_tp_size < 1 || remote_tp_size > kMaxTpSize) {
+    return Status::InvalidArgument("remote_tp_size " + std::to_string(remote_tp_size) +
+                                   " is outside 1.." + std::to_string(kMaxTpSize));
+  }
+  if (remote_port < 1 || remote_port + remote_tp_size - 1 > 65535) {
+    return Status::InvalidArgument("remote_port " + std::to_string(remote_port) + " with " +
+                                   std::to_string(remote_tp_size) +
+                                   " ranks reaches past port 65535");
+  }
+  return Status::Ok();
+}
+
+// Only liveness failures take a peer down (rule 14): its connection is lost, its process is gone,
+// or it refused us. A slow batch (Timeout) or a refused read fails its own load alone.
+bool PeerFault(const Status& s) {
+  return s.code() == StatusCode::kPeerDisconnected || s.code() == StatusCode::kUnavailable;
+}
+
+}  // namespace
+
+std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
+                                                     const std::vector<TpSource>& sources) const {
+  std::set<int> ranks;
+  for (const TpSource& s : sources) ranks.insert(s.prefill_rank);
+  // Prefill ranks nobody reads (decode TP smaller) are told by one decode rank each.
+  for (int q = 0; q < load.remote_tp_size; ++q) {
+    Result<int> readers = ExpectedReaders(spec, load.remote_tp_size, cfg_.tp_size, q);
+    if (readers.ok() && *readers == 0 && q % cfg_.tp_size == cfg_.tp_rank) ranks.insert(q);
+  }
+  std::vector<std::string> out;
+  out.reserve(ranks.size());
+  for (int q : ranks) out.push_back(SideChannelEndpoint(load.remote_host, load.remote_port + q));
+  return out;
+}
+
+Result<LoadRunner::LoadPlan> LoadRunner::Plan(const LoadSpec& load) {
+  std::optional<CacheSpec> spec;
+  std::optional<CacheAddresses> addresses;
+  {
+    MutexLock lock(mu_);
+    if (stopping_) return Status::Cancelled("the worker is shutting down");
+    spec = spec_;
+    addresses = addresses_;
+  }
+  if (!spec) {
+    return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
+  }
+  KVFERRY_RETURN_IF_ERROR(CheckRemoteRanks(load.remote_tp_size, load.remote_port));
+  // Rule 8: which prefill ranks, which bytes.
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
+                           PlanTpSources(*spec, load.remote_tp_size, cfg_.tp_size, cfg_.tp_rank));
+  std::vector<std::string> endpoints = NoticeEndpoints(load, *spec, sources);
+  {
+    MutexLock lock(mu_);
+    KVFERRY_RETURN_IF_ERROR(AbortedLocked(load.request_id));  // aborted while queued
+    auto it = loads_.find(load.request_id);
+    if (it != loads_.end()) it->second.endpoints = endpoints;
+  }
+  return LoadPlan{*spec, *addresses, std::move(sources), std::move(endpoints)};
+}
+
+Result<std::vector<LoadRunner::SourceAgent>> LoadRunner::ResolveSources(const LoadSpec& load,
+                                                                        const LoadPlan& plan,
+                                                                        Deadline deadline,
+                                                                        const char* feature) {
+  std::vector<SourceAgent> out;
+  for (const TpSource& source : plan.sources) {
+    const std::string endpoint =
+        SideChannelEndpoint(load.remote_host, load.remote_port + source.prefill_rank);
+    const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
+    KVFERRY_ASSIGN_OR_RETURN(
+        std::shared_ptr<RemoteAgent> agent,
+        agents_.Get({endpoint, load.remote_engine_id, source.prefill_rank, load.remote_tp_size},
+                    hs_deadline));
+    // A restarted prefill instance answers on the same endpoint under a new engine id; its
+    // blocks are not this request's.
+    if (agent->metadata->agent.peer.engine_id != load.remote_engine_id) {
+      return Status::Unavailable("the prefill instance at " + endpoint + " is now engine " +
+                                 agent->metadata->agent.peer.engine_id + ", but request " +
+                                 load.request_id + " was held by engine " + load.remote_engine_id +
+                                 ", which is gone");
+    }
+    KVFERRY_RETURN_IF_ERROR(CheckRegionLayout(agent->metadata->cache));
+    if (feature != nullptr && !agent->metadata->Offers(feature)) {
+      return Status::NotSupported("the prefill worker at " + endpoint + " (engine " +
+                                  load.remote_engine_id + ") does not speak " + feature +
+                                  " transfer (an older kvferry); request " + load.request_id +
+                                  " is recomputed here: send it whole-request legs instead");
+    }
+    out.push_back({source, endpoint, std::move(agent)});
+  }
+  return out;
+}
+
+Status LoadRunner::AddReads(const LoadPlan& plan, const SourceAgent& s,
+                            std::span<const std::int64_t> remote_ids,
+                            std::span<const std::int64_t> local_ids, int first_layer, int end_layer,
+                            PlannedBatch& batch) const {
+  const CacheSpec& remote = s.agent->metadata->cache;
+  KVFERRY_ASSIGN_OR_RETURN(
+      std::vector<BlockRun> runs,
+      MergeBlockRuns(remote_ids, local_ids, remote.num_blocks(), plan.spec.num_blocks()));
+  for (const ByteRange& r : RunByteRanges(runs, first_layer, end_layer,
+                                          PartBlockGeometryOf(remote, plan.spec), s.source)) {
+    const PartRegion region = RegionOfPart(remote, r.layer, r.part);
+    batch.ops.push_back(
+        {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
+             plan.addresses.Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
+         static_cast<RegionId>(region.id),
+         static_cast<std::uint64_t>(region.offset + r.remote_offset),
+         static_cast<std::uint64_t>(r.length), static_cast<std::uint64_t>(r.count),
+         static_cast<std::uint64_t>(r.remote_step), static_cast<std::uint64_t>(r.local_step)});
+    batch.bytes += static_cast<std::uint64_t>(r.length * r.count);
+  }
+  batch.runs += runs.size();
+  return Status::Ok();
+}
+
+Status LoadRunner::RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& planned,
+                              Deadline deadline, std::uint64_t* moved) {
+  struct Submitted {
+    BatchId batch;
+    const SourceAgent* from;
+  };
+  std::vector<Submitted> batches;
+  Status failure;
+  std::uint64_t bytes = 0;
+  std::uint64_t reads = 0;
+  std::uint64_t runs = 0;
+  for (PlannedBatch& p : planned) {
+    if (p.ops.empty()) continue;
+    bytes += p.bytes;
+    reads += p.ops.size();
+    runs += p.runs;
+    UniqueLock lock(mu_);
+    if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
+      failure = aborted;
+      break;
+    }
+    // Submitted under mu_ so an AbortLoad either sees this batch or ran before the check above.
+    Result<BatchId> b = transport_.SubmitReads(p.from->agent->peer, std::move(p.ops), deadline);
+    if (b.ok()) loads_.at(load.request_id).batches.push_back(*b);
+    lock.Unlock();
+    if (!b.ok()) {
+      failure = b.status();
+      if (PeerFault(failure)) agents_.Invalidate(p.from->endpoint, p.from->agent);
+      break;
+    }
+    batches.push_back({*b, p.from});
+  }
+  for (const Submitted& s : batches) {
+    if (!failure.ok()) {
+      transport_.Cancel(s.batch);
+    } else {
+      BatchResult r = transport_.Wait(s.batch, deadline + std::chrono::seconds(1));
+      if (r.state == BatchState::kInProgress) {
+        transport_.Cancel(s.batch);
+        r = {BatchState::kFailed, Status::Timeout("the read did not finish in time")};
+      }
+      if (r.state == BatchState::kCancelled) {
+        MutexLock lock(mu_);
+        if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) {
+          // The engine's abort cancelled it: the peer is fine, and other loads read from it.
+          r.status = aborted;
+        } else {
+          // Not cancelled by this load: another load found the peer dead and dropped it.
+          r.status = Status::PeerDisconnected("the read was stopped because its peer was dropped");
+        }
+      }
+      if (r.state != BatchState::kDone) {
+        failure = r.status.WithContext("reading from " + s.from->endpoint);
+        // Rule 12: a dead or restarted peer is dropped and re-handshaken on next use.
+        if (PeerFault(r.status)) agents_.Invalidate(s.from->endpoint, s.from->agent);
+      }
+    }
+    {
+      MutexLock lock(mu_);
+      std::vector<BatchId>& mine = loads_.at(load.request_id).batches;
+      mine.erase(std::remove(mine.begin(), mine.end(), s.batch), mine.end());
+      if (Status aborted = AbortedLocked(load.request_id); !aborted.ok()) failure = aborted;
+    }
+    transport_.Release(s.batch);
+  }
+  if (!failure.ok()) return failure;
+  *moved += bytes;
+  MutexLock lock(mu_);
+  stats_.bytes_read += bytes;
+  stats_.reads += reads;
+  stats_.merged_runs += runs;
+  return Status::Ok();
+}
+
+Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
+  const Deadline deadline = DeadlineAfter(cfg_.transfer_timeout);
+  KVFERRY_ASSIGN_OR_RETURN(LoadPlan plan, Plan(load));
+  if (!load.transfer_id.empty() && !load.local_block_ids.empty()) {
+    return DoLayerwiseLoad(load, plan, deadline, moved);
+  }
+  std::set<std::string> read_from;
+  if (!load.local_block_ids.empty()) {
+    // The tail rule for decode-side prefix hits.
+    KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
+                             TailOfRemote(load.remote_block_ids, load.local_block_ids));
+    KVFERRY_ASSIGN_OR_RETURN(std::vector<SourceAgent> agents,
+                             ResolveSources(load, plan, deadline, nullptr));
+    std::vector<PlannedBatch> batches;
+    for (const SourceAgent& a : agents) {
+      batches.push_back({&a, {}, 0, 0});
+      KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, remote_ids, load.local_block_ids, 0,
+                                       plan.spec.num_layers(), batches.back()));
+      read_from.insert(a.endpoint);
+    }
+    KVFERRY_RETURN_IF_ERROR(RunBatches(load, batches, deadline, moved));
+  }
+  return Confirm(load, plan.endpoints, read_from);
+}
+
+Status LoadRunner::Confirm(const LoadSpec& load, const std::vector<std::string>& endpoints,
+                           const std::set<std::string>& read_from) {
+  // Rule 10: every prefill rank read from (and the unread ones this rank covers) is told, also
+  // when there was nothing to read. A rank read from is told at once and must confirm that it
+  // still held the blocks: a hold that ended by lease or abort during the reads may have had its
+  // blocks reused, and bytes read then must not be used (the load fails, to be recomputed). The
+  // other ranks' notices are batched.
+  for (const std::string& endpoint : endpoints) {
+    if (read_from.count(endpoint) == 0) {
+      notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout));
+      continue;
+    }
+    Result<wire::Message> reply =
+        client_.Call(endpoint,
+                     wire::FinishedNotice{
+                         self_, {load.remote_request_id}, static_cast<std::uint32_t>(cfg_.tp_size)},
+                     DeadlineAfter(cfg_.notice_timeout));
+    // An error reply arrives as an error status (NotFound: the hold had ended), as does no
+    // reply: either way the bytes are not confirmed, and the load fails.
+    if (!reply.ok()) {
+      return reply.status().WithContext("confirming with " + endpoint +
+                                        " that it held the blocks while they were read");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvferry
