@@ -1,3 +1,6 @@
+// The connector Worker (DESIGN rules 5-16): its life, the registration of its caches, and the
+// calls the engine makes each step (loads, layer saves, finished requests, aborts, stats). What it
+// answers peers on its side channel is worker_requests.cc.
 #include <algorithm>
 #include <condition_variable>
 #include <map>
@@ -9,84 +12,13 @@
 #include "common/log.h"
 #include "common/mutex.h"
 #include "common/work_queue.h"
-#include "connector/agent_cache.h"
-#include "connector/hold_table.h"
-#include "connector/layer_announcer.h"
-#include "connector/layerwise_table.h"
-#include "connector/load_runner.h"
-#include "connector/progress_pusher.h"
+#include "connector/worker_impl.h"
 #include "device/device.h"
-#include "kvferry/connector.h"
 #include "layout/block_runs.h"
 #include "layout/tp_map.h"
-#include "sidechannel/client.h"
-#include "sidechannel/listener.h"
 #include "sidechannel/notifier.h"
 
 namespace kvferry {
-
-class WorkerImpl {
- public:
-  explicit WorkerImpl(WorkerConfig config)
-      : cfg_(std::move(config)),
-        holds_(HoldLimits{cfg_.hold_lease, cfg_.max_early_notices, cfg_.hold_lease},
-               [this](std::uint32_t reader_tp) {
-                 // HoldTable calls it only from its own methods, which run under mu_.
-                 mu_.AssertHeld();
-                 return ExpectedReadersLocked(reader_tp);
-               }) {}
-  ~WorkerImpl();
-
-  Status Init();
-  Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
-                          const MemoryKind& memory);
-  void StartLoadKv(const ConnectorMetadata& metadata) EXCLUDES(mu_);
-  Status SaveKvLayer(int layer, std::uint64_t stream) EXCLUDES(mu_);
-  FinishedRequests GetFinished() EXCLUDES(mu_);
-  FinishedRequests GetFinishedLocked(std::vector<ProgressPush>& pushes) REQUIRES(mu_);
-  std::vector<LoadError> TakeLoadErrors() EXCLUDES(mu_);
-  std::vector<LoadTransfer> TakeLoadTransfers() { return loads_->TakeTransfers(); }
-  // The load runner cancels outside any lock of the worker's.
-  Status AbortLoad(const std::string& request_id, const std::string& reason) EXCLUDES(mu_);
-  WorkerStats Stats() const EXCLUDES(mu_);
-  WorkerMetrics Metrics() const {
-    return {self_.engine_id, cfg_.role, static_cast<int>(self_.dp_rank),
-            static_cast<int>(self_.tp_rank), Stats()};
-  }
-  const std::string& endpoint() const { return listener_->endpoint(); }
-
- private:
-  wire::Message Handle(const wire::Message& request) EXCLUDES(mu_);
-  wire::Message HandleLocked(const wire::Message& request, std::vector<ProgressPush>& pushes)
-      REQUIRES(mu_);
-  int ExpectedReadersLocked(std::uint32_t reader_tp) const REQUIRES(mu_);
-  // Layer `entry.layer` of a step is written (status OK) or its device work failed.
-  void LayerWritten(const LayerAnnouncer::Entry& entry, const Status& status) EXCLUDES(mu_);
-
-  const WorkerConfig cfg_;
-  wire::PeerRef self_;
-  wire::AgentIdentity identity_;
-  std::unique_ptr<Transport> transport_;
-  std::unique_ptr<sidechannel::Client> client_;
-  std::unique_ptr<AgentCache> agents_;         // decode: the prefill ranks loads read from
-  std::unique_ptr<LoadRunner> loads_;          // decode: the loads
-  std::unique_ptr<ProgressPusher> pusher_;     // prefill: layer-wise progress to subscribers
-  std::unique_ptr<LayerAnnouncer> announcer_;  // prefill: layers written by device work
-  std::unique_ptr<sidechannel::Listener> listener_;
-
-  // Prefill side: holds, and what a metadata request is answered with.
-  mutable Mutex mu_;
-  std::optional<CacheSpec> spec_ GUARDED_BY(mu_);
-  std::optional<wire::AgentMetadata> metadata_ GUARDED_BY(mu_);
-  HoldTable holds_ GUARDED_BY(mu_);
-  // Layer-wise transfers (docs/layerwise.md): made when the caches are registered; the saves of
-  // the step StartLoadKv last began, which SaveKvLayer announces.
-  std::optional<LayerwiseTable> layerwise_ GUARDED_BY(mu_);
-  std::shared_ptr<const std::vector<LayerwiseSave>> step_saves_ GUARDED_BY(mu_);
-  MemoryKind memory_ GUARDED_BY(mu_);
-  Clock::time_point last_stats_log_ GUARDED_BY(mu_) = Clock::now();
-  std::map<std::string, std::uint64_t> notices_received_ GUARDED_BY(mu_);  // by message type
-};
 
 Result<std::unique_ptr<Worker>> Worker::Create(WorkerConfig config) {
   auto impl = std::make_unique<WorkerImpl>(std::move(config));
@@ -265,90 +197,6 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
       RoleName(cfg_.role), cfg_.engine_id, cfg_.tp_rank, cfg_.tp_size, spec.num_layers(),
       spec.num_parts(), spec.TotalBytes(), memory.ToString(), listener_->endpoint());
   return Status::Ok();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Prefill side: holds, readers, aborts, leases.
-
-wire::Message WorkerImpl::Handle(const wire::Message& request) {
-  if (const auto* p = std::get_if<wire::Progress>(&request)) {
-    {
-      MutexLock lock(mu_);
-      ++notices_received_[wire::MessageTypeName(request)];
-    }
-    if (cfg_.role != Role::kDecode) {
-      return wire::ErrorReply{StatusCode::kInvalidArgument,
-                              "a prefill worker takes no 'progress' messages"};
-    }
-    return loads_->OnProgress(*p);  // outside mu_: the load runner has its own locks
-  }
-  std::vector<ProgressPush> pushes;
-  wire::Message reply;
-  {
-    MutexLock lock(mu_);
-    reply = HandleLocked(request, pushes);
-  }
-  if (!pushes.empty()) pusher_->Push(std::move(pushes));
-  return reply;
-}
-
-wire::Message WorkerImpl::HandleLocked(const wire::Message& request,
-                                       std::vector<ProgressPush>& pushes) {
-  ++notices_received_[wire::MessageTypeName(request)];
-  if (std::holds_alternative<wire::MetadataRequest>(request)) {
-    if (!metadata_) {
-      return wire::ErrorReply{StatusCode::kUnavailable,
-                              "this worker has not registered its KV caches yet; retry shortly"};
-    }
-    return *metadata_;
-  }
-  if (cfg_.role != Role::kPrefill) {
-    return wire::ErrorReply{StatusCode::kInvalidArgument,
-                            std::string("a decode worker does not take '") +
-                                wire::MessageTypeName(request) + "' messages"};
-  }
-  const Clock::time_point now = Clock::now();
-  if (const auto* sub = std::get_if<wire::Subscribe>(&request)) {
-    if (!layerwise_) {
-      return wire::ErrorReply{StatusCode::kUnavailable,
-                              "this worker has not registered its KV caches yet; retry shortly"};
-    }
-    pushes = layerwise_->Expire(now);
-    Result<wire::Progress> progress = layerwise_->Subscribe(*sub, now);
-    if (!progress.ok()) {
-      return wire::ErrorReply{progress.status().code(), std::string(progress.status().message())};
-    }
-    return *progress;
-  }
-  Result<std::uint32_t> count = std::uint32_t{0};
-  if (const auto* f = std::get_if<wire::FinishedNotice>(&request)) {
-    count = holds_.Finished(ReaderKey(f->from), f->tp_size, f->request_ids, now);
-  } else if (const auto* a = std::get_if<wire::AbortNotice>(&request)) {
-    Log().info("abort notice from {} for {} request(s), first {}: {}", ReaderKey(a->from),
-               a->request_ids.size(), a->request_ids.empty() ? "-" : a->request_ids.front(),
-               a->reason);
-    count = holds_.Aborted(a->request_ids, now);
-    if (layerwise_) {
-      for (const std::string& id : a->request_ids) layerwise_->Unsubscribe(id, ReaderKey(a->from));
-    }
-  } else if (const auto* l = std::get_if<wire::LeaseRenewal>(&request)) {
-    // Clamped to this worker's own lease: no peer can pin blocks for longer.
-    count = holds_.Renew(l->request_ids, std::chrono::milliseconds(l->lease_ms), now);
-  }
-  if (!count.ok())
-    return wire::ErrorReply{count.status().code(), std::string(count.status().message())};
-  return wire::Ack{*count};
-}
-
-int WorkerImpl::ExpectedReadersLocked(std::uint32_t reader_tp) const {
-  if (!spec_) return 1;
-  Result<int> n = ExpectedReaders(*spec_, cfg_.tp_size, static_cast<int>(reader_tp), cfg_.tp_rank);
-  if (!n.ok()) {
-    Log().warn("cannot count readers for decode TP {}: {}; waiting for one", reader_tp,
-               n.status().ToString());
-    return 1;
-  }
-  return *n;
 }
 
 void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
