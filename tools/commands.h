@@ -48,7 +48,11 @@ void AddBenchCommands(CLI::App& app, int& exit_code);
 /// `kvferry bench control`, registered by AddBenchCommands on its `bench` command.
 void AddBenchControlCommand(CLI::App& bench, int& exit_code);
 void AddServeCommand(CLI::App& app, int& exit_code);
+/// `kvferry demo`, and `kvferry bench e2e` on the `bench` command (AddBenchE2eCommand), which
+/// AddBenchCommands must have added.
 void AddDemoCommands(CLI::App& app, int& exit_code);
+/// `kvferry bench e2e`.
+void AddBenchE2eCommand(CLI::App& bench, int& exit_code);
 void AddTopCommand(CLI::App& app, int& exit_code);
 
 }  // namespace kvferry::cli
