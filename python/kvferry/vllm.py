@@ -16,11 +16,17 @@ kvferry moves host mirrors of the caches; vLLM's copy ops from set_host_xfer_buf
 where vLLM hands over none, move blocks device->host when a prefill completes and host->device
 before a load is reported).
 
+On Ascend (vllm-ascend), NPU caches register as npu:N memory, and the LLM-DataDist connector's
+kv_transfer_config works with only kv_connector and kv_connector_module_path changed
+(kvferry.vllm_ascend: kv_port as the base port, an engine id per role, the rank table's server
+id); its per-layer tuples are read by kvferry.vllm_ascend_layout.
+
 The class subclasses KVConnectorBase_V1 when vLLM is importable; without vLLM it works
 standalone (the tests drive it as vLLM's scheduler and one-process-per-rank workers do). Extra
 settings come from kv_connector_extra_config, then from the reference connector's environment
 variables (VLLM_ASCEND_LLMDD_RPC_IP, VLLM_ASCEND_LLMDD_RPC_PORT,
-DISAGGREGATED_PREFILL_RANK_TABLE_PATH, ASCEND_RT_VISIBLE_DEVICES) and KVFERRY_SECRET.
+DISAGGREGATED_PREFILL_RANK_TABLE_PATH, ASCEND_RT_VISIBLE_DEVICES) and KVFERRY_SECRET, then
+KVTransferConfig's kv_port (the base port).
 
 Contract kept towards vLLM: no scheduler hook raises on request input (bad kv_transfer_params are
 logged once and mean "no remote KV"); finished_recving holds only requests vLLM handed over as
@@ -35,6 +41,7 @@ import re
 from typing import Any, Optional
 
 from . import _kvferry
+from . import vllm_ascend
 from .vllm_hostcopy import copy_blocks
 from .vllm_layout import host_mirrors, is_host_tensor, read_caches, tensor_info
 
@@ -210,7 +217,11 @@ class _Settings:
             raise _kvferry.InvalidArgumentError(
                 f"kv_role must be kv_producer (prefill) or kv_consumer (decode), found {self.kv_role!r}")
         self.native_role = "prefill" if self.kv_role == "kv_producer" else "decode"
-        self.engine_id = str(_get(ktc, "engine_id", "") or extra.get("engine_id", "kvferry-0"))
+        # kvferry's id of this instance: a decode instance's is distinct from any prefill's,
+        # so both may be given one engine_id (vllm_ascend.internal_engine_id).
+        self.engine_id = vllm_ascend.internal_engine_id(
+            str(_get(ktc, "engine_id", "") or extra.get("engine_id", "kvferry-0")),
+            self.native_role)
         parallel = _get(vllm_config, "parallel_config")
         self.tp_size = int(extra.get("tp_size", _get(parallel, "tensor_parallel_size", 1) or 1))
         dp = None
@@ -220,7 +231,7 @@ class _Settings:
                 break
         self.dp_rank = int(extra.get("dp_rank", dp or 0))
         self.host = extra.get("host", os.environ.get("VLLM_ASCEND_LLMDD_RPC_IP", "127.0.0.1"))
-        self.base_port = int(extra.get("base_port", os.environ.get("VLLM_ASCEND_LLMDD_RPC_PORT", 5557)))
+        self.base_port = vllm_ascend.base_port(extra, _get(ktc, "kv_port"))
         self.secret = extra.get("secret", os.environ.get("KVFERRY_SECRET", ""))
         self.transport = extra.get("transport", "auto")
         # vLLM's host-buffer mode (NixlConnector's route for memory it cannot reach): device
@@ -239,7 +250,7 @@ class _Settings:
                                     os.environ.get("DISAGGREGATED_PREFILL_RANK_TABLE_PATH", ""))
         self.visible_devices = extra.get("visible_devices",
                                          os.environ.get("ASCEND_RT_VISIBLE_DEVICES", ""))
-        self.server_id = extra.get("server_id", self.host)
+        self.server_id = vllm_ascend.server_id(extra, self.rank_table, self.host)
         self.hold_lease_ms = int(extra.get("hold_lease_ms", 120000))
         self.transfer_timeout_ms = int(extra.get("transfer_timeout_ms", 30000))
         self.failure_policy = (_get(ktc, "kv_load_failure_policy")
@@ -540,9 +551,13 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         try:
             worker.register_kv_caches(spec, reg.bases, reg.memory)
         except _kvferry.UnavailableError as e:
-            if not reg.memory.startswith("cuda"):
+            if reg.memory.startswith("cuda"):
+                message = cuda_unavailable_message(reg.memory, str(e))
+            elif reg.memory.startswith("npu"):
+                message = vllm_ascend.npu_unavailable_message(reg.memory, str(e))
+            else:
                 raise
-            raise _kvferry.UnavailableError(cuda_unavailable_message(reg.memory, str(e))) from e
+            raise _kvferry.UnavailableError(message) from e
         self._worker = worker
         self._spec = spec
         self._registration = reg

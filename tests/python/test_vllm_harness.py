@@ -1,11 +1,14 @@
 """kvferry.vllm inside a vLLM-shaped deployment (issue 12's harness, tests/python/vllm_harness.py):
 one process per TP rank, vLLM's scheduler order and asserts, backend tensors in their real shapes
 and strides, the toy proxy's kv_transfer_params hop. Every byte a decode rank holds is checked."""
+import os
+
 import pytest
 
+import kvferry
 from common import free_port
 from vllm_harness import (Instance, RequestStatus, check_every_byte, decode_request,
-                          proxy_hop, run_until, start_ranks)
+                          proxy_hop, run_until, seed_environment, start_ranks)
 
 pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
 
@@ -24,8 +27,10 @@ def geometry(backend, dtype="float16", heads=4, **kw):
     itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "uint8": 1}[dtype]
     g = dict(layers=2, num_blocks=16, block_size=4, heads=heads, head_dim=8, dtype=dtype,
              itemsize=itemsize, seed=7, backend=backend)
-    if backend == "mla":
+    if backend in ("mla", "ascend_mla"):
         g.update(lora=24, width=32)
+    if backend == "ascend_sfa":  # nope 24, rope 8, DeepSeek sparse attention's indexer keys 128
+        g.update(lora=24, indexer=128, width=24 + 8 + 128)
     g.update(kw)
     return g
 
@@ -177,3 +182,72 @@ def test_host_buffer_mode_moves_every_byte_between_device_caches(ranks, backend,
         assert calls == [("d2h", remote)]
     for calls in decode.copies():
         assert calls == [("h2d", local)]
+
+
+# ------------------------------------------------------------- vllm-ascend (issue 22 item 3)
+
+ASCEND_CASES = [  # (id, backend, dtype, prefill TP, decode TP, model KV heads)
+    ("mha_tp2to1", "ascend_mha", "bfloat16", 2, 1, 4),
+    ("mla_tp2to2", "ascend_mla", "bfloat16", 2, 2, 1),
+    ("sparse_mla_tp2to1", "ascend_sfa", "float16", 2, 1, 1),
+]
+
+
+@pytest.mark.parametrize("backend, dtype, p_tp, d_tp, heads", [c[1:] for c in ASCEND_CASES],
+                         ids=[c[0] for c in ASCEND_CASES])
+def test_vllm_ascend_npu_caches_in_host_buffer_mode_move_every_byte(ranks, backend, dtype, p_tp,
+                                                                    d_tp, heads):
+    # vllm-ascend's caches as its NPU model runner hands them over: a tuple of parts per layer,
+    # torch_npu tensors; kv_buffer_device "cpu" and no copy op (vllm-ascend never calls
+    # set_host_xfer_buffer_ops), so torch copies the blocks on the NPU both ways. MHA caches are
+    # token-major: TP 2 -> 1 reads each prefill rank's heads as strided pieces.
+    g = geometry(backend, dtype, heads, device="npu", host_buffer=True)
+    prefill, decode = pair(ranks, g, p_tp, d_tp)
+    pairs = disaggregated(prefill, decode)
+    check_every_byte(g, decode, pairs)  # the decode ranks' NPU tensors
+    assert decode.load_errors == []
+    assert prefill.copies() == [[]] * p_tp and decode.copies() == [[]] * d_tp  # torch copied
+
+
+def fake_acl_library() -> str:
+    """The fake CANN runtime the C++ tests build (tests/unit/device/fake_libascendcl.cc), next
+    to the build's Python package or CLI; "" when this is not a build tree (the wheel test)."""
+    candidates = [os.environ.get("KVFERRY_FAKE_ACL", "")]
+    package = os.path.dirname(os.path.abspath(kvferry.__file__))  # <build>/python/kvferry
+    candidates.append(os.path.join(package, "..", "..", "tests", "libfake_libascendcl.so"))
+    cli = os.environ.get("KVFERRY_CLI", "")
+    if cli:
+        candidates.append(os.path.join(os.path.dirname(cli), "tests", "libfake_libascendcl.so"))
+    return next((os.path.normpath(c) for c in candidates if c and os.path.isfile(c)), "")
+
+
+@pytest.mark.parametrize("buffer_device", ["cpu", "npu"])
+def test_llm_datadist_tutorial_config_moves_every_byte(ranks, tmp_path, buffer_device):
+    """vllm-ascend's tutorial kv_transfer_config for its LLM-DataDist connector with only
+    kv_connector and kv_connector_module_path changed, and its environment: engine_id "0" and
+    kv_port "20001" on both instances, each listening on its own VLLM_ASCEND_LLMDD_RPC_PORT,
+    devices from the rank table in DISAGGREGATED_PREFILL_RANK_TABLE_PATH. kv_buffer_device "npu"
+    (the tutorial's) moves NPU memory itself, here the fake CANN runtime's; "cpu" is host-buffer
+    mode. Equal engine ids on the two instances confuse nothing (kvferry.vllm_ascend)."""
+    acl = ""
+    if buffer_device == "npu":
+        acl = fake_acl_library()
+        if not acl:
+            pytest.skip("SKIPPED: tests/libfake_libascendcl.so (built with the C++ tests) is not "
+                        "in this build tree or KVFERRY_FAKE_ACL; NPU memory needs a CANN runtime")
+    g = geometry("ascend_mha", "bfloat16", 4, device="npu", seed_config=buffer_device,
+                 host_buffer=buffer_device == "cpu", acl=acl)
+    pport, dport = free_port(2), free_port(1)
+    p_env, d_env = seed_environment(str(tmp_path), pport, 2, dport, 1)
+    prefill = Instance(g, "kv_producer", pport, ranks[:2], p_env)
+    decode = Instance(g, "kv_consumer", dport, ranks[2:3], d_env)
+    pairs = disaggregated(prefill, decode)
+    params = prefill.responses["req-1"]
+    assert (params["remote_engine_id"], params["remote_port"]) == ("0", pport)
+    memory = "npu:0" if buffer_device == "npu" else "host"  # host: the mirrors are registered
+    assert prefill.registrations() == [dict(memory=memory, kind="mha", layout="token_major",
+                                            engine_id="0", base_port=pport)] * 2
+    assert decode.registrations() == [dict(memory=memory, kind="mha", layout="token_major",
+                                           engine_id="0@decode", base_port=dport)]
+    check_every_byte(g, decode, pairs)
+    assert decode.load_errors == []
