@@ -1,3 +1,7 @@
+// One job, over 450 lines and kept whole: one client connection's thread (tcp_client.h). Sending,
+// receiving (straight or staged), dropping a connection to abandon a stopped batch, retries and
+// reconnects all work on the same thread-only state (the socket, the pipeline, the staging), so
+// splitting them would spread one state machine over files.
 #include "transport/tcp/tcp_client.h"
 
 #include <pthread.h>
