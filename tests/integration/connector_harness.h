@@ -1,7 +1,7 @@
 // The connector's multi-process test harness: a prefill instance in another process
 // (connector_peer) driven by lines on stdin, and a decode instance (TP workers, a scheduler, a
-// block allocator) in the test's process, every byte checkable. Shared by connector_test.cc and
-// layerwise_test.cc.
+// block allocator) in the test's process, every byte checkable. Shared by connector_test.cc,
+// connector_hardening_test.cc and layerwise_test.cc.
 #pragma once
 
 #include <gmock/gmock.h>
