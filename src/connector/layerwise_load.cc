@@ -215,9 +215,10 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
       if (p.state != wire::Progress::State::kRunning) continue;
       heard = Clock::now();
       progress_deadline = heard + cfg_.layerwise_progress_timeout;
-      const SourceAgent& a = *std::find_if(agents.begin(), agents.end(), [&](const SourceAgent& s) {
-        return s.source.prefill_rank == rank;
-      });
+      // A copy of the binding: clang before 16 cannot capture structured bindings.
+      const SourceAgent& a = *std::find_if(
+          agents.begin(), agents.end(),
+          [&, wanted = rank](const SourceAgent& s) { return s.source.prefill_rank == wanted; });
       KVFERRY_ASSIGN_OR_RETURN(
           std::vector<LayerGroupRead> groups,
           PlanLayerwiseReads(p, load.local_block_ids, plan.spec.tokens_per_block(), num_layers,
