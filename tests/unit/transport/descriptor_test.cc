@@ -91,7 +91,8 @@ TEST(ShmSectionTest, RoundTripsIpcHandlesAndRefusesMalformedOnes) {
   s.ipc = {{3, std::vector<std::uint8_t>(8192, 1)}};  // larger than any handle
   Result<ShmSection> big = DecodeShmSection(EncodeShmSection(s));
   ASSERT_FALSE(big.ok());
-  EXPECT_THAT(big.status().message(), HasSubstr("ipc[0]: expected [region id, IPC handle (1 to 4160 bytes)]"));
+  EXPECT_THAT(big.status().message(),
+              HasSubstr("ipc[0]: expected [region id, IPC handle (1 to 4160 bytes)]"));
 }
 
 TEST(ShmSectionTest, RefusesPidZeroAndNegativePids) {
