@@ -89,8 +89,12 @@ void LoadRunner::Start(const std::vector<LoadSpec>& loads) {
       // Every load ends (rule 11): one that cannot even queue fails now, its blocks recomputed.
       Status s = queued.WithContext("queueing the load of request " + load.request_id);
       Log().warn("{}", s.ToString());
-      MutexLock lock(mu_);
-      EndLocked(load, s, /*recompute=*/true);
+      bool reported_here = false;
+      {
+        MutexLock lock(mu_);
+        reported_here = EndLocked(load, s, /*recompute=*/true);
+      }
+      if (reported_here) SendAborts(load, std::string(s.message()));
     }
   }
 }
@@ -181,28 +185,34 @@ void LoadRunner::Run(const LoadSpec& load) {
     }
   }
   if (!s.ok() && !aborted_by_engine) {
-    // (An engine abort told the prefill ranks already, when it ended the load.)
     Log().warn("request {}: load of {} blocks from {} failed: {}", load.request_id,
                load.local_block_ids.size(), load.remote_engine_id, s.ToString());
-    SendAborts(load, std::string(s.message()));
   }
-  MutexLock lock(mu_);
-  if (s.ok()) {
-    const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
-    stats_.transfer_latency.Add(took);
-    constexpr std::size_t kMaxTransfers = 65536;  // between TakeTransfers calls
-    if (done_transfers_.size() == kMaxTransfers) done_transfers_.pop_front();
-    done_transfers_.push_back({load.request_id, bytes, took});
+  bool reported_here = false;
+  {
+    MutexLock lock(mu_);
+    if (s.ok()) {
+      const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
+      stats_.transfer_latency.Add(took);
+      constexpr std::size_t kMaxTransfers = 65536;  // between TakeTransfers calls
+      if (done_transfers_.size() == kMaxTransfers) done_transfers_.pop_front();
+      done_transfers_.push_back({load.request_id, bytes, took});
+    }
+    // A load the engine aborted has nothing to recompute: the engine has dropped the request.
+    reported_here = EndLocked(load, s, !aborted_by_engine);
   }
-  // A load the engine aborted has nothing to recompute: the engine has dropped the request.
-  EndLocked(load, s, !aborted_by_engine);
+  // Whoever reports a failed load tells the prefill ranks: Abort, when it ended the load first,
+  // or this thread, also for an engine abort that this thread ended before Abort could (its
+  // reads stopped on the abort flag between Abort's two steps).
+  if (!s.ok() && reported_here) SendAborts(load, std::string(s.message()));
 }
 
-void LoadRunner::EndLocked(const LoadSpec& load, const Status& s, bool recompute) {
+bool LoadRunner::EndLocked(const LoadSpec& load, const Status& s, bool recompute) {
   auto it = loads_.find(load.request_id);
   const bool reported = it != loads_.end() && it->second.reported;
   if (it != loads_.end()) loads_.erase(it);
   if (!reported) ReportLocked(load, s, recompute);
+  return !reported;
 }
 
 void LoadRunner::ReportLocked(const LoadSpec& load, const Status& s, bool recompute) {

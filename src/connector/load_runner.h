@@ -144,8 +144,9 @@ class LoadRunner {
   Status Confirm(const LoadSpec& load, const std::vector<std::string>& endpoints,
                  const std::set<std::string>& read_from) EXCLUDES(mu_);
   void WakeWatch(const std::string& transfer_id) REQUIRES(mu_);
-  // A load's thread is done with it: reported unless Abort reported it already.
-  void EndLocked(const LoadSpec& load, const Status& s, bool recompute) REQUIRES(mu_);
+  // A load's thread is done with it: reported unless Abort reported it already (true where it
+  // reported it here).
+  bool EndLocked(const LoadSpec& load, const Status& s, bool recompute) REQUIRES(mu_);
   // Reports a load's end to GetFinished and TakeErrors (the one place, so each is reported once);
   // `recompute` false for engine aborts.
   void ReportLocked(const LoadSpec& load, const Status& s, bool recompute) REQUIRES(mu_);

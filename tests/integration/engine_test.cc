@@ -104,6 +104,14 @@ class Pair {
     const InstanceStats d = decode_->Stats();
     return p.holds == 0 && p.used_blocks == 0 && d.used_blocks == 0 && d.loads_outstanding == 0;
   }
+  // What AllReleased looks at, for a failure's message.
+  std::string Held() {
+    const InstanceStats p = prefill_->Stats();
+    const InstanceStats d = decode_->Stats();
+    return "prefill holds " + std::to_string(p.holds) + ", prefill used blocks " +
+           std::to_string(p.used_blocks) + ", decode used blocks " + std::to_string(d.used_blocks) +
+           ", decode loads outstanding " + std::to_string(d.loads_outstanding);
+  }
 
   Instance& prefill() { return *prefill_; }
   Instance& decode() { return *decode_; }
@@ -213,7 +221,8 @@ TEST(EngineTest, AbortDuringALoadReleasesBothSides) {
   }
   EXPECT_GT(aborted, 0) << "no abort landed while a load ran";
   // Holds end by readers or by the abort notice, long before the 10-minute lease.
-  EXPECT_TRUE(pair.RunUntil([&] { return pair.AllReleased(); }, milliseconds(10000)));
+  EXPECT_TRUE(pair.RunUntil([&] { return pair.AllReleased(); }, milliseconds(10000)))
+      << pair.Held();
   EXPECT_EQ(pair.decode().Stats().requests_aborted, static_cast<std::uint64_t>(aborted));
 }
 
