@@ -14,7 +14,7 @@ namespace kvferry {
 // Every UCX function the backend calls. ucp_init is an inline wrapper of ucp_init_version.
 // clang-format off
 #define KVFERRY_UCX_FUNCTIONS(X) \
-  X(ucp_config_read) X(ucp_config_release) X(ucp_init_version) X(ucp_cleanup) X(ucp_context_query) \
+  X(ucp_config_read) X(ucp_config_modify) X(ucp_config_release) X(ucp_init_version) X(ucp_cleanup) X(ucp_context_query) \
   X(ucp_worker_create) X(ucp_worker_destroy) X(ucp_worker_get_efd) X(ucp_worker_arm) \
   X(ucp_worker_progress) X(ucp_worker_get_address) X(ucp_worker_release_address) \
   X(ucp_ep_create) X(ucp_ep_close_nbx) X(ucp_ep_rkey_unpack) X(ucp_rkey_destroy) \

@@ -116,6 +116,7 @@ std::vector<std::uint8_t> UcxEngine::Section(const std::vector<RegionInfo>& regi
   section.worker_address = worker_->address();
   section.host = self_;
   section.start_time = start_time_;
+  section.tcp_segments = worker_->tcp_segments();
   const Status call = worker_->Call(
       [&] {
         std::set<RegionId> listed;
@@ -160,6 +161,7 @@ void UcxEngine::Unmap(RegionId id) {
 Result<std::shared_ptr<UcxPeerState>> UcxEngine::Connect(const UcxSection& section,
                                                          const RemoteRegionTable& regions,
                                                          Deadline deadline) {
+  KVFERRY_RETURN_IF_ERROR(CheckUcxTcpSegments(worker_->tcp_segments(), section.tcp_segments));
   std::optional<PeerProcess> process;
   if (SameKernelAndPidNamespace(section.host, self_)) {
     // Same kernel and PID namespace: the peer-process proof, one rule with shm's (a pidfd is

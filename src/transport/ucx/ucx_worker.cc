@@ -5,7 +5,11 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "common/errno_text.h"
 #include "common/log.h"
@@ -27,6 +31,71 @@ Status UcxCallFailed(const char* call, ucs_status_t status) {
                              "-d` lists the transports this host has)");
 }
 
+// Whether UCX may open its tcp transport, as UCX_TLS and UCX_NET_DEVICES say (unset or "all":
+// yes; a "^" list: unless it names tcp; a list: if it names tcp; devices: if one is a network
+// interface of this host). kvferry sets tcp's segment sizes only then: UCX warns on stdout of
+// every worker about a modified key that no transport took.
+bool UcxMayUseTcp() {
+  auto tokens = [](const char* list) {
+    std::vector<std::string> out;
+    std::string item;
+    for (const char* c = list;; ++c) {
+      if (*c == ',' || *c == '\0') {
+        if (!item.empty()) out.push_back(item);
+        item.clear();
+        if (*c == '\0') break;
+      } else if (*c != '\\') {
+        item += *c;
+      }
+    }
+    return out;
+  };
+  const char* tls = std::getenv("UCX_TLS");
+  if (tls != nullptr && *tls != '\0') {
+    const bool negated = tls[0] == '^';
+    const std::vector<std::string> names = tokens(negated ? tls + 1 : tls);
+    const bool named = std::find(names.begin(), names.end(), "tcp") != names.end();
+    const bool all = std::find(names.begin(), names.end(), "all") != names.end();
+    if (negated ? named : !(named || all)) return false;
+  }
+  const char* devices = std::getenv("UCX_NET_DEVICES");
+  if (devices == nullptr || *devices == '\0' || devices[0] == '^') return true;
+  for (const std::string& device : tokens(devices)) {
+    const std::string name = device.substr(0, device.find(':'));
+    if (name == "all" || access(("/sys/class/net/" + name).c_str(), F_OK) == 0) return true;
+  }
+  return false;
+}
+
+// UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE as the context will have them: one the environment
+// sets stands (parsed for the section, 0 where it cannot be); one it leaves unset is kvferry's
+// default, the tx no larger than a set rx and the rx no smaller than a set tx; where the other is
+// set but unreadable, UCX's own default stays (and is reported unknown). Both unknown, and left
+// alone, where UCX will not use tcp.
+Result<UcxTcpSegments> ConfigureTcpSegments(ucp_config_t* config) {
+  if (!UcxMayUseTcp()) return UcxTcpSegments{};
+  const char* tx_env = std::getenv("UCX_TCP_TX_SEG_SIZE");
+  const char* rx_env = std::getenv("UCX_TCP_RX_SEG_SIZE");
+  UcxTcpSegments seg;
+  if (tx_env != nullptr) seg.tx = ParseUcxMemunits(tx_env);
+  if (rx_env != nullptr) seg.rx = ParseUcxMemunits(rx_env);
+  if (tx_env == nullptr && (rx_env == nullptr || seg.rx != 0)) {
+    seg.tx = rx_env == nullptr ? kUcxDefaultTcpSegBytes : std::min(kUcxDefaultTcpSegBytes, seg.rx);
+  }
+  if (rx_env == nullptr && (tx_env == nullptr || seg.tx != 0)) {
+    seg.rx = std::max(kUcxDefaultTcpSegBytes, seg.tx);
+  }
+  // UCX applies a modified key to each transport's table by its name without the transport's
+  // prefix (UCX 1.13 warns "invalid configuration" for "TCP_TX_SEG_SIZE"); only tcp has these two.
+  auto set = [&](const char* name, std::uint64_t bytes) -> Status {
+    const ucs_status_t s = Ucx().ucp_config_modify(config, name, std::to_string(bytes).c_str());
+    return s == UCS_OK ? Status::Ok() : UcxCallFailed("ucp_config_modify", s);
+  };
+  if (tx_env == nullptr && seg.tx != 0) KVFERRY_RETURN_IF_ERROR(set("TX_SEG_SIZE", seg.tx));
+  if (rx_env == nullptr && seg.rx != 0) KVFERRY_RETURN_IF_ERROR(set("RX_SEG_SIZE", seg.rx));
+  return seg;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(std::chrono::milliseconds interval, Tick tick,
@@ -36,6 +105,12 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(std::chrono::milliseconds i
   ucp_config_t* config = nullptr;
   ucs_status_t s = Ucx().ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcxCallFailed("ucp_config_read", s);
+  Result<UcxTcpSegments> segments = ConfigureTcpSegments(config);
+  if (!segments.ok()) {
+    Ucx().ucp_config_release(config);
+    return segments.status();
+  }
+  w->tcp_segments_ = *segments;
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;

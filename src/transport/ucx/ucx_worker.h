@@ -17,6 +17,7 @@
 #include "common/mutex.h"
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
+#include "transport/ucx/ucx_section.h"
 
 namespace kvferry {
 
@@ -31,10 +32,12 @@ class UcxWorker {
   using Tick = std::function<void(ucp_worker_h)>;
 
   /// Reads UCX's configuration from its environment (UCX_TLS, UCX_NET_DEVICES, ... pass through
-  /// untouched), creates the context (RMA and WAKEUP) and the worker, and starts the thread.
-  /// `tick` runs there after every round of progress and at least every `interval`; `stop` runs
-  /// there last, before the thread exits (the backend releases its UCX objects in it).
-  /// Unavailable, naming the UCX call and its status, when UCX cannot start.
+  /// untouched; UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE, where the environment sets neither,
+  /// are kUcxDefaultTcpSegBytes, and the rx size is never below the tx size), creates the context
+  /// (RMA and WAKEUP) and the worker, and starts the thread. `tick` runs there after every round of
+  /// progress and at least every `interval`; `stop` runs there last, before the thread exits (the
+  /// backend releases its UCX objects in it). Unavailable, naming the UCX call and its status, when
+  /// UCX cannot start.
   static Result<std::unique_ptr<UcxWorker>> Create(std::chrono::milliseconds interval, Tick tick,
                                                    Tick stop);
   /// Stops the thread (which runs `stop` last), then destroys the worker and the context.
@@ -61,6 +64,8 @@ class UcxWorker {
   /// The memory types the loaded UCX supports (ucp_context_query: a bit per ucs_memory_type_t),
   /// taken once at creation. Any thread.
   std::uint64_t memory_types() const { return memory_types_; }
+  /// The context's TCP segment sizes, as configured at creation. Any thread.
+  const UcxTcpSegments& tcp_segments() const { return tcp_segments_; }
 
  private:
   UcxWorker(std::chrono::milliseconds interval, Tick tick, Tick stop)
@@ -78,6 +83,7 @@ class UcxWorker {
   int wake_fd_ = -1;    // eventfd, ours
   std::vector<std::uint8_t> address_;
   std::uint64_t memory_types_ = 0;
+  UcxTcpSegments tcp_segments_;
   const std::chrono::milliseconds interval_;
   const Tick tick_;
   const Tick stop_;

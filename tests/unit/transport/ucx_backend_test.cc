@@ -17,6 +17,7 @@
 #include "transport/descriptor.h"
 #include "transport/region_registry.h"
 #include "transport/ucx/ucx_section.h"
+#include "transport/ucx/ucx_worker.h"
 
 namespace kvferry {
 namespace {
@@ -98,10 +99,118 @@ TEST(UcxSectionTest, MalformedSectionsAreRefused) {
   const std::vector<std::uint8_t> garbage = {0xc1, 0x00};
   EXPECT_EQ(DecodeUcxSection(garbage).status().code(), StatusCode::kInvalidArgument);
   // Another version: the first value after the "v" key.
-  std::vector<std::uint8_t> v2 = EncodeUcxSection(ValidSection());
-  ASSERT_EQ(v2[3], 0x01);  // fixmap, "v" (fixstr 0xa1 0x76), 1
-  v2[3] = 0x02;
-  EXPECT_EQ(DecodeUcxSection(v2).status().code(), StatusCode::kNotSupported);
+  std::vector<std::uint8_t> v3 = EncodeUcxSection(ValidSection());
+  ASSERT_EQ(v3[3], 0x02);  // fixmap, "v" (fixstr 0xa1 0x76), 2
+  v3[3] = 0x03;
+  EXPECT_EQ(DecodeUcxSection(v3).status().code(), StatusCode::kNotSupported);
+}
+
+// Version 2 carries the TCP segment sizes; a version 1 section (an older kvferry) still decodes,
+// with them unknown.
+TEST(UcxSectionTest, TcpSegmentsRoundTripAndVersionOneHasThemUnknown) {
+  UcxSection s = ValidSection();
+  s.tcp_segments = {8192, 262144};
+  Result<UcxSection> back = DecodeUcxSection(EncodeUcxSection(s));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->tcp_segments, (UcxTcpSegments{8192, 262144}));
+  // Version 1: the same map without the two sizes.
+  msgpack::sbuffer buffer;
+  msgpack::packer<msgpack::sbuffer> pk(buffer);
+  pk.pack_map(7);
+  pk.pack(std::string("v"));
+  pk.pack_uint32(1);
+  pk.pack(std::string("worker"));
+  pk.pack_bin(4);
+  pk.pack_bin_body("\x01\x02\x03\x04", 4);
+  PackProcessFields(pk, s.host, s.start_time);
+  pk.pack(std::string("rkeys"));
+  PackRegionList(pk, s.keys);
+  const auto* p = reinterpret_cast<const std::uint8_t*>(buffer.data());
+  Result<UcxSection> v1 = DecodeUcxSection(std::vector<std::uint8_t>(p, p + buffer.size()));
+  ASSERT_TRUE(v1.ok()) << v1.status().ToString();
+  EXPECT_EQ(v1->tcp_segments, UcxTcpSegments{});
+  EXPECT_EQ(v1->keys, s.keys);
+}
+
+TEST(UcxTcpSegmentsTest, MemunitsParseAsUcxWritesThem) {
+  EXPECT_EQ(ParseUcxMemunits("8K"), 8192u);
+  EXPECT_EQ(ParseUcxMemunits("64kb"), 65536u);
+  EXPECT_EQ(ParseUcxMemunits("1M"), 1u << 20);
+  EXPECT_EQ(ParseUcxMemunits("1g"), 1u << 30);
+  EXPECT_EQ(ParseUcxMemunits("262144"), 262144u);
+  EXPECT_EQ(ParseUcxMemunits("100b"), 100u);
+  for (const char* unknown : {"", "auto", "inf", "K", "8Q", "99999999999999999999"}) {
+    EXPECT_EQ(ParseUcxMemunits(unknown), 0u) << unknown;
+  }
+}
+
+TEST(UcxTcpSegmentsTest, TheReaderMustReceiveWhatThePeerSends) {
+  EXPECT_TRUE(CheckUcxTcpSegments({262144, 262144}, {262144, 262144}).ok());
+  EXPECT_TRUE(CheckUcxTcpSegments({262144, 262144}, {8192, 65536}).ok());  // UCX's defaults
+  EXPECT_TRUE(CheckUcxTcpSegments({262144, 262144}, {}).ok());             // a version 1 peer
+  EXPECT_TRUE(CheckUcxTcpSegments({0, 0}, {1u << 20, 1u << 20}).ok());     // unknown here
+  const Status bigger_replies = CheckUcxTcpSegments({8192, 65536}, {262144, 262144});
+  EXPECT_EQ(bigger_replies.code(), StatusCode::kUnavailable);
+  EXPECT_THAT(bigger_replies.message(), HasSubstr("the peer's UCX sends TCP segments of 262144"));
+  EXPECT_THAT(bigger_replies.message(), HasSubstr("UCX_TCP_RX_SEG_SIZE"));
+  EXPECT_THAT(bigger_replies.message(), HasSubstr("this process's receives at most 65536"));
+  // The reader sends only small get requests: a peer with smaller segments is read.
+  EXPECT_TRUE(CheckUcxTcpSegments({1u << 20, 1u << 20}, {8192, 8192}).ok());
+}
+
+// The sizes a worker's context gets: kvferry's default where the environment sets neither, the
+// environment's where it sets them, and an unset one made to fit a set one.
+TEST(UcxTcpSegmentsTest, TheWorkerTakesTheDefaultOrTheEnvironmentAndFitsOneToTheOther) {
+  struct Case {
+    const char* tx;
+    const char* rx;
+    UcxTcpSegments expected;
+  };
+  const std::uint64_t d = kUcxDefaultTcpSegBytes;
+  for (const Case& c : {Case{nullptr, nullptr, {d, d}}, Case{"8K", "64K", {8192, 65536}},
+                        Case{"8K", nullptr, {8192, d}}, Case{"1M", nullptr, {1u << 20, 1u << 20}},
+                        Case{nullptr, "64K", {65536, 65536}}, Case{nullptr, "1M", {d, 1u << 20}}}) {
+    auto set = [](const char* name, const char* value) {
+      if (value == nullptr) {
+        unsetenv(name);
+      } else {
+        setenv(name, value, 1);
+      }
+    };
+    set("UCX_TCP_TX_SEG_SIZE", c.tx);
+    set("UCX_TCP_RX_SEG_SIZE", c.rx);
+    Result<std::unique_ptr<UcxWorker>> w = UcxWorker::Create(
+        milliseconds(50), [](ucp_worker_h) {}, [](ucp_worker_h) {});
+    unsetenv("UCX_TCP_TX_SEG_SIZE");
+    unsetenv("UCX_TCP_RX_SEG_SIZE");
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    EXPECT_EQ((*w)->tcp_segments(), c.expected)
+        << "tx " << (c.tx ? c.tx : "unset") << ", rx " << (c.rx ? c.rx : "unset");
+  }
+  // Where UCX will not open tcp, nothing is set (UCX would warn on stdout) and both are unknown.
+  struct Tls {
+    const char* tls;
+    const char* devices;
+    bool tcp;
+  };
+  for (const Tls& c :
+       {Tls{"sm,self", nullptr, false}, Tls{"^tcp", nullptr, false}, Tls{"^sm", nullptr, true},
+        Tls{"self,tcp", nullptr, true}, Tls{"all", nullptr, true}, Tls{"tcp", "lo", true},
+        Tls{"tcp", "mlx5_0:1", false}}) {
+    setenv("UCX_TLS", c.tls, 1);
+    if (c.devices != nullptr) setenv("UCX_NET_DEVICES", c.devices, 1);
+    Result<std::unique_ptr<UcxWorker>> w = UcxWorker::Create(
+        milliseconds(50), [](ucp_worker_h) {}, [](ucp_worker_h) {});
+    unsetenv("UCX_TLS");
+    unsetenv("UCX_NET_DEVICES");
+    if (!w.ok()) {
+      // UCX_TLS=tcp with only an RDMA device: UCX finds no transport, which is its own error.
+      EXPECT_FALSE(c.tcp) << c.tls << ": " << w.status().ToString();
+      continue;
+    }
+    EXPECT_EQ((*w)->tcp_segments(), (c.tcp ? UcxTcpSegments{d, d} : UcxTcpSegments{}))
+        << "UCX_TLS=" << c.tls << " UCX_NET_DEVICES=" << (c.devices ? c.devices : "unset");
+  }
 }
 
 TEST(UcxOptionsTest, UnknownKeysAndBadValuesAreRefusedNamingTheKey) {

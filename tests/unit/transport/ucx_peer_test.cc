@@ -245,6 +245,51 @@ TEST_P(UcxPeerTest, AnIdleConnectedPeerSpinsOnNeitherSide) {
             static_cast<std::uint64_t>(ticks_per_second / 10));
 }
 
+// A peer whose UCX sends larger TCP segments than this process receives would abort this process
+// on the first reply (UCX asserts); it is refused at Connect instead, saying what to set, and a
+// peer with matching sizes is read.
+TEST(UcxTcpSegmentPeerTest, APeerSendingLargerSegmentsIsRefusedAtConnectNotFatal) {
+  setenv("UCX_TLS", "tcp", 1);
+  setenv("UCX_TCP_TX_SEG_SIZE", "512K", 1);
+  setenv("UCX_TCP_RX_SEG_SIZE", "512K", 1);
+  const testing::BenchPeer peer = testing::StartBenchPeer(
+      {"--backend", "ucx", "--bytes", std::to_string(kPeerBytes), "--regions", "1"});
+  unsetenv("UCX_TCP_TX_SEG_SIZE");
+  unsetenv("UCX_TCP_RX_SEG_SIZE");
+  ASSERT_FALSE(peer.descriptor.empty());
+  TransportOptions o;
+  o.backend = "ucx";
+  o.serve = false;
+  for (const char* rx : {static_cast<const char*>(nullptr), "512K"}) {
+    if (rx != nullptr) setenv("UCX_TCP_RX_SEG_SIZE", rx, 1);
+    Result<std::unique_ptr<Transport>> t = CreateTransport(o);
+    unsetenv("UCX_TCP_RX_SEG_SIZE");
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    LocalMemory local(1u << 20);
+    ASSERT_TRUE((*t)->RegisterMemory(100, local.data(), local.size()).ok());
+    Result<PeerId> p = (*t)->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+    if (rx == nullptr) {
+      // kvferry's default here (256 KiB) is smaller than the peer's 512 KiB.
+      ASSERT_FALSE(p.ok());
+      EXPECT_EQ(p.status().code(), StatusCode::kUnavailable) << p.status().ToString();
+      EXPECT_THAT(p.status().message(),
+                  ::testing::HasSubstr("sends TCP segments of 524288 bytes and this process's "
+                                       "receives at most 262144"));
+      EXPECT_THAT(p.status().message(), ::testing::HasSubstr("UCX_TCP_RX_SEG_SIZE"));
+      continue;
+    }
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    const std::vector<ReadOp> ops = {{local.data(), 0, 4096, 1u << 20}};
+    Result<BatchId> b = (*t)->SubmitReads(*p, ops, DeadlineAfter(milliseconds(10000)));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    const BatchResult r = (*t)->Wait(*b, DeadlineAfter(milliseconds(11000)));
+    ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+    (*t)->Release(*b);
+    EXPECT_EQ(FirstPatternMismatch(local.data(), 1u << 20, kSeed, 0, 4096), -1);
+  }
+  unsetenv("UCX_TLS");
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, UcxPeerTest, ::testing::Values("default", "tcp", "sm_self"),
                          [](const auto& param_info) { return param_info.param; });
 
