@@ -36,13 +36,20 @@ namespace {
 
 constexpr std::uint64_t kPatternSeed = 0x6b76666572727900ull;  // "kvferry"
 
-// Page-aligned anonymous memory, unmapped on destruction.
+// Page-aligned anonymous memory, unmapped on destruction, faulted in at once: with `huge`, as
+// transparent huge pages where the kernel has them (advised before the first touch, as an
+// allocator with THP does), else as 4 KiB pages.
 class Buffer {
  public:
-  explicit Buffer(std::uint64_t bytes) : bytes_(bytes) {
+  Buffer(std::uint64_t bytes, bool huge) : bytes_(bytes) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+                   MAP_PRIVATE | MAP_ANONYMOUS | (huge ? 0 : MAP_POPULATE), -1, 0);
     data_ = p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
+    if (huge && data_ != nullptr) {
+      // Best effort: without THP the pages are 4 KiB ones, as without --huge-pages.
+      (void)madvise(data_, bytes, MADV_HUGEPAGE);
+      std::memset(data_, 0, bytes);
+    }
   }
   ~Buffer() {
     if (data_ != nullptr) munmap(data_, bytes_);
@@ -61,10 +68,11 @@ class Buffer {
 // benchmark registers, reads into and checks.
 class BenchMemory {
  public:
-  static Result<std::unique_ptr<BenchMemory>> Create(const std::string& kind, std::uint64_t bytes) {
+  static Result<std::unique_ptr<BenchMemory>> Create(const std::string& kind, std::uint64_t bytes,
+                                                     bool huge_pages) {
     auto m = std::unique_ptr<BenchMemory>(new BenchMemory(bytes));
     if (kind == "host") {
-      m->host_ = std::make_unique<Buffer>(bytes);
+      m->host_ = std::make_unique<Buffer>(bytes, huge_pages);
       if (m->host_->data() == nullptr) {
         return Status::ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes");
       }
@@ -137,6 +145,7 @@ struct PeerArgs {
   std::uint64_t seed = kPatternSeed;
   std::vector<std::string> transport_opts;
   std::string memory = "host";
+  bool huge_pages = false;
 };
 
 int RunPeer(const PeerArgs& a) {
@@ -157,7 +166,8 @@ int RunPeer(const PeerArgs& a) {
     std::cerr << "kvferry bench peer: " << t.status().ToString() << "\n";
     return 1;
   }
-  Result<std::unique_ptr<BenchMemory>> memory = BenchMemory::Create(a.memory, a.bytes);
+  Result<std::unique_ptr<BenchMemory>> memory =
+      BenchMemory::Create(a.memory, a.bytes, a.huge_pages);
   const std::uint64_t per = a.bytes / static_cast<std::uint64_t>(a.regions);
   Status filled = memory.ok() ? (*memory)->FillPattern(a.seed, per) : memory.status();
   if (!filled.ok()) {
@@ -196,6 +206,8 @@ struct BenchArgs {
   int connections = 4;
   std::vector<std::string> transport_opts;
   std::string memory = "host";  // host, sim or cuda: where both sides' blocks are
+  /// Host pools (both sides' and the memcpy baseline's) as transparent huge pages.
+  bool huge_pages = true;
   bool json = false;
 };
 
@@ -381,6 +393,7 @@ class BackendBench {
     std::vector<std::string> argv = {
         SelfExe(),  "bench", "peer", "--backend", backend, "--bytes", std::to_string(b->pool_),
         "--memory", memory};
+    if (a.huge_pages) argv.push_back("--huge-pages");
     const std::vector<std::string> opts = TransportOpts(a);
     for (const std::string& arg : TransportOptArgv(opts)) argv.push_back(arg);
     KVFERRY_ASSIGN_OR_RETURN(Subprocess peer, Subprocess::Spawn(argv));
@@ -393,7 +406,7 @@ class BackendBench {
     KVFERRY_ASSIGN_OR_RETURN(options.backend_options, ParseTransportOpts(opts, backend));
     options.serve = false;
     KVFERRY_ASSIGN_OR_RETURN(b->t_, CreateTransport(options));
-    KVFERRY_ASSIGN_OR_RETURN(b->local_, BenchMemory::Create(memory, b->pool_));
+    KVFERRY_ASSIGN_OR_RETURN(b->local_, BenchMemory::Create(memory, b->pool_, a.huge_pages));
     // The local pool's pages faulted in before timing, as the peer's were by their filling.
     KVFERRY_RETURN_IF_ERROR(b->local_->FillPattern(kPatternSeed + 1, b->pool_));
     KVFERRY_RETURN_IF_ERROR(
@@ -474,8 +487,8 @@ class BackendBench {
     }
     if (backend_ == "shm") {
       if (!source_) {
-        source_ = std::make_unique<Buffer>(pool_);
-        dest_ = std::make_unique<Buffer>(pool_);
+        source_ = std::make_unique<Buffer>(pool_, a_.huge_pages);
+        dest_ = std::make_unique<Buffer>(pool_, a_.huge_pages);
         if (source_->data() == nullptr || dest_->data() == nullptr) {
           return Status::ResourceExhausted("cannot allocate the benchmark buffers");
         }
@@ -599,7 +612,8 @@ int RunBench(const BenchArgs& a) {
   benches.clear();
   char line[512];
   if (a.json) {
-    std::cout << "{\"rounds\": " << std::max(a.rounds, 1) << ", \"results\": [";
+    std::cout << "{\"rounds\": " << std::max(a.rounds, 1)
+              << ", \"huge_pages\": " << (a.huge_pages ? "true" : "false") << ", \"results\": [";
     bool first = true;
     for (const auto& per_target : results) {
       for (const Measurement& m : per_target) {
@@ -621,7 +635,8 @@ int RunBench(const BenchArgs& a) {
     return 0;
   }
   std::cout << "medians of " << std::max(a.rounds, 1)
-            << " alternating rounds (min-max); ratio of the medians\n"
+            << " alternating rounds (min-max); ratio of the medians; host pools in "
+            << (a.huge_pages ? "huge" : "4 KiB") << " pages\n"
             << "backend   block      GB/s (min-max)         baseline           GB/s (min-max)    "
                "     ratio\n";
   for (const auto& per_target : results) {
@@ -673,6 +688,11 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
                    "host, or sim/cuda: device memory on both sides over tcp (staged), "
                    "against host-memory tcp in the same run")
       ->capture_default_str();
+  transport
+      ->add_option("--huge-pages", targs->huge_pages,
+                   "Host pools (both sides' and the memcpy baseline's) as transparent huge pages, "
+                   "as an allocator with THP gives them (false: 4 KiB pages; docs/performance.md)")
+      ->capture_default_str();
   transport->add_flag("--json", targs->json, "Machine-readable output");
   transport->callback([targs, &exit_code] { exit_code = RunBench(*targs); });
 
@@ -685,6 +705,8 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   peer->add_option("--regions", pargs->regions, "Split into this many regions (ids 0..n-1)");
   peer->add_option("--seed", pargs->seed, "Pattern seed");
   peer->add_option("--memory", pargs->memory, "host, or a device of this process (sim:0, cuda:0)");
+  peer->add_flag("--huge-pages", pargs->huge_pages,
+                 "Host memory as transparent huge pages (advised before its first touch)");
   peer->callback([pargs, &exit_code] { exit_code = RunPeer(*pargs); });
 }
 

@@ -65,6 +65,10 @@ class Backend {
   /// `local` (this process's region).
   virtual bool CanRead(const MemoryKind& remote, const MemoryKind& local) const = 0;
 
+  /// A local region was registered (the core calls it after adding it; `region` stays valid until
+  /// RevokeRegion): a backend may prepare the memory for its readers.
+  virtual void RegionAdded(const RegionInfo& /*region*/) {}
+
   /// A local region is being deregistered: end soon whatever this backend's servers are doing
   /// with it (their pins then go, and DeregisterMemory returns).
   virtual void RevokeRegion(RegionId /*region*/) {}

@@ -170,7 +170,10 @@ Status TransportCore::RegisterMemory(RegionId id, void* addr, std::size_t length
           "; allocate it with that device (device::ProcessDevice) or register its true kind");
     }
   }
-  return registry_.Add(id, addr, length, std::move(kind));
+  const RegionInfo region{id, static_cast<std::byte*>(addr), length, kind};
+  KVFERRY_RETURN_IF_ERROR(registry_.Add(id, addr, length, std::move(kind)));
+  for (const auto& b : backends_) b->RegionAdded(region);
+  return Status::Ok();
 }
 
 Status TransportCore::DeregisterMemory(RegionId id) {

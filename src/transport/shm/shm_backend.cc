@@ -366,13 +366,14 @@ Status ProveInstance(const ShmPeerState& peer, const ShmProof& proof) {
 }  // namespace
 
 ShmBackend::ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer,
-                       RegionRegistry* regions)
+                       RegionRegistry* regions, HugePages huge_pages)
     : self_(std::move(self)),
       proof_(proof),
       permitted_any_tracer_(permitted_any_tracer),
       regions_(regions),
       pool_(std::make_shared<WorkQueue>(threads, "kvferry-shm")),
-      threads_(threads) {}
+      threads_(threads),
+      huge_pages_(huge_pages) {}
 
 BackendFactory ShmBackend::Factory() {
   BackendFactory f;
@@ -386,10 +387,27 @@ BackendFactory ShmBackend::Factory() {
     KVFERRY_ASSIGN_OR_RETURN(ShmProof proof, LocalProof());
     const bool permit = ctx.options.serve && o.permit_any_tracer;
     if (permit) PermitAnyTracer();
+    const HugePages huge = ctx.options.serve ? o.huge_pages : HugePages::kOff;
     return std::unique_ptr<Backend>(
-        std::make_unique<ShmBackend>(std::move(self), proof, o.threads, permit, ctx.regions));
+        std::make_unique<ShmBackend>(std::move(self), proof, o.threads, permit, ctx.regions, huge));
   };
   return f;
+}
+
+void ShmBackend::RegionAdded(const RegionInfo& region) {
+  if (huge_pages_ == HugePages::kOff || !region.kind.is_host()) return;
+  const auto start = Clock::now();
+  const Status s = BackWithHugePages(region.addr, region.length, huge_pages_);
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+  if (!s.ok()) {
+    Log().warn("shm: region {} ({} bytes) keeps its pages: {}", region.id, region.length,
+               s.ToString());
+    return;
+  }
+  Log().info("shm: region {} ({} bytes): huge pages {} in {} ms, {} bytes huge now", region.id,
+             region.length, huge_pages_ == HugePages::kCollapse ? "collapsed" : "advised", ms,
+             HugePageBytes(region.addr, region.length));
 }
 
 std::vector<std::uint8_t> ShmBackend::DescriptorSection() {

@@ -25,7 +25,7 @@ class ShmBackend final : public Backend {
   /// null: no device region is then published) are the transport's, whose device regions the
   /// section exports for IPC.
   ShmBackend(HostIdentity self, ShmProof proof, int threads, bool permitted_any_tracer = false,
-             RegionRegistry* regions = nullptr);
+             RegionRegistry* regions = nullptr, HugePages huge_pages = HugePages::kOff);
   /// The registry's entry: name "shm".
   static BackendFactory Factory();
 
@@ -48,6 +48,10 @@ class ShmBackend final : public Backend {
     if (remote.is_host()) return local.is_host() || device::KnownDeviceType(local.type);
     return device::KnownDeviceType(remote.type) && (local.is_host() || local == remote);
   }
+
+  /// Serving: a host region gets shm.huge_pages (huge_pages.h); a refusal is logged, and the
+  /// region is served all the same.
+  void RegionAdded(const RegionInfo& region) override;
 
   void AddStats(TransportStats* stats) const override { stats->staging_bytes += *staging_bytes_; }
 
@@ -73,6 +77,7 @@ class ShmBackend final : public Backend {
   RegionRegistry* regions_;
   std::shared_ptr<WorkQueue> pool_;
   int threads_;
+  HugePages huge_pages_;  // kOff when the transport does not serve
   // Pinned bytes of the peers' staging lanes (host memory into a device); shared, since units
   // that hold lanes may outlive a peer.
   std::shared_ptr<std::atomic<std::uint64_t>> staging_bytes_ =

@@ -16,6 +16,11 @@ Result<ShmOptions> ParseShmOptions(const TransportOptions& /*options*/,
   KVFERRY_RETURN_IF_ERROR(r.ReadUint("threads", 1, 256, &threads));
   o.threads = static_cast<int>(threads);
   KVFERRY_RETURN_IF_ERROR(r.ReadBool("permit_any_tracer", &o.permit_any_tracer));
+  std::string huge = "off";
+  KVFERRY_RETURN_IF_ERROR(r.ReadString("huge_pages", &huge));
+  Result<HugePages> mode = ParseHugePages(huge);
+  if (!mode.ok()) return mode.status().WithContext("shm.huge_pages");
+  o.huge_pages = *mode;
   KVFERRY_RETURN_IF_ERROR(r.RejectUnknown());
   return o;
 }

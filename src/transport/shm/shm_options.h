@@ -4,6 +4,7 @@
 
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
+#include "transport/shm/huge_pages.h"
 
 namespace kvferry {
 
@@ -19,6 +20,11 @@ struct ShmOptions {
   /// such readers fail shm's check at Connect and, with backend auto, read over tcp (the log says
   /// why). Without Yama, or with ptrace_scope=0, it changes nothing.
   bool permit_any_tracer = false;
+  /// shm.huge_pages: off, advise or collapse (huge_pages.h): what a serving transport does to each
+  /// host region it registers, so that readers' process_vm_readv pins 2 MiB pages instead of 4 KiB
+  /// ones. collapse converts the region's pages at registration, which costs time (2.6 s per GiB
+  /// on this development VM) and fails on pinned memory (logged, the region is still served).
+  HugePages huge_pages = HugePages::kOff;
 };
 
 /// The defaults above overridden by `own` (the shm.* keys without their prefix). InvalidArgument
