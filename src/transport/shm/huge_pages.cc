@@ -51,11 +51,11 @@ Status BackWithHugePages(void* addr, std::size_t length, HugePages how) {
   return Status::Ok();
 }
 
-std::uint64_t HugePageBytes(const void* addr, std::size_t length) {
+void ForEachSmapsField(const void* addr, std::size_t length,
+                       const std::function<void(const std::string&)>& field) {
   std::ifstream smaps("/proc/self/smaps");
   const auto begin = reinterpret_cast<std::uintptr_t>(addr);
   const std::uintptr_t end = begin + length;
-  std::uint64_t total = 0;
   bool inside = false;
   std::string line;
   while (std::getline(smaps, line)) {
@@ -66,15 +66,21 @@ std::uint64_t HugePageBytes(const void* addr, std::size_t length) {
     // A mapping's first line: "lo-hi perms ...", both hexadecimal.
     if (head >> std::hex >> lo >> dash >> hi && dash == '-') {
       inside = lo < end && hi > begin;
-      continue;
-    }
-    if (inside && line.rfind("AnonHugePages:", 0) == 0) {
-      std::istringstream value(line.substr(14));
-      std::uint64_t kib = 0;
-      value >> kib;
-      total += kib << 10;
+    } else if (inside) {
+      field(line);
     }
   }
+}
+
+std::uint64_t HugePageBytes(const void* addr, std::size_t length) {
+  std::uint64_t total = 0;
+  ForEachSmapsField(addr, length, [&](const std::string& line) {
+    if (line.rfind("AnonHugePages:", 0) != 0) return;
+    std::istringstream value(line.substr(14));
+    std::uint64_t kib = 0;
+    value >> kib;
+    total += kib << 10;
+  });
   return total;
 }
 

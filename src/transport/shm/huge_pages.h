@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "kvferry/status.h"
@@ -27,6 +28,11 @@ Result<HugePages> ParseHugePages(const std::string& text);
 /// with the kernel's reason when it refuses (no THP in this kernel, MADV_COLLAPSE before Linux
 /// 6.1, memory that cannot be collapsed, such as pinned or file-backed pages).
 Status BackWithHugePages(void* addr, std::size_t length, HugePages how);
+
+/// Calls `field` with each field line ("AnonHugePages:   2048 kB", "VmFlags: rd wr ...") of the
+/// mappings in /proc/self/smaps that overlap [addr, addr + length); nothing when it cannot be read.
+void ForEachSmapsField(const void* addr, std::size_t length,
+                       const std::function<void(const std::string&)>& field);
 
 /// Bytes of [addr, addr + length) that are backed by huge pages now (the AnonHugePages of the
 /// mappings it overlaps, counted whole), from /proc/self/smaps; 0 when it cannot be read.

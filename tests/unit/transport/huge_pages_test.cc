@@ -9,7 +9,6 @@
 
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <string>
 
 #include "kvferry/transport.h"
@@ -31,22 +30,11 @@ bool KernelHasThp() {
 
 // The VmFlags of the mapping that holds `addr`.
 std::string VmFlags(const void* addr) {
-  std::ifstream smaps("/proc/self/smaps");
-  const auto at = reinterpret_cast<std::uintptr_t>(addr);
-  bool inside = false;
-  std::string line;
-  while (std::getline(smaps, line)) {
-    std::uintptr_t lo = 0;
-    std::uintptr_t hi = 0;
-    char dash = 0;
-    std::istringstream head(line);
-    if (head >> std::hex >> lo >> dash >> hi && dash == '-') {
-      inside = lo <= at && at < hi;
-      continue;
-    }
-    if (inside && line.rfind("VmFlags:", 0) == 0) return line;
-  }
-  return "";
+  std::string flags;
+  ForEachSmapsField(addr, 1, [&](const std::string& line) {
+    if (line.rfind("VmFlags:", 0) == 0) flags = line;
+  });
+  return flags;
 }
 
 // 16 MiB of anonymous memory faulted in as 4 KiB pages, with a pattern.

@@ -237,12 +237,18 @@ TEST_P(UcxPeerTest, AnIdleConnectedPeerSpinsOnNeitherSide) {
   const std::uint64_t self_before = CpuTicks(getpid());
   const std::uint64_t peer_before = CpuTicks(peer_.process->pid());
   // Measuring CPU use over an interval is the one thing here that needs a sleep.
-  std::this_thread::sleep_for(milliseconds(1000));
-  const long ticks_per_second = sysconf(_SC_CLK_TCK);
-  // A spinning thread would use the whole second; allow 10%.
-  EXPECT_LT(CpuTicks(getpid()) - self_before, static_cast<std::uint64_t>(ticks_per_second / 10));
-  EXPECT_LT(CpuTicks(peer_.process->pid()) - peer_before,
-            static_cast<std::uint64_t>(ticks_per_second / 10));
+  constexpr int kSeconds = 2;
+  std::this_thread::sleep_for(milliseconds(kSeconds * 1000));
+  const auto ticks_per_second = static_cast<std::uint64_t>(sysconf(_SC_CLK_TCK));
+  // A spinning thread would use the whole interval; issue 24 allows 2 % of a core on each side
+  // (a process's ticks: its progress thread wakes every 50 ms, and the clock counts in 10 ms).
+  const std::uint64_t allowed = kSeconds * ticks_per_second * 2 / 100;
+  const std::uint64_t self = CpuTicks(getpid()) - self_before;
+  const std::uint64_t peer = CpuTicks(peer_.process->pid()) - peer_before;
+  EXPECT_LE(self, allowed) << "the reader used " << self << " of " << kSeconds * ticks_per_second
+                           << " clock ticks while idle";
+  EXPECT_LE(peer, allowed) << "the serving peer used " << peer << " of "
+                           << kSeconds * ticks_per_second << " clock ticks while idle";
 }
 
 // A peer whose UCX sends larger TCP segments than this process receives would abort this process
