@@ -117,29 +117,31 @@ tsan: deps
 # and the Python module compiled with clang++ and -Wthread-safety, its findings errors, so a member
 # marked GUARDED_BY read or written without its mutex fails the build. The tests are not built;
 # nothing runs. -Werror=thread-safety is for the Python module, which does not take the project's
-# warning flags (kvferry_warnings, -Werror included, holds for everything else). Nothing runs, so
-# no debug information (-O0 alone: the fastest build that still compiles everything).
+# warning flags (kvferry_warnings, -Werror included, holds for everything else). The analysis runs
+# while clang checks each translation unit, before code generation, so each is only checked
+# (-fsyntax-only, scripts/syntax_only.py over compile_commands.json): nothing is built or linked.
 tsa: deps
 	CC=clang CXX=clang++ $(CMAKE_CONFIGURE) -B $(TSA_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_BUILD_TESTS=OFF \
 	  -DKVFERRY_DEBUG_INFO=full -DCMAKE_CXX_FLAGS_DEBUG=-O0 \
 	  -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety"
-	cmake --build $(TSA_BUILD) -j $(JOBS)
+	python3 scripts/syntax_only.py $(TSA_BUILD)/compile_commands.json $(JOBS)
 
-# libFuzzer targets built with clang, each run for FUZZ_SECONDS from the committed seeds.
-# A crash leaves its input in $(FUZZ_BUILD)/findings/ and fails the target. Only the targets and
-# the libraries they link are built (not the CLI, the engine or the control library).
+# libFuzzer targets built with clang, each run for FUZZ_SECONDS from the committed seeds, JOBS of
+# them at a time (each fuzzer is one process on one core). A crash leaves its input in
+# $(FUZZ_BUILD)/findings/ and fails the target. Only the targets and the libraries they link are
+# built (not the CLI, the engine or the control library).
 fuzz: deps
 	CC=clang CXX=clang++ $(CMAKE_CONFIGURE) -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_FUZZ=ON
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(addprefix fuzz_,$(FUZZ_TARGETS))
-	@for t in $(FUZZ_TARGETS); do \
-	  mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/findings; \
-	  echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
-	  $(FUZZ_BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=2048 \
-	    -timeout=10 -print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/findings/$$t- \
-	    $(FUZZ_BUILD)/corpus/$$t fuzz/seeds/$$t 2>$(FUZZ_BUILD)/fuzz_$$t.log \
-	    || { tail -40 $(FUZZ_BUILD)/fuzz_$$t.log; exit 1; }; \
-	  grep -E "stat::number_of_executed_units|stat::peak_rss_mb" $(FUZZ_BUILD)/fuzz_$$t.log; \
-	done
+	@mkdir -p $(FUZZ_BUILD)/findings
+	@printf '%s\n' $(FUZZ_TARGETS) | xargs -P $(JOBS) -I{} sh -c '\
+	  mkdir -p $(FUZZ_BUILD)/corpus/{}; \
+	  $(FUZZ_BUILD)/fuzz_{} -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=2048 \
+	    -timeout=10 -print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/findings/{}- \
+	    $(FUZZ_BUILD)/corpus/{} fuzz/seeds/{} 2>$(FUZZ_BUILD)/fuzz_{}.log \
+	    || { tail -40 $(FUZZ_BUILD)/fuzz_{}.log; echo "fuzz_{}: FAILED"; exit 1; }; \
+	  echo "fuzz_{}: $(FUZZ_SECONDS) s" \
+	    $$(grep -E "stat::number_of_executed_units|stat::peak_rss_mb" $(FUZZ_BUILD)/fuzz_{}.log)'
 
 format:
 	clang-format -i $(SOURCES)
