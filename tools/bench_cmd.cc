@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +31,7 @@
 #include "device/device.h"
 #include "kvferry/transport.h"
 #include "tools/commands.h"
+#include "transport/shm/huge_pages.h"
 
 namespace kvferry::cli {
 namespace {
@@ -504,6 +506,12 @@ class BackendBench {
     return std::make_pair(std::string("tcp_stream"), PlainTcpStream(a_.min_seconds));
   }
 
+  /// The local pool when it is host memory, else null; its size.
+  const std::byte* host_memory() const {
+    return local_->kind().is_host() ? local_->base() : nullptr;
+  }
+  std::uint64_t pool_bytes() const { return pool_; }
+
  private:
   BackendBench(const BenchArgs& a, std::string backend, std::string memory)
       : a_(a), backend_(std::move(backend)), memory_(std::move(memory)), pool_(a.pool_mib << 20) {}
@@ -562,6 +570,15 @@ int RunBench(const BenchArgs& a) {
     }
     benches.push_back(std::move(b).value());
   }
+  // How much of a local host pool the kernel really gave huge pages (--huge-pages asks; THP may be
+  // off or short of memory): the fraction of the first host pool, -1 when there is none.
+  double huge_fraction = -1;
+  for (const auto& b : benches) {
+    if (b->host_memory() == nullptr) continue;
+    huge_fraction = static_cast<double>(HugePageBytes(b->host_memory(), b->pool_bytes())) /
+                    static_cast<double>(b->pool_bytes());
+    break;
+  }
   // results[target][size]; the rounds alternate every target and its baseline, so that a burst
   // of noise on this shared machine lands on all of them and the medians are comparable.
   std::vector<std::vector<Measurement>> results(targets.size());
@@ -613,7 +630,8 @@ int RunBench(const BenchArgs& a) {
   char line[512];
   if (a.json) {
     std::cout << "{\"rounds\": " << std::max(a.rounds, 1)
-              << ", \"huge_pages\": " << (a.huge_pages ? "true" : "false") << ", \"results\": [";
+              << ", \"huge_pages\": " << (a.huge_pages ? "true" : "false")
+              << ", \"huge_page_fraction\": " << huge_fraction << ", \"results\": [";
     bool first = true;
     for (const auto& per_target : results) {
       for (const Measurement& m : per_target) {
@@ -635,8 +653,10 @@ int RunBench(const BenchArgs& a) {
     return 0;
   }
   std::cout << "medians of " << std::max(a.rounds, 1)
-            << " alternating rounds (min-max); ratio of the medians; host pools in "
-            << (a.huge_pages ? "huge" : "4 KiB") << " pages\n"
+            << " alternating rounds (min-max); ratio of the medians; host pools "
+            << (a.huge_pages ? "advised to huge pages" : "in 4 KiB pages");
+  if (huge_fraction >= 0) std::cout << " (" << std::lround(huge_fraction * 100) << " % huge)";
+  std::cout << "\n"
             << "backend   block      GB/s (min-max)         baseline           GB/s (min-max)    "
                "     ratio\n";
   for (const auto& per_target : results) {

@@ -65,8 +65,9 @@ class Backend {
   /// `local` (this process's region).
   virtual bool CanRead(const MemoryKind& remote, const MemoryKind& local) const = 0;
 
-  /// A local region was registered (the core calls it after adding it; `region` stays valid until
-  /// RevokeRegion): a backend may prepare the memory for its readers.
+  /// A local region was registered (the core calls it right after adding it, on the registering
+  /// thread): a backend may prepare the memory for its readers. The memory is the caller's; a
+  /// DeregisterMemory of the same id racing its registration is the caller's race.
   virtual void RegionAdded(const RegionInfo& /*region*/) {}
 
   /// A local region is being deregistered: end soon whatever this backend's servers are doing

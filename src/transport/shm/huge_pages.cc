@@ -65,7 +65,8 @@ void ForEachSmapsField(const void* addr, std::size_t length,
     std::istringstream head(line);
     // A mapping's first line: "lo-hi perms ...", both hexadecimal.
     if (head >> std::hex >> lo >> dash >> hi && dash == '-') {
-      inside = lo < end && hi > begin;
+      if (lo >= end) break;  // mappings are listed by address: none further overlaps
+      inside = hi > begin;
     } else if (inside) {
       field(line);
     }

@@ -80,7 +80,10 @@ BackendFactory ShmBackend::Factory() {
 }
 
 void ShmBackend::RegionAdded(const RegionInfo& region) {
-  if (huge_pages_ == HugePages::kOff || !region.kind.is_host()) return;
+  // Under 2 MiB no huge page fits inside: nothing to do, nothing to log.
+  if (huge_pages_ == HugePages::kOff || !region.kind.is_host() || region.length < (2u << 20)) {
+    return;
+  }
   const auto start = Clock::now();
   const Status s = BackWithHugePages(region.addr, region.length, huge_pages_);
   const auto ms =

@@ -6,12 +6,17 @@
 
 namespace kvferry {
 
+std::uint32_t UcxSectionVersionFor(const UcxTcpSegments& segments) {
+  return segments.tx != 0 && segments.tx > kUcxDefaultTcpRxSegBytes ? kUcxSectionVersion : 1;
+}
+
 std::vector<std::uint8_t> EncodeUcxSection(const UcxSection& s) {
+  const std::uint32_t version = UcxSectionVersionFor(s.tcp_segments);
   msgpack::sbuffer buffer;
   msgpack::packer<msgpack::sbuffer> pk(buffer);
   pk.pack_map(9);
   pk.pack(std::string("v"));
-  pk.pack_uint32(kUcxSectionVersion);
+  pk.pack_uint32(version);
   pk.pack(std::string("worker"));
   pk.pack_bin(static_cast<std::uint32_t>(s.worker_address.size()));
   pk.pack_bin_body(reinterpret_cast<const char*>(s.worker_address.data()),
@@ -19,6 +24,7 @@ std::vector<std::uint8_t> EncodeUcxSection(const UcxSection& s) {
   PackProcessFields(pk, s.host, s.start_time);
   pk.pack(std::string("rkeys"));
   PackRegionList(pk, s.keys);
+  // In version 1 too: its readers ignore keys they do not know, and newer readers check them.
   pk.pack(std::string("tcp_tx_seg"));
   pk.pack_uint64(s.tcp_segments.tx);
   pk.pack(std::string("tcp_rx_seg"));
@@ -45,8 +51,11 @@ Result<UcxSection> DecodeUcxSection(std::span<const std::uint8_t> bytes) {
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* keys, m.Require("rkeys"));
   KVFERRY_ASSIGN_OR_RETURN(s.keys,
                            ReadRegionList(*keys, m.At("rkeys"), kMaxUcxRkeyBytes, "packed rkey"));
-  if (version >= 2) {
+  // Required in version 2; in version 1 present from this build on, absent before (unknown).
+  if (version >= 2 || m.Find("tcp_tx_seg") != nullptr) {
     KVFERRY_ASSIGN_OR_RETURN(s.tcp_segments.tx, m.Uint("tcp_tx_seg", kMaxUcxTcpSegBytes));
+  }
+  if (version >= 2 || m.Find("tcp_rx_seg") != nullptr) {
     KVFERRY_ASSIGN_OR_RETURN(s.tcp_segments.rx, m.Uint("tcp_rx_seg", kMaxUcxTcpSegBytes));
   }
   return s;
@@ -56,17 +65,19 @@ std::uint64_t ParseUcxMemunits(std::string_view text) {
   std::uint64_t value = 0;
   std::size_t i = 0;
   for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
-    if (value > (std::uint64_t{1} << 40)) return 0;
+    if (value > kMaxUcxTcpSegBytes) return 0;  // and no multiplication below can wrap
     value = value * 10 + static_cast<std::uint64_t>(text[i] - '0');
   }
   if (i == 0) return 0;
   std::string unit;
   for (; i < text.size(); ++i) unit += static_cast<char>(std::tolower(text[i]));
-  if (unit.empty() || unit == "b") return value;
-  if (unit == "k" || unit == "kb") return value << 10;
-  if (unit == "m" || unit == "mb") return value << 20;
-  if (unit == "g" || unit == "gb") return value << 30;
-  return 0;
+  int shift = -1;
+  if (unit.empty() || unit == "b") shift = 0;
+  if (unit == "k" || unit == "kb") shift = 10;
+  if (unit == "m" || unit == "mb") shift = 20;
+  if (unit == "g" || unit == "gb") shift = 30;
+  if (shift < 0 || value > (kMaxUcxTcpSegBytes >> shift)) return 0;
+  return value << shift;
 }
 
 Status CheckUcxTcpSegments(const UcxTcpSegments& self, const UcxTcpSegments& peer) {

@@ -37,7 +37,8 @@ struct UcxTcpSegments {
 inline constexpr std::uint64_t kUcxDefaultTcpSegBytes = 256u << 10;
 
 /// A UCX memory-units value ("8K", "64kb", "1M", "262144"): bytes, or 0 for what it does not
-/// understand ("auto", "inf", garbage), which CheckUcxTcpSegments takes as unknown.
+/// understand ("auto", "inf", garbage) and for more than kMaxUcxTcpSegBytes, which
+/// CheckUcxTcpSegments takes as unknown (and a section can always carry).
 std::uint64_t ParseUcxMemunits(std::string_view text);
 
 /// Ok when this process receives the segments the peer sends (or a size is unknown); otherwise
@@ -60,9 +61,18 @@ struct UcxSection {
   friend bool operator==(const UcxSection&, const UcxSection&) = default;
 };
 
-/// Version 2 added the TCP segment sizes: a reader of version 1 refuses it (it would connect and
-/// abort on the first reply larger than its segments); this build reads both.
+/// The TCP segment sizes are in every section this build writes (a version 1 reader ignores them).
+/// Version 2 marks a server that sends segments larger than UCX's default 64 KiB rx segment: a
+/// version 1 reader would connect and abort on its first reply, so it must refuse the section (it
+/// refuses the whole descriptor), and the version is 2 only then (UcxSectionVersionFor). This
+/// build reads both.
 inline constexpr std::uint32_t kUcxSectionVersion = 2;
+/// UCX's default UCX_TCP_RX_SEG_SIZE: what a reader that knows nothing of segments receives.
+inline constexpr std::uint64_t kUcxDefaultTcpRxSegBytes = 64u << 10;
+
+/// The version `EncodeUcxSection` writes for `segments`: 1 where a version 1 reader may read the
+/// server safely (tx unknown or at most kUcxDefaultTcpRxSegBytes), else kUcxSectionVersion.
+std::uint32_t UcxSectionVersionFor(const UcxTcpSegments& segments);
 inline constexpr std::size_t kMaxUcxWorkerAddressBytes = 16u << 10;
 inline constexpr std::size_t kMaxUcxRkeyBytes = 1024;
 inline constexpr std::uint64_t kMaxUcxTcpSegBytes = std::uint64_t{1} << 30;

@@ -32,8 +32,8 @@ class UcxWorker {
   using Tick = std::function<void(ucp_worker_h)>;
 
   /// Reads UCX's configuration from its environment (UCX_TLS, UCX_NET_DEVICES, ... pass through
-  /// untouched; UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE, where the environment sets neither,
-  /// are kUcxDefaultTcpSegBytes, and the rx size is never below the tx size), creates the context
+  /// untouched; of UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE, one the environment leaves unset
+  /// is kUcxDefaultTcpSegBytes fitted to the other: docs/transport.md, "ucx"), creates the context
   /// (RMA and WAKEUP) and the worker, and starts the thread. `tick` runs there after every round of
   /// progress and at least every `interval`; `stop` runs there last, before the thread exits (the
   /// backend releases its UCX objects in it). Unavailable, naming the UCX call and its status, when

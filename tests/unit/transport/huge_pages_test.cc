@@ -1,12 +1,15 @@
 // shm.huge_pages (src/transport/shm/huge_pages.h): what each mode does to a region's pages, and a
 // serving transport applying it to the host regions it registers. Skips, saying so, only on a
-// kernel without transparent huge pages (this project's machines have them, in madvise mode).
+// kernel without transparent huge pages or (collapse) before Linux 6.1; this project's machines
+// have both, THP in madvise mode.
 #include "transport/shm/huge_pages.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -35,6 +38,18 @@ std::string VmFlags(const void* addr) {
     if (line.rfind("VmFlags:", 0) == 0) flags = line;
   });
   return flags;
+}
+
+// Whether madvise(MADV_COLLAPSE) exists here (Linux 6.1+): EINVAL on 2 MiB of fresh memory says no.
+bool KernelHasCollapse() {
+  void* p = mmap(nullptr, 4u << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return false;
+  auto* aligned = reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(p) + (2u << 20) - 1) &
+                                          ~std::uintptr_t{(2u << 20) - 1});
+  std::memset(aligned, 1, 2u << 20);
+  const bool ok = madvise(aligned, 2u << 20, 25 /* MADV_COLLAPSE */) == 0 || errno != EINVAL;
+  munmap(p, 4u << 20);
+  return ok;
 }
 
 // 16 MiB of anonymous memory faulted in as 4 KiB pages, with a pattern.
@@ -84,6 +99,9 @@ TEST(HugePagesTest, ModesParseAndOthersAreRefused) {
 TEST(HugePagesTest, EachModeDoesWhatItSaysAndKeepsTheBytes) {
   if (!KernelHasThp()) GTEST_SKIP() << "SKIPPED LOUDLY: this kernel has no transparent huge pages";
   for (HugePages how : {HugePages::kOff, HugePages::kAdvise, HugePages::kCollapse}) {
+    if (how == HugePages::kCollapse && !KernelHasCollapse()) {
+      GTEST_SKIP() << "SKIPPED LOUDLY: this kernel has no MADV_COLLAPSE (Linux 6.1+)";
+    }
     Pages pages;
     ASSERT_NE(pages.data(), nullptr);
     ASSERT_EQ(HugePageBytes(pages.data(), kBytes), 0u) << "the test's pages are already huge";
@@ -113,7 +131,10 @@ TEST(HugePagesTest, EachModeDoesWhatItSaysAndKeepsTheBytes) {
 
 // A serving transport gives its host regions the mode; a transport that only reads does not.
 TEST(HugePagesTest, AServingTransportCollapsesTheRegionsItRegisters) {
-  if (!KernelHasThp()) GTEST_SKIP() << "SKIPPED LOUDLY: this kernel has no transparent huge pages";
+  if (!KernelHasThp() || !KernelHasCollapse()) {
+    GTEST_SKIP() << "SKIPPED LOUDLY: this kernel has no transparent huge pages or no "
+                    "MADV_COLLAPSE (Linux 6.1+)";
+  }
   for (bool serve : {true, false}) {
     TransportOptions o;
     o.backend = "shm";

@@ -100,19 +100,25 @@ TEST(UcxSectionTest, MalformedSectionsAreRefused) {
   EXPECT_EQ(DecodeUcxSection(garbage).status().code(), StatusCode::kInvalidArgument);
   // Another version: the first value after the "v" key.
   std::vector<std::uint8_t> v3 = EncodeUcxSection(ValidSection());
-  ASSERT_EQ(v3[3], 0x02);  // fixmap, "v" (fixstr 0xa1 0x76), 2
+  ASSERT_EQ(v3[3], 0x01);  // fixmap, "v" (fixstr 0xa1 0x76), 1: segments unknown
   v3[3] = 0x03;
   EXPECT_EQ(DecodeUcxSection(v3).status().code(), StatusCode::kNotSupported);
 }
 
-// Version 2 carries the TCP segment sizes; a version 1 section (an older kvferry) still decodes,
-// with them unknown.
+// Every section carries the TCP segment sizes; it is version 2 only when the server sends larger
+// segments than a reader that knows nothing of them receives (UCX's default 64 KiB), so that such
+// a reader refuses it. A version 1 section of an older kvferry still decodes, sizes unknown.
 TEST(UcxSectionTest, TcpSegmentsRoundTripAndVersionOneHasThemUnknown) {
   UcxSection s = ValidSection();
-  s.tcp_segments = {8192, 262144};
-  Result<UcxSection> back = DecodeUcxSection(EncodeUcxSection(s));
-  ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(back->tcp_segments, (UcxTcpSegments{8192, 262144}));
+  for (const UcxTcpSegments& seg : {UcxTcpSegments{8192, 262144}, UcxTcpSegments{65536, 65536},
+                                    UcxTcpSegments{262144, 262144}, UcxTcpSegments{0, 0}}) {
+    s.tcp_segments = seg;
+    const std::vector<std::uint8_t> bytes = EncodeUcxSection(s);
+    EXPECT_EQ(bytes[3], seg.tx > 65536 ? 0x02 : 0x01) << seg.tx;  // the "v" value
+    Result<UcxSection> back = DecodeUcxSection(bytes);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(back->tcp_segments, seg);
+  }
   // Version 1: the same map without the two sizes.
   msgpack::sbuffer buffer;
   msgpack::packer<msgpack::sbuffer> pk(buffer);
@@ -139,7 +145,9 @@ TEST(UcxTcpSegmentsTest, MemunitsParseAsUcxWritesThem) {
   EXPECT_EQ(ParseUcxMemunits("1g"), 1u << 30);
   EXPECT_EQ(ParseUcxMemunits("262144"), 262144u);
   EXPECT_EQ(ParseUcxMemunits("100b"), 100u);
-  for (const char* unknown : {"", "auto", "inf", "K", "8Q", "99999999999999999999"}) {
+  // More than a section carries (1 GiB) is unknown, and nothing wraps around.
+  for (const char* unknown : {"", "auto", "inf", "K", "8Q", "99999999999999999999", "2G",
+                              "1099511627776", "17179869184G", "4194304M"}) {
     EXPECT_EQ(ParseUcxMemunits(unknown), 0u) << unknown;
   }
 }

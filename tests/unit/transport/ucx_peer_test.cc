@@ -242,7 +242,13 @@ TEST_P(UcxPeerTest, AnIdleConnectedPeerSpinsOnNeitherSide) {
   const auto ticks_per_second = static_cast<std::uint64_t>(sysconf(_SC_CLK_TCK));
   // A spinning thread would use the whole interval; issue 24 allows 2 % of a core on each side
   // (a process's ticks: its progress thread wakes every 50 ms, and the clock counts in 10 ms).
-  const std::uint64_t allowed = kSeconds * ticks_per_second * 2 / 100;
+  // Under the sanitizers each wake-up costs several times more: 5 % there.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  constexpr std::uint64_t kPercent = 5;
+#else
+  constexpr std::uint64_t kPercent = 2;
+#endif
+  const std::uint64_t allowed = kSeconds * ticks_per_second * kPercent / 100;
   const std::uint64_t self = CpuTicks(getpid()) - self_before;
   const std::uint64_t peer = CpuTicks(peer_.process->pid()) - peer_before;
   EXPECT_LE(self, allowed) << "the reader used " << self << " of " << kSeconds * ticks_per_second
@@ -292,6 +298,43 @@ TEST(UcxTcpSegmentPeerTest, APeerSendingLargerSegmentsIsRefusedAtConnectNotFatal
     ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
     (*t)->Release(*b);
     EXPECT_EQ(FirstPatternMismatch(local.data(), 1u << 20, kSeed, 0, 4096), -1);
+  }
+  unsetenv("UCX_TLS");
+}
+
+// kvferry's own sizes reach UCX (ucp_config_modify, which takes a key no transport knows without
+// complaint): a reader that sets nothing receives the 256 KiB segments of a server whose
+// environment sends them, where UCX's default 64 KiB rx would abort it.
+TEST(UcxTcpSegmentPeerTest, TheDefaultSegmentsAreTheOnesUcxUses) {
+  setenv("UCX_TLS", "tcp", 1);
+  setenv("UCX_TCP_TX_SEG_SIZE", "256K", 1);
+  setenv("UCX_TCP_RX_SEG_SIZE", "256K", 1);
+  const testing::BenchPeer peer = testing::StartBenchPeer(
+      {"--backend", "ucx", "--bytes", std::to_string(kPeerBytes), "--regions", "1"});
+  unsetenv("UCX_TCP_TX_SEG_SIZE");
+  unsetenv("UCX_TCP_RX_SEG_SIZE");
+  ASSERT_FALSE(peer.descriptor.empty());
+  TransportOptions o;
+  o.backend = "ucx";
+  o.serve = false;
+  Result<std::unique_ptr<Transport>> t = CreateTransport(o);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  LocalMemory local(8u << 20);
+  ASSERT_TRUE((*t)->RegisterMemory(100, local.data(), local.size()).ok());
+  Result<PeerId> p = (*t)->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  // Blocks of 256 KiB, each answered in segments as large as the server sends.
+  std::vector<ReadOp> ops;
+  for (std::uint64_t k = 0; k < 32; ++k) {
+    ops.push_back({local.data() + k * (256u << 10), 0, (k * 7 % 64) * (256u << 10), 256u << 10});
+  }
+  Result<BatchId> b = (*t)->SubmitReads(*p, ops, DeadlineAfter(milliseconds(10000)));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  const BatchResult r = (*t)->Wait(*b, DeadlineAfter(milliseconds(11000)));
+  ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+  (*t)->Release(*b);
+  for (const ReadOp& op : ops) {
+    ASSERT_EQ(FirstPatternMismatch(op.local, op.length, kSeed, 0, op.remote_offset), -1);
   }
   unsetenv("UCX_TLS");
 }
