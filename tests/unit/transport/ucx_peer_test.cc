@@ -257,86 +257,85 @@ TEST_P(UcxPeerTest, AnIdleConnectedPeerSpinsOnNeitherSide) {
                            << kSeconds * ticks_per_second << " clock ticks while idle";
 }
 
-// A peer whose UCX sends larger TCP segments than this process receives would abort this process
-// on the first reply (UCX asserts); it is refused at Connect instead, saying what to set, and a
-// peer with matching sizes is read.
-TEST(UcxTcpSegmentPeerTest, APeerSendingLargerSegmentsIsRefusedAtConnectNotFatal) {
-  setenv("UCX_TLS", "tcp", 1);
-  setenv("UCX_TCP_TX_SEG_SIZE", "512K", 1);
-  setenv("UCX_TCP_RX_SEG_SIZE", "512K", 1);
-  const testing::BenchPeer peer = testing::StartBenchPeer(
-      {"--backend", "ucx", "--bytes", std::to_string(kPeerBytes), "--regions", "1"});
-  unsetenv("UCX_TCP_TX_SEG_SIZE");
-  unsetenv("UCX_TCP_RX_SEG_SIZE");
-  ASSERT_FALSE(peer.descriptor.empty());
-  TransportOptions o;
-  o.backend = "ucx";
-  o.serve = false;
-  for (const char* rx : {static_cast<const char*>(nullptr), "512K"}) {
+// Over UCX_TLS=tcp, a serving peer whose environment sets both TCP segment sizes to `size`, and
+// readers whose environment sets UCX_TCP_RX_SEG_SIZE to `rx` (nullptr: unset, kvferry's own).
+class UcxTcpSegmentPeerTest : public ::testing::Test {
+ protected:
+  void StartPeer(const char* size) {
+    setenv("UCX_TLS", "tcp", 1);
+    setenv("UCX_TCP_TX_SEG_SIZE", size, 1);
+    setenv("UCX_TCP_RX_SEG_SIZE", size, 1);
+    peer_ = testing::StartBenchPeer(
+        {"--backend", "ucx", "--bytes", std::to_string(kPeerBytes), "--regions", "1"});
+    unsetenv("UCX_TCP_TX_SEG_SIZE");
+    unsetenv("UCX_TCP_RX_SEG_SIZE");
+    ASSERT_FALSE(peer_.descriptor.empty());
+  }
+  void TearDown() override { unsetenv("UCX_TLS"); }
+
+  // A reader of `local` (region 100) and its Connect to the peer.
+  Result<PeerId> Connect(const char* rx, LocalMemory& local) {
     if (rx != nullptr) setenv("UCX_TCP_RX_SEG_SIZE", rx, 1);
+    TransportOptions o;
+    o.backend = "ucx";
+    o.serve = false;
     Result<std::unique_ptr<Transport>> t = CreateTransport(o);
     unsetenv("UCX_TCP_RX_SEG_SIZE");
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
-    LocalMemory local(1u << 20);
-    ASSERT_TRUE((*t)->RegisterMemory(100, local.data(), local.size()).ok());
-    Result<PeerId> p = (*t)->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
-    if (rx == nullptr) {
-      // kvferry's default here (256 KiB) is smaller than the peer's 512 KiB.
-      ASSERT_FALSE(p.ok());
-      EXPECT_EQ(p.status().code(), StatusCode::kUnavailable) << p.status().ToString();
-      EXPECT_THAT(p.status().message(),
-                  ::testing::HasSubstr("sends TCP segments of 524288 bytes and this process's "
-                                       "receives at most 262144"));
-      EXPECT_THAT(p.status().message(), ::testing::HasSubstr("UCX_TCP_RX_SEG_SIZE"));
-      continue;
-    }
-    ASSERT_TRUE(p.ok()) << p.status().ToString();
-    const std::vector<ReadOp> ops = {{local.data(), 0, 4096, 1u << 20}};
-    Result<BatchId> b = (*t)->SubmitReads(*p, ops, DeadlineAfter(milliseconds(10000)));
-    ASSERT_TRUE(b.ok()) << b.status().ToString();
-    const BatchResult r = (*t)->Wait(*b, DeadlineAfter(milliseconds(11000)));
-    ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
-    (*t)->Release(*b);
-    EXPECT_EQ(FirstPatternMismatch(local.data(), 1u << 20, kSeed, 0, 4096), -1);
+    if (!t.ok()) return t.status();
+    reader_ = std::move(t).value();
+    KVFERRY_RETURN_IF_ERROR(reader_->RegisterMemory(100, local.data(), local.size()));
+    return reader_->Connect(peer_.descriptor, DeadlineAfter(milliseconds(5000)));
   }
-  unsetenv("UCX_TLS");
+
+  // Reads `ops` from region 0 and checks every byte.
+  void ExpectRead(PeerId peer, const std::vector<ReadOp>& ops) {
+    Result<BatchId> b = reader_->SubmitReads(peer, ops, DeadlineAfter(milliseconds(10000)));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    const BatchResult r = reader_->Wait(*b, DeadlineAfter(milliseconds(11000)));
+    ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+    reader_->Release(*b);
+    for (const ReadOp& op : ops) {
+      ASSERT_EQ(FirstPatternMismatch(op.local, op.length, kSeed, 0, op.remote_offset), -1);
+    }
+  }
+
+  testing::BenchPeer peer_;
+  std::unique_ptr<Transport> reader_;
+};
+
+// A peer whose UCX sends larger TCP segments than this process receives would abort this process
+// on the first reply (UCX asserts); it is refused at Connect instead, saying what to set, and a
+// reader with matching sizes reads it.
+TEST_F(UcxTcpSegmentPeerTest, APeerSendingLargerSegmentsIsRefusedAtConnectNotFatal) {
+  ASSERT_NO_FATAL_FAILURE(StartPeer("512K"));
+  LocalMemory local(1u << 20);
+  // kvferry's default here (256 KiB) is smaller than the peer's 512 KiB.
+  const Result<PeerId> refused = Connect(nullptr, local);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status().ToString();
+  EXPECT_THAT(refused.status().message(),
+              ::testing::HasSubstr("sends TCP segments of 524288 bytes and this process's "
+                                   "receives at most 262144"));
+  EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("UCX_TCP_RX_SEG_SIZE"));
+  const Result<PeerId> matching = Connect("512K", local);
+  ASSERT_TRUE(matching.ok()) << matching.status().ToString();
+  ExpectRead(*matching, {{local.data(), 0, 4096, 1u << 20}});
 }
 
 // kvferry's own sizes reach UCX (ucp_config_modify, which takes a key no transport knows without
 // complaint): a reader that sets nothing receives the 256 KiB segments of a server whose
 // environment sends them, where UCX's default 64 KiB rx would abort it.
-TEST(UcxTcpSegmentPeerTest, TheDefaultSegmentsAreTheOnesUcxUses) {
-  setenv("UCX_TLS", "tcp", 1);
-  setenv("UCX_TCP_TX_SEG_SIZE", "256K", 1);
-  setenv("UCX_TCP_RX_SEG_SIZE", "256K", 1);
-  const testing::BenchPeer peer = testing::StartBenchPeer(
-      {"--backend", "ucx", "--bytes", std::to_string(kPeerBytes), "--regions", "1"});
-  unsetenv("UCX_TCP_TX_SEG_SIZE");
-  unsetenv("UCX_TCP_RX_SEG_SIZE");
-  ASSERT_FALSE(peer.descriptor.empty());
-  TransportOptions o;
-  o.backend = "ucx";
-  o.serve = false;
-  Result<std::unique_ptr<Transport>> t = CreateTransport(o);
-  ASSERT_TRUE(t.ok()) << t.status().ToString();
+TEST_F(UcxTcpSegmentPeerTest, TheDefaultSegmentsAreTheOnesUcxUses) {
+  ASSERT_NO_FATAL_FAILURE(StartPeer("256K"));
   LocalMemory local(8u << 20);
-  ASSERT_TRUE((*t)->RegisterMemory(100, local.data(), local.size()).ok());
-  Result<PeerId> p = (*t)->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+  const Result<PeerId> p = Connect(nullptr, local);
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   // Blocks of 256 KiB, each answered in segments as large as the server sends.
   std::vector<ReadOp> ops;
   for (std::uint64_t k = 0; k < 32; ++k) {
     ops.push_back({local.data() + k * (256u << 10), 0, (k * 7 % 64) * (256u << 10), 256u << 10});
   }
-  Result<BatchId> b = (*t)->SubmitReads(*p, ops, DeadlineAfter(milliseconds(10000)));
-  ASSERT_TRUE(b.ok()) << b.status().ToString();
-  const BatchResult r = (*t)->Wait(*b, DeadlineAfter(milliseconds(11000)));
-  ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
-  (*t)->Release(*b);
-  for (const ReadOp& op : ops) {
-    ASSERT_EQ(FirstPatternMismatch(op.local, op.length, kSeed, 0, op.remote_offset), -1);
-  }
-  unsetenv("UCX_TLS");
+  ExpectRead(*p, ops);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxPeerTest, ::testing::Values("default", "tcp", "sm_self"),
