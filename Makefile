@@ -126,12 +126,14 @@ tsa: deps
 	  -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety"
 	python3 scripts/syntax_only.py $(TSA_BUILD)/compile_commands.json $(JOBS)
 
-# libFuzzer targets built with clang, each run for FUZZ_SECONDS from the committed seeds, JOBS of
-# them at a time (each fuzzer is one process on one core). A crash leaves its input in
+# libFuzzer targets built with clang at -O1 (libFuzzer's own recommendation; faster to build than
+# -O2), each run for FUZZ_SECONDS from the committed seeds, JOBS of them at a time (each fuzzer is
+# one process on one core). A crash leaves its input in
 # $(FUZZ_BUILD)/findings/ and fails the target. Only the targets and the libraries they link are
 # built (not the CLI, the engine or the control library).
 fuzz: deps
-	CC=clang CXX=clang++ $(CMAKE_CONFIGURE) -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_FUZZ=ON
+	CC=clang CXX=clang++ $(CMAKE_CONFIGURE) -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_FUZZ=ON \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g -DNDEBUG"
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(addprefix fuzz_,$(FUZZ_TARGETS))
 	@mkdir -p $(FUZZ_BUILD)/findings
 	@printf '%s\n' $(FUZZ_TARGETS) | xargs -P $(JOBS) -I{} sh -c '\
