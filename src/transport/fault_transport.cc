@@ -15,6 +15,14 @@ std::uint64_t FaultInjectingTransport::faults_injected() const {
   return injected_;
 }
 
+bool FaultInjectingTransport::WaitFaultsInjected(std::uint64_t n, Deadline deadline) const {
+  MutexLock lock(mu_);
+  while (injected_ < n) {
+    if (injected_cv_.WaitUntil(mu_, deadline)) return injected_ >= n;
+  }
+  return true;
+}
+
 Result<BatchId> FaultInjectingTransport::SubmitReads(PeerId peer, std::vector<ReadOp> ops,
                                                      Deadline deadline) {
   const FaultRule* rule = nullptr;
@@ -25,6 +33,7 @@ Result<BatchId> FaultInjectingTransport::SubmitReads(PeerId peer, std::vector<Re
       if (r->match && r->match(seq, peer)) {
         rule = r.get();
         ++injected_;
+        injected_cv_.SignalAll();
         break;
       }
     }

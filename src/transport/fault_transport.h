@@ -51,6 +51,8 @@ class FaultInjectingTransport final : public Transport {
   void AddRule(FaultRule rule) EXCLUDES(mu_);
   /// How many batches a rule has been applied to.
   std::uint64_t faults_injected() const EXCLUDES(mu_);
+  /// Waits until a rule has been applied to at least `n` batches; false at `deadline` if not.
+  bool WaitFaultsInjected(std::uint64_t n, Deadline deadline) const EXCLUDES(mu_);
 
   using Transport::RegisterMemory;
   Status RegisterMemory(RegionId id, void* addr, std::size_t length, MemoryKind kind) override {
@@ -94,6 +96,7 @@ class FaultInjectingTransport final : public Transport {
   BatchId next_ GUARDED_BY(mu_) = 1;
   std::uint64_t seq_ GUARDED_BY(mu_) = 0;
   std::uint64_t injected_ GUARDED_BY(mu_) = 0;
+  mutable CondVar injected_cv_;  // signalled when injected_ grows
   std::uint64_t disconnects_ GUARDED_BY(mu_) = 0;
 };
 

@@ -94,11 +94,7 @@ TEST(ConnectorHardeningTest, OneSlowLoadFailsAloneNotTheOtherLoadsFromItsPeer) {
       });
   ASSERT_NE(faults, nullptr);
   auto wait_injected = [&](std::uint64_t n) {
-    const Deadline deadline = DeadlineAfter(milliseconds(10000));
-    while (faults->faults_injected() < n && Clock::now() < deadline) {
-      std::this_thread::sleep_for(milliseconds(2));
-    }
-    return faults->faults_injected() >= n;
+    return faults->WaitFaultsInjected(n, DeadlineAfter(milliseconds(10000)));
   };
   const Params healthy = prefill.Hold("req-healthy", 4);
   const Params slow = prefill.Hold("req-slow", 3);
@@ -209,10 +205,7 @@ TEST(ConnectorHardeningTest, AbortLoadDoesNotHoldTheWorkerWhileCancelling) {
   ASSERT_NE(slow, nullptr);
   const Params p = prefill.Hold("req-a", 2);
   ASSERT_TRUE(decode.Load("req-a", prefill, p).ok());
-  const Deadline submitted = DeadlineAfter(milliseconds(10000));
-  while (faults->faults_injected() < 1 && Clock::now() < submitted) {
-    std::this_thread::sleep_for(milliseconds(2));
-  }
+  ASSERT_TRUE(faults->WaitFaultsInjected(1, DeadlineAfter(milliseconds(10000))));
   ASSERT_EQ(faults->faults_injected(), 1u);
   std::thread aborter(
       [&] { EXPECT_TRUE(decode.worker(0).AbortLoad("req-a", "client gone").ok()); });
@@ -256,10 +249,8 @@ TEST(ConnectorHardeningTest, AnAbortedLoadDoesNotTakeItsPeerDownForTheOthers) {
   const Params b = prefill.Hold("req-b", 4);
   ASSERT_TRUE(decode.Load("req-a", prefill, a).ok());
   ASSERT_TRUE(decode.Load("req-b", prefill, b).ok());
-  const Deadline submitted = DeadlineAfter(milliseconds(10000));
-  while (faults->faults_injected() < 2 && Clock::now() < submitted) {
-    std::this_thread::sleep_for(milliseconds(2));
-  }
+  ASSERT_TRUE(faults->WaitFaultsInjected(2, DeadlineAfter(milliseconds(10000))))
+      << "both loads' reads should be in flight";
   ASSERT_EQ(faults->faults_injected(), 2u) << "both loads' reads should be in flight";
   ASSERT_TRUE(decode.worker(0).AbortLoad("req-a", "client gone").ok());
   ASSERT_TRUE(decode.WaitReceived("req-a", {}, milliseconds(10000)));
