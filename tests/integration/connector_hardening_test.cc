@@ -316,7 +316,7 @@ TEST(ConnectorHardeningTest, ALeaseRenewalCannotPinBlocksPastTheInstancesLease) 
   DecodeInstance decode("mha", 1);
   prefill.Hold("req-pinned", 2);
   sidechannel::Client client(sidechannel::ClientOptions{});
-  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  const std::string endpoint = prefill.endpoint();
   const std::uint32_t a_week_ms = 7u * 24 * 3600 * 1000;
   Result<wire::Message> r =
       client.Call(endpoint, wire::LeaseRenewal{{"decode-0", 0, 0}, {"req-pinned"}, a_week_ms},
@@ -333,7 +333,7 @@ TEST(ConnectorHardeningTest, EarlyNoticesAreCapped) {
   PrefillProcess prefill("mha", 1, "prefill-0", 60000);
   DecodeInstance decode("mha", 1);
   sidechannel::Client client(sidechannel::ClientOptions{});
-  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  const std::string endpoint = prefill.endpoint();
   std::vector<std::string> ids;
   for (int i = 0; i < 20000; ++i) ids.push_back("unknown-" + std::to_string(i));
   Result<wire::Message> r = client.Call(endpoint, wire::FinishedNotice{{"decode-0", 0, 0}, ids, 1},

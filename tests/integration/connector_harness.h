@@ -216,6 +216,8 @@ class PrefillProcess {
   }
   void Signal(int sig) { process_->Signal(sig); }
   int base_port() const { return base_port_; }
+  /// Rank 0's side channel, as a reader reaches it.
+  std::string endpoint() const { return "tcp://127.0.0.1:" + std::to_string(base_port_); }
   const std::string& engine() const { return engine_; }
 
  private:

@@ -81,9 +81,9 @@ TEST(ConnectorTest, PrefillRankWaitsForAllItsReaders) {
   // the two count once): its ack means the prefill rank has handled it, and the hold must still
   // be there, waiting for decode rank 1.
   sidechannel::Client client(sidechannel::ClientOptions{});
-  Result<wire::Message> ack = client.Call("tcp://127.0.0.1:" + std::to_string(prefill.base_port()),
-                                          wire::FinishedNotice{{"decode-0", 0, 0}, {"req-a"}, 2},
-                                          DeadlineAfter(milliseconds(2000)));
+  Result<wire::Message> ack =
+      client.Call(prefill.endpoint(), wire::FinishedNotice{{"decode-0", 0, 0}, {"req-a"}, 2},
+                  DeadlineAfter(milliseconds(2000)));
   ASSERT_TRUE(ack.ok()) << ack.status().ToString();
   ASSERT_TRUE(std::holds_alternative<wire::Ack>(*ack));
   EXPECT_EQ(prefill.Stats(), "STATS holds=1 allocated=6") << "freed while a reader had not read";
@@ -347,7 +347,7 @@ TEST(ConnectorTest, LeaseRenewalsKeepAHoldAndAbortEndsItEarly) {
   DecodeInstance decode("mha", 1);
   prefill.Hold("req-slow", 2);
   sidechannel::Client client(sidechannel::ClientOptions{});
-  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  const std::string endpoint = prefill.endpoint();
   for (int i = 0; i < 8; ++i) {  // a slow but alive decode side, renewing for 800 ms
     Result<wire::Message> r =
         client.Call(endpoint, wire::LeaseRenewal{{"decode-0", 0, 0}, {"req-slow"}, 300},
@@ -372,7 +372,7 @@ TEST(ConnectorTest, EarlyFinishedNoticeIsKept) {
   PrefillProcess prefill("mha", 1, "prefill-0", 60000);
   DecodeInstance decode("mha", 1);
   sidechannel::Client client(sidechannel::ClientOptions{});
-  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  const std::string endpoint = prefill.endpoint();
   // The notice for the request arrives before the prefill side registers its hold.
   ASSERT_TRUE(client
                   .Call(endpoint, wire::FinishedNotice{{"decode-0", 0, 0}, {"req-early"}, 1},
@@ -388,7 +388,7 @@ TEST(ConnectorTest, ForgedNoticesWithoutTheSecretChangeNothing) {
   DecodeInstance decode("mha", 1, "the-secret");
   prefill.Hold("req-s", 3);
   sidechannel::Client intruder(sidechannel::ClientOptions{});  // no secret
-  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  const std::string endpoint = prefill.endpoint();
   EXPECT_EQ(intruder
                 .Call(endpoint, wire::AbortNotice{{"x", 0, 0}, {"req-s"}, "forged"},
                       DeadlineAfter(milliseconds(1000)))

@@ -235,9 +235,9 @@ TEST(LayerwiseTest, ConfirmationAfterTheRequestEndedWithoutAHoldIsRefused) {
   prefill.Abort("r");  // ended, blocks freed
   // A reader that read it all before the abort now confirms: refused, its bytes are not safe.
   sidechannel::Client client(sidechannel::ClientOptions{});
-  Result<wire::Message> confirm = client.Call(
-      "tcp://127.0.0.1:" + std::to_string(prefill.base_port()),
-      wire::FinishedNotice{{"decode-0", 0, 0}, {"x"}, 1}, DeadlineAfter(milliseconds(2000)));
+  Result<wire::Message> confirm =
+      client.Call(prefill.endpoint(), wire::FinishedNotice{{"decode-0", 0, 0}, {"x"}, 1},
+                  DeadlineAfter(milliseconds(2000)));
   EXPECT_EQ(confirm.status().code(), StatusCode::kNotFound) << confirm.status().ToString();
   EXPECT_THAT(confirm.status().message(), HasSubstr("must not be used"));
   // A reader that subscribes only now is told the transfer ended.
@@ -329,7 +329,7 @@ TEST(LayerwiseHostileTest, BadAnnouncementsAreRefusedAndTheLoadCompletes) {
 TEST(LayerwiseHostileTest, SubscriptionsAPeerCanMakeAreBounded) {
   PrefillProcess prefill("mha", 1, "prefill-0", 60000);
   sidechannel::Client client(sidechannel::ClientOptions{});
-  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(prefill.base_port());
+  const std::string endpoint = prefill.endpoint();
   auto subscribe = [&](const std::string& xfer, std::uint32_t tp_rank) {
     return client.Call(
         endpoint, wire::Subscribe{{"decode-x", 0, tp_rank}, xfer, 256, "tcp://127.0.0.1:1", 60000},
