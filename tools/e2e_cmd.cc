@@ -82,6 +82,17 @@ double BaselineGbps(const Json& baselines, const std::string& transport) {
   return 0;
 }
 
+// Runs gnuplot on `script`, which draws from `data`, and removes both.
+Status RunGnuplot(const std::string& script, const std::string& data) {
+  const std::string cmd = "gnuplot " + script;
+  if (std::system(cmd.c_str()) != 0) {  // NOLINT(concurrency-mt-unsafe): one thread here
+    return Status::Internal("gnuplot failed; is gnuplot installed (make deps)?");
+  }
+  std::filesystem::remove(data);
+  std::filesystem::remove(script);
+  return Status::Ok();
+}
+
 // Two panels against prompt length, of what kvferry does per request: the transfer time in the
 // connector (p50, p99), and the rate (bytes / transfer time: p50, p10) under the transport's own
 // rate measured in the same run.
@@ -120,13 +131,7 @@ Status WriteChart(const E2eArgs& a, const Json& points, const Json& baselines) {
     gp << "\nunset multiplot\n";
     if (!gp) return Status::Internal("cannot write " + script);
   }
-  const std::string cmd = "gnuplot " + script;
-  if (std::system(cmd.c_str()) != 0) {  // NOLINT(concurrency-mt-unsafe): one thread here
-    return Status::Internal("gnuplot failed; is gnuplot installed (make deps)?");
-  }
-  std::filesystem::remove(data);
-  std::filesystem::remove(script);
-  return Status::Ok();
+  return RunGnuplot(script, data);
 }
 
 // Two panels against prompt length, whole-request and layer-wise side by side: TTFT p50, and the
@@ -169,13 +174,7 @@ Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
        << "unset multiplot\n";
     if (!gp) return Status::Internal("cannot write " + script);
   }
-  const std::string cmd = "gnuplot " + script;
-  if (std::system(cmd.c_str()) != 0) {  // NOLINT(concurrency-mt-unsafe): one thread here
-    return Status::Internal("gnuplot failed; is gnuplot installed (make deps)?");
-  }
-  std::filesystem::remove(data);
-  std::filesystem::remove(script);
-  return Status::Ok();
+  return RunGnuplot(script, data);
 }
 
 int RunE2e(const E2eArgs& a) {
