@@ -15,10 +15,10 @@
 #include <functional>
 #include <map>
 #include <mutex>
-#include <string>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <string>
 #include <thread>
 
 #include "common/clock.h"
