@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <tuple>
@@ -76,12 +78,54 @@ py::dict ParamsToDict(const KvTransferParams& p) {
   return d;
 }
 
+// The Python object of a Worker. close() destroys the worker while Python still holds the
+// object (vLLM's shutdown): its listener, loads and threads are stopped and joined before close()
+// returns, unless a call is still running on another Python thread, whose end then finishes the
+// destruction. Every later call raises UnavailableError; close() again does nothing.
+class PyWorker {
+ public:
+  explicit PyWorker(std::unique_ptr<Worker> worker) : worker_(std::move(worker)) {}
+
+  std::shared_ptr<Worker> Get() const {
+    std::shared_ptr<Worker> w;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      w = worker_;
+    }
+    if (!w) {
+      ThrowIfError(Status::Unavailable(
+          "this kvferry Worker was closed (close() or the connector's shutdown); make a new one"));
+    }
+    return w;
+  }
+
+  void Close() {
+    std::shared_ptr<Worker> w;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      w.swap(worker_);
+    }
+    py::gil_scoped_release release;  // the destructor joins threads that never take the GIL
+    w.reset();
+  }
+
+  bool closed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return worker_ == nullptr;
+  }
+
+ private:
+  mutable std::mutex mu_;  // guards worker_ (the pointer; the Worker is thread-safe itself)
+  std::shared_ptr<Worker> worker_;
+};
+
 FinishReason ParseReason(const std::string& r) {
   if (r == "length" || r == "FINISHED_LENGTH_CAPPED" || r == "length_capped") {
     return FinishReason::kLengthCapped;
   }
   if (r == "stop" || r == "FINISHED_STOPPED") return FinishReason::kStopped;
   if (r == "abort" || r == "FINISHED_ABORTED") return FinishReason::kAborted;
+  if (r == "preempted" || r == "PREEMPTED") return FinishReason::kPreempted;
   return FinishReason::kError;
 }
 
@@ -360,7 +404,7 @@ PYBIND11_MODULE(_kvferry, m) {
           },
           py::arg("request_id"), py::arg("params"), py::arg("reason"), py::arg("block_ids"));
 
-  py::class_<Worker>(m, "Worker", "The worker side, one per TP worker. Thread-safe.")
+  py::class_<PyWorker>(m, "Worker", "The worker side, one per TP worker. Thread-safe.")
       .def(py::init([](const std::string& role, const std::string& engine_id, int tp_size,
                        int tp_rank, int dp_rank, const std::string& host, int base_port,
                        const std::string& secret, const std::string& transport,
@@ -397,7 +441,7 @@ PYBIND11_MODULE(_kvferry, m) {
                py::gil_scoped_release release;
                return Worker::Create(std::move(c));
              }();
-             return Unwrap(std::move(worker));
+             return std::make_unique<PyWorker>(Unwrap(std::move(worker)));
            }),
            py::arg("role"), py::arg("engine_id"), py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
            py::arg("dp_rank") = 0, py::arg("host") = "127.0.0.1", py::arg("base_port") = 5557,
@@ -408,8 +452,10 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("transport_options") = std::map<std::string, std::string>{})
       .def(
           "register_kv_caches",
-          [](Worker& w, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
+          [](PyWorker& pw, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
              const std::string& memory) {
+            const std::shared_ptr<Worker> keep = pw.Get();
+            Worker& w = *keep;
             const MemoryKind kind = Unwrap(ParseMemoryKind(memory));
             Status s;
             {
@@ -420,7 +466,9 @@ PYBIND11_MODULE(_kvferry, m) {
           },
           py::arg("spec"), py::arg("bases"), py::arg("memory") = "host")
       .def("start_load_kv",
-           [](Worker& w, const py::bytes& metadata) {
+           [](PyWorker& pw, const py::bytes& metadata) {
+             const std::shared_ptr<Worker> keep = pw.Get();
+             Worker& w = *keep;
              const std::string b = metadata;
              ConnectorMetadata md = Unwrap(ConnectorMetadata::Decode(
                  std::span(reinterpret_cast<const std::uint8_t*>(b.data()), b.size())));
@@ -429,7 +477,9 @@ PYBIND11_MODULE(_kvferry, m) {
            })
       .def(
           "save_kv_layer",
-          [](Worker& w, int layer, std::uint64_t stream) {
+          [](PyWorker& pw, int layer, std::uint64_t stream) {
+            const std::shared_ptr<Worker> keep = pw.Get();
+            Worker& w = *keep;
             Status s;
             {
               py::gil_scoped_release release;
@@ -439,7 +489,9 @@ PYBIND11_MODULE(_kvferry, m) {
           },
           py::arg("layer"), py::arg("stream") = 0)
       .def("get_finished",
-           [](Worker& w) {
+           [](PyWorker& pw) {
+             const std::shared_ptr<Worker> keep = pw.Get();
+             Worker& w = *keep;
              FinishedRequests f;
              {
                py::gil_scoped_release release;
@@ -449,7 +501,9 @@ PYBIND11_MODULE(_kvferry, m) {
                                    std::set<std::string>(f.receiving.begin(), f.receiving.end()));
            })
       .def("take_load_errors",
-           [](Worker& w) {
+           [](PyWorker& pw) {
+             const std::shared_ptr<Worker> keep = pw.Get();
+             Worker& w = *keep;
              std::vector<LoadError> errors;
              {
                py::gil_scoped_release release;
@@ -468,7 +522,9 @@ PYBIND11_MODULE(_kvferry, m) {
              return out;
            })
       .def("take_load_transfers",
-           [](Worker& w) {
+           [](PyWorker& pw) {
+             const std::shared_ptr<Worker> keep = pw.Get();
+             Worker& w = *keep;
              std::vector<LoadTransfer> transfers;
              {
                py::gil_scoped_release release;
@@ -486,7 +542,9 @@ PYBIND11_MODULE(_kvferry, m) {
            })
       .def(
           "abort_load",
-          [](Worker& w, const std::string& request_id, const std::string& reason) {
+          [](PyWorker& pw, const std::string& request_id, const std::string& reason) {
+            const std::shared_ptr<Worker> keep = pw.Get();
+            Worker& w = *keep;
             Status s;
             {
               py::gil_scoped_release release;
@@ -498,7 +556,9 @@ PYBIND11_MODULE(_kvferry, m) {
           },
           py::arg("request_id"), py::arg("reason") = "aborted by the engine")
       .def("stats",
-           [](Worker& w) {
+           [](PyWorker& pw) {
+             const std::shared_ptr<Worker> keep = pw.Get();
+             Worker& w = *keep;
              WorkerStats s;
              {
                py::gil_scoped_release release;
@@ -522,7 +582,9 @@ PYBIND11_MODULE(_kvferry, m) {
            })
       .def(
           "metrics",
-          [](Worker& w) {
+          [](PyWorker& pw) {
+            const std::shared_ptr<Worker> keep = pw.Get();
+            Worker& w = *keep;
             WorkerMetrics m;
             {
               py::gil_scoped_release release;
@@ -533,7 +595,9 @@ PYBIND11_MODULE(_kvferry, m) {
           "A snapshot of every counter, gauge and latency histogram (docs/observability.md)")
       .def(
           "metrics_text",
-          [](Worker& w) {
+          [](PyWorker& pw) {
+            const std::shared_ptr<Worker> keep = pw.Get();
+            Worker& w = *keep;
             std::string text;
             {
               py::gil_scoped_release release;
@@ -543,5 +607,9 @@ PYBIND11_MODULE(_kvferry, m) {
             return text;
           },
           "The metrics snapshot in the Prometheus text format (0.0.4)")
-      .def_property_readonly("listener_endpoint", &Worker::listener_endpoint);
+      .def_property_readonly("listener_endpoint",
+                             [](const PyWorker& pw) { return pw.Get()->listener_endpoint(); })
+      .def("close", &PyWorker::Close,
+           "Stops the worker and joins its threads (vLLM's shutdown); a second call does nothing")
+      .def_property_readonly("closed", &PyWorker::closed);
 }

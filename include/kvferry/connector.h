@@ -53,6 +53,10 @@ enum class FinishReason : std::uint8_t {
   kStopped = 1,       ///< stopped on a stop token or string
   kAborted = 2,       ///< cancelled by the client or the engine
   kError = 3,
+  /// preempted by the engine (vLLM's preempted_req_ids): its blocks are freed now and it will be
+  /// recomputed; a layer-wise prefill leg's transfer ends at once (its readers fail), and no
+  /// hold is made.
+  kPreempted = 4,
 };
 
 /// One load the decode side's worker must perform: remote blocks into local ones.

@@ -25,9 +25,17 @@ namespace kvferry {
 enum class Role : std::uint8_t {
   kPrefill = 0,  ///< vLLM kv_role "kv_producer"
   kDecode = 1,   ///< vLLM kv_role "kv_consumer"
+  /// vLLM kv_role "kv_both": one instance that is the prefill side of some requests and the
+  /// decode side of others, each request's kv_transfer_params saying which (do_remote_decode:
+  /// it serves the request's KV; do_remote_prefill: it loads it). Its workers serve and read.
+  kBoth = 2,
 };
-const char* RoleName(Role role);  // "prefill", "decode"
-/// Accepts "prefill", "decode", "kv_producer", "kv_consumer". Anything else is InvalidArgument.
+const char* RoleName(Role role);  // "prefill", "decode", "both"
+/// Whether a worker of this role serves KV to readers (prefill, both) or reads KV (decode, both).
+inline bool ServesKv(Role role) { return role != Role::kDecode; }
+inline bool ReadsKv(Role role) { return role != Role::kPrefill; }
+/// Accepts "prefill", "decode", "both", "kv_producer", "kv_consumer", "kv_both". Anything else is
+/// InvalidArgument.
 Result<Role> ParseRole(std::string_view name);
 
 /// One device (one TP worker) of the table. Numbers that the reference's generator writes as
@@ -62,7 +70,8 @@ class RankTable {
   const std::vector<DeviceEntry>& prefill() const { return prefill_; }
   const std::vector<DeviceEntry>& decode() const { return decode_; }
   const std::vector<DeviceEntry>& List(Role role) const {
-    return role == Role::kPrefill ? prefill_ : decode_;
+    // An instance of both roles has its devices in the prefill list (it serves KV).
+    return role == Role::kDecode ? decode_ : prefill_;
   }
 
   /// DESIGN rule 5: the entry of the worker at TP rank `tp_rank` on host `server_id`, counting

@@ -44,6 +44,7 @@ from . import _kvferry
 from . import vllm_ascend
 from .vllm_hostcopy import copy_blocks
 from .vllm_layout import host_mirrors, is_host_tensor, read_caches, tensor_info
+from .vllm_stats import KvferryConnectorStats, KvferryPromMetrics, StatsTaker
 
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
@@ -53,20 +54,11 @@ try:  # pragma: no cover - depends on the environment
 except Exception:  # vLLM absent: standalone
     _Base = object
     _MetaBase = object
-try:  # pragma: no cover - depends on the vLLM version
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore
-        KVConnectorStats as _StatsBase,
-    )
-except Exception:
-    _StatsBase = object
-
 logger = logging.getLogger("kvferry.vllm")
 
 _MAX_ID_BYTES = 1024  # the wire format's bound on request, engine and host names
 _MAX_BLOCKS = 1 << 22
 _MAX_TP = 1 << 16
-_STAT_COUNTERS = ("bytes_read", "reads", "merged_runs", "loads_done", "loads_failed",
-                  "handshakes", "failures")
 
 
 class KvferryConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
@@ -74,38 +66,19 @@ class KvferryConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
     metadata as bytes, the requests whose loads vLLM waits for in finished_recving and, for
     host-buffer mode, each such load's local block ids (`load_blocks`) and the prefill requests
     whose prompt completes this step with the blocks to copy device->host (`saves`), and the
-    layer-wise prefill requests this step writes with their blocks (`layerwise`)."""
+    layer-wise prefill requests this step writes with their blocks (`layerwise`), and the
+    requests vLLM preempted in this step (`preempted`, SchedulerOutput.preempted_req_ids, which
+    today's vLLM hands the workers only through this metadata: handle_preemptions)."""
 
     def __init__(self, data: bytes = b"", awaited: tuple[str, ...] = (),
                  load_blocks: Optional[dict] = None, saves: Optional[dict] = None,
-                 layerwise: Optional[dict] = None):
+                 layerwise: Optional[dict] = None, preempted: tuple[str, ...] = ()):
         self.data = data
         self.awaited = tuple(awaited)
         self.load_blocks = dict(load_blocks or {})
         self.saves = dict(saves or {})
         self.layerwise = dict(layerwise or {})
-
-
-class KvferryConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
-    """kvferry's worker counters for one interval, summed over workers (vLLM's KVConnectorStats
-    contract: data, reset, aggregate, reduce, is_empty)."""
-
-    def __init__(self, data: Optional[dict] = None):
-        self.data = dict(data or {})
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: "KvferryConnectorStats") -> "KvferryConnectorStats":
-        for key, value in (getattr(other, "data", None) or {}).items():
-            self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
+        self.preempted = tuple(preempted)
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -213,12 +186,19 @@ class _Settings:
         extra = dict(_get(ktc, "kv_connector_extra_config", {}) or {})
         self.extra = extra
         self.kv_role = _get(ktc, "kv_role", "kv_producer")
-        if self.kv_role not in ("kv_producer", "kv_consumer"):
+        roles = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+        if self.kv_role not in roles:
             raise _kvferry.InvalidArgumentError(
-                f"kv_role must be kv_producer (prefill) or kv_consumer (decode), found {self.kv_role!r}")
-        self.native_role = "prefill" if self.kv_role == "kv_producer" else "decode"
+                "kv_role must be kv_producer (prefill), kv_consumer (decode) or kv_both (each "
+                f"request's kv_transfer_params decide), found {self.kv_role!r}")
+        # kv_both: the prefill side of requests with do_remote_decode and the decode side of
+        # those with do_remote_prefill, on the same caches (its workers serve and read).
+        self.native_role = roles[self.kv_role]
+        self.serves = self.native_role in ("prefill", "both")
+        self.reads = self.native_role in ("decode", "both")
         # kvferry's id of this instance: a decode instance's is distinct from any prefill's,
-        # so both may be given one engine_id (vllm_ascend.internal_engine_id).
+        # so both may be given one engine_id (vllm_ascend.internal_engine_id); a kv_both
+        # instance is named as a prefill one, since decode instances read from it by that name.
         self.engine_id = vllm_ascend.internal_engine_id(
             str(_get(ktc, "engine_id", "") or extra.get("engine_id", "kvferry-0")),
             self.native_role)
@@ -317,7 +297,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._holds: set[str] = set()  # worker: holds not yet reported as sent
         self._finished_seen: set[str] = set()  # worker: held requests vLLM has finished
         self._load_error_blocks: set[int] = set()
-        self._stats_reported: dict = {}
+        self._stats = StatsTaker()  # worker: figures since vLLM last asked
         self._load_blocks_next: dict[str, list[int]] = {}  # scheduler: host mode, this step
         self._saves_pending: dict[str, tuple[Any, list[int]]] = {}  # scheduler: host mode
         self._device_caches: Optional[dict] = None  # worker, host mode: vLLM's device caches
@@ -329,9 +309,11 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         # with their params and blocks so far. Worker, prefill: kvferry's layer of each of vLLM's
         # layer names, the layers announced in this step, and in host mode this step's blocks.
         self._layerwise: dict[str, tuple[Any, dict, list[int]]] = {}
+        self._ended_transfers: set[str] = set()  # scheduler: layer-wise legs ended by preemption
         self._layer_index: dict[str, int] = {}
         self._saved_layers: set[int] = set()
         self._save_warned = False
+        self._applied = False  # worker: the bound metadata went to the native worker
         if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
                 s.native_role, s.engine_id, s.host, s.base_port, s.dp_rank, s.tp_size,
@@ -352,8 +334,25 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         return "HND"
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Optional[dict] = None) -> bool:
+        """True (vLLM then runs PIECEWISE CUDA graphs, which keep the attention layers' hooks
+        outside the graph): a layer-wise prefill leg is announced from save_kv_layer, which a
+        FULL graph never calls. kv_connector_extra_config "layerwise": false says the proxy
+        never sends layer-wise legs, and keeps FULL graphs."""
+        value = (extra_config or {}).get("layerwise", True)
+        return str(value).lower() not in ("0", "false", "no", "off")
+
+    @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict] = None) -> KvferryConnectorStats:
+        """vLLM's loggers rebuild the workers' aggregated figures from their data
+        (kvferry.vllm_stats)."""
         return KvferryConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list,
+                           per_engine_labelvalues: dict) -> KvferryPromMetrics:
+        """kvferry's series in vLLM's /metrics (kvferry.vllm_stats.KvferryPromMetrics)."""
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ----------------------------------------------------------------- scheduler side
 
@@ -378,7 +377,8 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         raw = _get(request, "kv_transfer_params")
         transfer = layerwise_transfer_id(raw)
-        if transfer is not None and self._settings.native_role == "prefill":
+        if (transfer is not None and self._settings.serves
+                and str(_get(request, "request_id")) not in self._ended_transfers):
             # Layer-wise prefill leg: each step that writes its prompt is announced layer by
             # layer; build_connector_meta tells the workers which blocks and tokens.
             ids = blocks.get_block_ids()[0] if hasattr(blocks, "get_block_ids") else blocks
@@ -474,10 +474,25 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
     def build_connector_meta(self, scheduler_output: Any = None) -> KvferryConnectorMetadata:
         awaited, self._awaited_next = self._awaited_next, []
         load_blocks, self._load_blocks_next = self._load_blocks_next, {}
+        preempted = self._preempted_this_step(scheduler_output)
         saves = self._saves_this_step(scheduler_output)
         layerwise = self._layerwise_this_step(scheduler_output)
         return KvferryConnectorMetadata(self._scheduler.build_connector_meta(), tuple(awaited),
-                                        load_blocks, saves, layerwise)
+                                        load_blocks, saves, layerwise, preempted)
+
+    def _preempted_this_step(self, scheduler_output: Any) -> tuple[str, ...]:
+        """vLLM's preempted_req_ids of this step. vLLM freed their blocks and will recompute
+        them: a layer-wise prefill leg's transfer ends now (kvferry's scheduler queues its
+        TransferEnd, so its readers fail at once instead of at their progress deadline) and it
+        is no longer announced or held; a host-buffer save waits for the recomputed prompt."""
+        ids = _get(scheduler_output, "preempted_req_ids") or ()
+        out = tuple(sorted(str(r) for r in ids)) if isinstance(ids, (set, frozenset, list, tuple)) else ()
+        for rid in out:
+            entry = self._layerwise.pop(rid, None)
+            if entry is not None:
+                self._ended_transfers.add(rid)
+                self._scheduler.request_finished(rid, entry[1], "preempted", [])
+        return out
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         rid = str(_get(request, "request_id"))
@@ -498,12 +513,17 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             # blocks only tells the prefill side to free; vLLM waits for nothing.
             raw["do_remote_prefill"] = False
             params, _ = remote_prefill_params(dict(raw, do_remote_prefill=True))
-            if params is not None and self._settings.native_role == "decode":
+            if params is not None and self._settings.reads:
                 self._scheduler.request_finished(rid, params, reason, [])
             return False, None
         if raw.get("do_remote_decode") is not True:
             return False, None
         self._layerwise.pop(rid, None)
+        if rid in self._ended_transfers:
+            # Its layer-wise transfer ended when vLLM preempted it; its readers have failed
+            # (to recompute), so a hold would only wait for its lease.
+            self._ended_transfers.discard(rid)
+            return False, None
         params: dict = {"do_remote_decode": True}
         transfer = layerwise_transfer_id(raw)
         if transfer is not None:
@@ -513,10 +533,48 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
     # ----------------------------------------------------------------- worker side
 
     def bind_connector_metadata(self, metadata: KvferryConnectorMetadata) -> None:
+        """Binds the step's metadata and hands it to the native worker at once (its holds, its
+        layer-wise saves and its loads; StartLoadKv never blocks), so that the step's save_kv_layer
+        calls announce this step's requests whether vLLM calls start_load_kv before the forward
+        or, as vLLM does since PR 53333 when no load is synchronous, after it."""
         self._connector_metadata = metadata
+        self._applied = False
+        self._apply_metadata()
+
+    def _apply_metadata(self) -> None:
+        md = self._connector_metadata
+        if self._worker is None or md is None or self._applied:
+            return
+        self._applied = True
+        self._awaited.update(getattr(md, "awaited", ()))
+        if self._host_caches is not None:
+            self._load_blocks.update(getattr(md, "load_blocks", {}))
+        self._saved_layers = set()
+        self._worker.start_load_kv(md.data)
 
     def clear_connector_metadata(self) -> None:
         self._connector_metadata = None
+
+    def handle_preemptions(self, preempted: Any = None) -> None:
+        """vLLM calls it before each step: today with the step's connector metadata (every step),
+        before with preempted_req_ids (a set, only when some were preempted). A preempted
+        request's load still running here is stopped and reported (finished_recving, no
+        recompute asked: vLLM recomputes a preempted request itself); prefill-side preemptions
+        were handled by the scheduler (their layer-wise transfers ended). Never raises."""
+        ids = getattr(preempted, "preempted", preempted)
+        if self._worker is None or not isinstance(ids, (set, frozenset, list, tuple)):
+            return
+        for rid in ids:
+            if rid in self._awaited:
+                try:
+                    self._worker.abort_load(str(rid), "the request was preempted by vLLM")
+                except Exception as e:  # never into vLLM's step
+                    logger.error("handle_preemptions: stopping the load of %s failed: %s: %s",
+                                 rid, type(e).__name__, e)
+
+    def build_connector_worker_meta(self) -> None:
+        """Nothing flows worker -> scheduler besides get_finished's sets and the stats."""
+        return None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Takes vLLM's {layer name: tensor} (or vllm-ascend's {layer name: tuple of parts}) and
@@ -600,14 +658,9 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         self._copy_blocks(src, dst, kernel, kernel, direction)
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
-        md = self._connector_metadata
-        if self._worker is None or md is None:
-            return
-        self._awaited.update(getattr(md, "awaited", ()))
-        if self._host_caches is not None:
-            self._load_blocks.update(getattr(md, "load_blocks", {}))
-        self._saved_layers = set()
-        self._worker.start_load_kv(md.data)
+        """The step's metadata went to the native worker when it was bound; this applies it only
+        where bind_connector_metadata came before register_kv_caches."""
+        self._apply_metadata()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """A no-op, by design: a decode request computes nothing while its KV loads (vLLM keeps
@@ -711,19 +764,21 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         return out
 
     def get_kv_connector_stats(self) -> Optional[KvferryConnectorStats]:
-        """The worker's transfer counters since the previous call (None before registration or
-        when nothing moved)."""
+        """The worker's figures since the previous call (vLLM calls it every step), or None
+        before registration and when nothing happened. Never raises."""
         if self._worker is None:
             return None
-        now = self._worker.stats()
-        delta = {k: now[k] - self._stats_reported.get(k, 0) for k in _STAT_COUNTERS}
-        self._stats_reported = {k: now[k] for k in _STAT_COUNTERS}
-        stats = KvferryConnectorStats(delta)
+        stats = self._stats.take(self._worker)
         return None if stats.is_empty() else stats
 
     def stats(self) -> dict:
         return self._worker.stats() if self._worker is not None else {}
 
     def shutdown(self) -> None:
-        self._worker = None
+        """Stops the native worker and joins its threads (Worker.close); a second call, or one
+        on the scheduler side, does nothing."""
+        worker, self._worker = self._worker, None
+        close = getattr(worker, "close", None)
+        if close is not None:
+            close()
 

@@ -58,8 +58,9 @@ def internal_engine_id(engine_id: str, native_role: str) -> str:
     (remote_engine_id) and a layer-wise proxy name it. Decode: engine_id + "@decode", so that
     an instance of each role may share an engine_id (the reference's tutorial gives both "0")
     and a decode worker is never taken for a prefill one: a handshake checks the engine a
-    request names, and a decode worker's id never equals a prefill's."""
-    internal = engine_id if native_role == "prefill" else engine_id + DECODE_ID_SUFFIX
+    request names, and a decode worker's id never equals a prefill's. Both (kv_both): the
+    engine_id, as prefill, since decode instances read from it by that name."""
+    internal = engine_id if native_role in ("prefill", "both") else engine_id + DECODE_ID_SUFFIX
     if not engine_id or len(internal.encode()) > _MAX_ID_BYTES:
         raise _kvferry.InvalidArgumentError(
             f"engine_id must be a non-empty string of at most "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .vllm_layout import (Geometry, TensorInfo, _contiguous, _logical_blocks, _refuse)
+from .vllm_tensor import Geometry, TensorInfo, _contiguous, _logical_blocks, _refuse
 
 _MLA_LABELS = ("latent", "rope", "indexer")
 

@@ -31,9 +31,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 from . import _kvferry
+from .vllm_ascend_layout import read_tuple_layer
+# CacheLayoutError is part of this module's API (raised by read_caches), defined with the rest.
+from .vllm_tensor import CacheLayoutError  # noqa: F401
+from .vllm_tensor import Geometry, TensorInfo, _contiguous, _logical_blocks, _refuse, tensor_info
 
 # dtype name -> (kvferry dtype, tag). A tag names 1-byte float formats that kvferry moves as
 # plain bytes; it goes into the part names, so the compatibility hash tells e4m3 from e5m2.
@@ -44,51 +48,6 @@ _DTYPES = {
     "float8_e4m3fn": ("int8", "fp8_e4m3fn"), "float8_e5m2": ("int8", "fp8_e5m2"),
     "int32": ("int32", ""), "int64": ("int64", ""),
 }
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Address, logical shape, strides in elements, element type and device of one tensor."""
-
-    address: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-    itemsize: int
-    device: str
-
-    def describe(self) -> str:
-        return f"shape {self.shape}, strides {self.strides}, dtype {self.dtype}, device {self.device}"
-
-
-def tensor_info(t: Any) -> TensorInfo:
-    """Reads a torch tensor or a numpy array without copying it."""
-    if hasattr(t, "data_ptr"):  # torch
-        dtype = str(t.dtype).replace("torch.", "")
-        return TensorInfo(int(t.data_ptr()), tuple(int(x) for x in t.shape),
-                          tuple(int(x) for x in t.stride()), dtype, int(t.element_size()),
-                          str(t.device))
-    item = int(t.dtype.itemsize)
-    return TensorInfo(int(t.ctypes.data), tuple(int(x) for x in t.shape),
-                      tuple(int(s) // item for s in t.strides), str(t.dtype), item, "cpu")
-
-
-class CacheLayoutError(_kvferry.NotSupportedError):  # type: ignore[misc, valid-type]
-    """The tensors are in a layout kvferry cannot move without corrupting them."""
-
-
-class Geometry(NamedTuple):
-    """What one layer's tensors say about the cache; every layer must give the same."""
-
-    kind: str
-    layout: str
-    dtype: str
-    parts: tuple[tuple[str, int, int], ...]
-    num_blocks: int
-    local_heads: int
-    block_strides: tuple[int, ...] = ()
-    kernel_blocks_per_block: int = 1
-    fields: tuple[int, ...] = ()
 
 
 @dataclass
@@ -108,10 +67,6 @@ class Registration:
     block_strides: tuple[int, ...] = ()  # bytes between blocks of a part; () when packed
     kernel_blocks_per_block: int = 1  # kernel (tensor) blocks in one logical block
     memory: str = "host"  # where the tensors are: "host", "cuda:N" or "npu:N" (memory_kind)
-
-
-def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
-    return CacheLayoutError(f"layer {name}: {info.describe()}: {why}")
 
 
 # Device types whose memory kvferry moves itself (docs/device.md): the tensor's device type and
@@ -185,25 +140,6 @@ def _dense_inner(info: TensorInfo, dims: tuple[int, int, int]) -> Optional[tuple
     return None
 
 
-def _logical_blocks(name: str, info: TensorInfo, kernel_blocks: int, kernel_size: int,
-                    logical_size: int, head_major: bool) -> int:
-    """Logical block count: vLLM's scheduler may count in blocks larger than the kernel's."""
-    if logical_size % kernel_size != 0:
-        raise _refuse(name, info, (
-            f"the tensor's block size {kernel_size} does not divide vLLM's block size "
-            f"{logical_size}"))
-    ratio = logical_size // kernel_size
-    if ratio > 1 and head_major:
-        raise _refuse(name, info, (
-            f"head-major kernel blocks of {kernel_size} tokens inside logical blocks of "
-            f"{logical_size} are not one head-major block; use the NHD layout or equal sizes"))
-    if kernel_blocks % ratio != 0:
-        raise _refuse(name, info, (
-            f"{kernel_blocks} kernel blocks are not a whole number of logical blocks of "
-            f"{ratio} kernel blocks"))
-    return kernel_blocks // ratio
-
-
 def _kv_first(name: str, info: TensorInfo, block_size: int, local_heads: Optional[int],
               prefer_heads_first: bool) -> tuple[str, int, int, int, int, list[int]]:
     """A (2, num_blocks, X, Y, head_dim) tensor: K and V are each one contiguous region.
@@ -257,15 +193,6 @@ def _kv_inner(name: str, info: TensorInfo, block_size: int, local_heads: Optiona
     base = info.address
     return (layout, s[0], s[3], s[4], [base, base + block * info.itemsize],
             2 * block * info.itemsize)
-
-
-def _contiguous(info: TensorInfo) -> bool:
-    expected = 1
-    for size, stride in zip(reversed(info.shape), reversed(info.strides)):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def is_host_tensor(t: Any) -> bool:
@@ -385,8 +312,7 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
         if len(s) == 3:
             return _fused_mla(name, first, block_size, mla_split, suffix, dtype)
         raise _refuse(name, first, "not a KV cache layout kvferry knows (see the README)")
-    # vllm-ascend: a tuple of parts per layer. Imported here: that module builds on this one.
-    from .vllm_ascend_layout import read_tuple_layer
+    # vllm-ascend: a tuple of parts per layer (kvferry.vllm_ascend_layout).
     local = max(total_kv_heads // tp_size, 1) if total_kv_heads is not None else None
     return read_tuple_layer(name, infos, block_size, total_kv_heads, local, tp_size, mla_split,
                             dtype, suffix)

@@ -18,6 +18,8 @@ const char* FinishReasonName(FinishReason reason) {
       return "aborted";
     case FinishReason::kError:
       return "error";
+    case FinishReason::kPreempted:
+      return "preempted";
   }
   return "unknown";
 }
@@ -90,7 +92,7 @@ void Scheduler::RequestScheduled(const std::string& request_id, const KvTransfer
                                  std::int64_t num_computed_tokens,
                                  std::int64_t num_scheduled_tokens,
                                  std::int64_t num_prompt_tokens) {
-  if (config_.role != Role::kPrefill || !params.do_remote_decode || !params.transfer_id ||
+  if (!ServesKv(config_.role) || !params.do_remote_decode || !params.transfer_id ||
       params.transfer_id->empty() || num_prompt_tokens <= 0) {
     return;
   }
@@ -125,16 +127,15 @@ Scheduler::FinishedResult Scheduler::RequestFinished(const std::string& request_
                                                      const KvTransferParams& params,
                                                      FinishReason reason,
                                                      std::span<const std::int64_t> block_ids) {
-  if (config_.role == Role::kDecode) {
-    if (params.do_remote_prefill) {
-      // Ended before UpdateStateAfterAlloc (aborted while it waited): a load of no blocks still
-      // sends its finished notices, so the prefill side frees now instead of at its lease.
-      // Incomplete params have no one to tell.
-      KvTransferParams unscheduled = params;
-      (void)UpdateStateAfterAlloc(request_id, unscheduled, {});
-    }
+  if (ReadsKv(config_.role) && params.do_remote_prefill) {
+    // Ended before UpdateStateAfterAlloc (aborted while it waited): a load of no blocks still
+    // sends its finished notices, so the prefill side frees now instead of at its lease.
+    // Incomplete params have no one to tell.
+    KvTransferParams unscheduled = params;
+    (void)UpdateStateAfterAlloc(request_id, unscheduled, {});
     return {};
   }
+  if (!ServesKv(config_.role)) return {};
   const bool layerwise =
       params.do_remote_decode && params.transfer_id.has_value() && !params.transfer_id->empty();
   if (layerwise) layerwise_computed_.erase(request_id);

@@ -105,7 +105,7 @@ Status WorkerImpl::Init() {
   if (t.secret.empty()) t.secret = cfg_.secret;
   // The tcp read server listens where the side channel does, unless the options say where.
   t.backend_options.emplace("tcp.bind_host", cfg_.host);
-  t.serve = cfg_.role == Role::kPrefill;
+  t.serve = ServesKv(cfg_.role);
   KVFERRY_ASSIGN_OR_RETURN(transport_,
                            cfg_.make_transport ? cfg_.make_transport(t) : CreateTransport(t));
 

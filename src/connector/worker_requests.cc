@@ -13,7 +13,7 @@ wire::Message WorkerImpl::Handle(const wire::Message& request) {
       MutexLock lock(mu_);
       ++notices_received_[wire::MessageTypeName(request)];
     }
-    if (cfg_.role != Role::kDecode) {
+    if (!ReadsKv(cfg_.role)) {
       return wire::ErrorReply{StatusCode::kInvalidArgument,
                               "a prefill worker takes no 'progress' messages"};
     }
@@ -39,7 +39,7 @@ wire::Message WorkerImpl::HandleLocked(const wire::Message& request,
     }
     return *metadata_;
   }
-  if (cfg_.role != Role::kPrefill) {
+  if (!ServesKv(cfg_.role)) {
     return wire::ErrorReply{StatusCode::kInvalidArgument,
                             std::string("a decode worker does not take '") +
                                 wire::MessageTypeName(request) + "' messages"};

@@ -207,13 +207,25 @@ Status ValidateEntries(const std::vector<DeviceEntry>& prefill,
 
 }  // namespace
 
-const char* RoleName(Role role) { return role == Role::kPrefill ? "prefill" : "decode"; }
+const char* RoleName(Role role) {
+  switch (role) {
+    case Role::kPrefill:
+      return "prefill";
+    case Role::kDecode:
+      return "decode";
+    case Role::kBoth:
+      return "both";
+  }
+  return "unknown";
+}
 
 Result<Role> ParseRole(std::string_view name) {
   if (name == "prefill" || name == "kv_producer") return Role::kPrefill;
   if (name == "decode" || name == "kv_consumer") return Role::kDecode;
-  return Status::InvalidArgument("unknown role '" + std::string(name) +
-                                 "': expected kv_producer (prefill) or kv_consumer (decode)");
+  if (name == "both" || name == "kv_both") return Role::kBoth;
+  return Status::InvalidArgument(
+      "unknown role '" + std::string(name) +
+      "': expected kv_producer (prefill), kv_consumer (decode) or kv_both (both, by request)");
 }
 
 Result<RankTable> RankTable::Parse(std::string_view json_text, std::string_view source) {
@@ -300,7 +312,7 @@ Result<RankTable> RankTable::FromEntries(std::vector<DeviceEntry> prefill,
 Result<DeviceEntry> RankTable::SelectLocal(Role role, std::string_view server_id,
                                            const std::vector<std::string>& visible_devices,
                                            int tp_rank) const {
-  const char* list_name = role == Role::kPrefill ? kPrefillList : kDecodeList;
+  const char* list_name = role == Role::kDecode ? kDecodeList : kPrefillList;
   const std::vector<DeviceEntry>& list = List(role);
   std::vector<const DeviceEntry*> matches;
   for (const DeviceEntry& e : list) {

@@ -567,9 +567,13 @@ def test_contract_details():
     assert kvferry.vllm.KvferryConnector.get_required_kvcache_layout(cfg) == "HND"
     cfg.model_config.use_mla = True
     assert kvferry.vllm.KvferryConnector.get_required_kvcache_layout(cfg) is None
-    s = kvferry.vllm.KvferryConnector.build_kv_connector_stats({"bytes_read": 5})
-    s.aggregate(kvferry.vllm.KvferryConnector.build_kv_connector_stats({"bytes_read": 7}))
-    assert s.reduce()["bytes_read"] == 12 and not s.is_empty()
+    s = kvferry.vllm.KvferryConnector.build_kv_connector_stats(
+        {"transfer_duration": [0.5], "bytes_transferred": [5]})
+    s.aggregate(kvferry.vllm.KvferryConnector.build_kv_connector_stats(
+        {"transfer_duration": [1.5], "bytes_transferred": [7], "failed_loads": ["Timeout"]}))
+    reduced = s.reduce()
+    assert reduced["Num successful transfers"] == 2 and reduced["Num failed transfers"] == 1
+    assert reduced["Avg xfer time (ms)"] == 1000.0 and not s.is_empty()
 
 
 def test_finished_req_ids_abort_a_load_in_flight():

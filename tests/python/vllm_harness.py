@@ -125,9 +125,12 @@ class KVCacheBlocks:
 
 @dataclass
 class KVConnectorOutput:
+    """vllm.v1.outputs.KVConnectorOutput (the fields kvferry fills)."""
+
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_stats: Any = None
 
 
 class KVOutputAggregator:
@@ -150,12 +153,22 @@ class KVOutputAggregator:
                 left[rid] = n
 
     def aggregate(self, per_rank: list[tuple]) -> KVConnectorOutput:
+        """As KVOutputAggregator.aggregate: the first worker's kv_connector_stats object is the
+        accumulator, each later one is folded in with `acc = acc.aggregate(s)` after
+        `assert isinstance(acc, type(s))`."""
         out = KVConnectorOutput()
         assert len(per_rank) == self.world_size
-        for sending, recving, invalid, _errors in per_rank:
+        for sending, recving, invalid, _errors, stats in per_rank:
             self._update(sending, self.send_left, out.finished_sending)
             self._update(recving, self.recv_left, out.finished_recving)
             out.invalid_block_ids |= set(invalid or ())
+            if stats is None:
+                continue
+            if out.kv_connector_stats is None:
+                out.kv_connector_stats = stats
+            else:
+                assert isinstance(out.kv_connector_stats, type(stats))
+                out.kv_connector_stats = out.kv_connector_stats.aggregate(stats)
         return out
 
 
@@ -486,18 +499,35 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                 state.update(connector=c, views=views, errors=errors, caches=caches,
                              copies=copies)
                 conn.send(("ok", None))
-            elif cmd == "step":  # the model runner's order (kv_connector_model_runner_mixin)
+            elif cmd == "step":
+                # vLLM's worker step with a connector (vllm/v1/worker/gpu_model_runner.py
+                # execute_model, kv_connector_model_runner_mixin.py _get_kv_connector_output):
+                # handle_preemptions with the metadata every step, bind, start_load_kv before the
+                # forward only when the step has synchronous loads (PR 53333; kvferry's loads are
+                # all asynchronous, so after it), the forward's per-layer hooks, then
+                # wait_for_save, get_finished, get_block_ids_with_load_errors,
+                # get_kv_connector_stats, build_connector_worker_meta, clear_connector_metadata.
                 c = state["connector"]
-                metadata, finished_req_ids = arg
+                metadata, finished_req_ids, sync_loads = arg
+                c.handle_preemptions(metadata)
                 c.bind_connector_metadata(metadata)
-                c.start_load_kv(None)
+                if sync_loads:
+                    c.start_load_kv(None)
+                for name, tensor in state["caches"].items():  # the forward pass
+                    c.wait_for_layer_load(name)
+                    c.save_kv_layer(name, tensor, None)
+                if not sync_loads:
+                    c.start_load_kv(None)
                 c.wait_for_save()
                 sending, recving = c.get_finished(set(finished_req_ids))
                 invalid = c.get_block_ids_with_load_errors()
+                stats = c.get_kv_connector_stats()
+                assert c.build_connector_worker_meta() is None
                 c.clear_connector_metadata()
                 reported = list(state["errors"])
                 state["errors"].clear()
-                conn.send(("ok", (set(sending or ()), set(recving or ()), set(invalid), reported)))
+                conn.send(("ok", (set(sending or ()), set(recving or ()), set(invalid), reported,
+                                  stats)))
             elif cmd == "copies":
                 conn.send(("ok", list(state["copies"])))
             elif cmd == "registration":  # what the connector registered, and as which engine
@@ -557,10 +587,66 @@ def start_ranks(count: int) -> list[RankProcess]:
 
 
 @dataclass
+class CachedRequestData:
+    """vllm.v1.core.sched.output.CachedRequestData: the requests scheduled again, with the
+    blocks each got in this step (one list per KV cache group) and its computed tokens."""
+
+    req_ids: list[str]
+    new_block_ids: list[Optional[tuple[list[int], ...]]]
+    num_computed_tokens: list[int]
+
+
+@dataclass
 class SchedulerOutput:
-    kv_connector_metadata: Any
+    """vllm.v1.core.sched.output.SchedulerOutput, the fields connectors read; `scheduled` is
+    the harness's own (the running requests, in order)."""
+
+    scheduled_new_reqs: list
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
     finished_req_ids: set[str]
+    preempted_req_ids: set[str]
     scheduled: list[str]
+    has_sync_kv_loads: bool = False  # PR 53333: no synchronous loads, so loads start after
+    kv_connector_metadata: Any = None
+
+
+class StatLoggers:
+    """What vLLM's stat loggers do with SchedulerStats.kv_connector_stats (a dict: the
+    aggregated stats' data; vllm/v1/metrics/loggers.py): LoggingStatLogger's
+    KVConnectorLogging rebuilds an object with the connector class's
+    build_kv_connector_stats(data=...) and logs reduce(); PrometheusStatLogger's KVConnectorProm
+    calls build_prom_metrics once, with prometheus_client's classes and labelnames
+    ["model_name", "engine"], and observe(data, engine_idx) each interval. Metrics register in a
+    registry of their own (vLLM has one instance per process; the tests have several)."""
+
+    def __init__(self, connector_cls: Any, vllm_cfg: Any):
+        import prometheus_client as prom
+
+        self.registry = prom.CollectorRegistry()
+
+        def bound(cls):
+            return lambda *a, **kw: cls(*a, registry=self.registry, **kw)
+
+        types_ = {prom.Gauge: bound(prom.Gauge), prom.Counter: bound(prom.Counter),
+                  prom.Histogram: bound(prom.Histogram)}
+        self.cls = connector_cls
+        self.prom = connector_cls.build_prom_metrics(vllm_cfg, types_, ["model_name", "engine"],
+                                                     {0: ["harness-model", "0"]})
+        self.logged: list[dict] = []
+
+    def record(self, data: Optional[dict]) -> None:
+        if not data:
+            return
+        self.logged.append(self.cls.build_kv_connector_stats(data=data).reduce())
+        if self.prom is not None:
+            self.prom.observe(data, 0)
+
+    def text(self) -> str:
+        import prometheus_client as prom
+
+        return prom.generate_latest(self.registry).decode()
 
 
 class Instance:
@@ -578,8 +664,10 @@ class Instance:
         for proc in ranks:
             proc.recv()
         with environment(env):
-            self.connector = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, self.tp),
-                                                           KVConnectorRole.SCHEDULER)
+            cfg = vllm_config(g, role, port, self.tp)
+            self.connector = kvferry.vllm.KvferryConnector(cfg, KVConnectorRole.SCHEDULER)
+        self.stat_loggers = StatLoggers(type(self.connector), cfg)
+        self.preempt_next: set[str] = set()  # running requests to preempt in the next schedule()
         self.bs = g["block_size"]
         # Block 0 is vLLM's null block; the rest in a per-instance order, so that remote and
         # local block ids differ and a misrouted block cannot go unnoticed.
@@ -597,6 +685,8 @@ class Instance:
         self.load_errors: list[tuple] = []  # (request, code, message) from every rank
         # num_computed_tokens of each request promoted out of WAITING_FOR_REMOTE_KVS
         self.promoted: dict[str, int] = {}
+        self.scheduled_once: set[str] = set()  # scheduled since they last started (vLLM's
+        # scheduled_new_reqs are the others)
 
     # vLLM's Scheduler.add_request / finish_requests / _free_request
     def add_request(self, req: Request) -> None:
@@ -660,17 +750,45 @@ class Instance:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-        scheduled = [r.request_id for r in self.running]  # running requests run every step
-        out = SchedulerOutput(self.connector.build_connector_meta(None),
-                              set(self.finished_req_ids), scheduled)
+        preempted = self._preempt()
+        # Running requests run every step: the rest of the prompt, or one decode token.
+        scheduled = [r.request_id for r in self.running]
+        tokens = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.running}
+        cached = [r for r in self.running if r.request_id in self.scheduled_once]
+        new = [r for r in self.running if r.request_id not in self.scheduled_once]
+        self.scheduled_once.update(r.request_id for r in new)
+        out = SchedulerOutput(
+            new, CachedRequestData([r.request_id for r in cached], [None] * len(cached),
+                                   [r.num_computed_tokens for r in cached]),
+            tokens, sum(tokens.values()), set(self.finished_req_ids), preempted, scheduled)
+        # vLLM builds the metadata from the output, before _update_after_schedule.
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self.finished_req_ids.clear()
+        return out
+
+    def _preempt(self) -> set[str]:
+        """vLLM's _preempt_request for the requests in preempt_next: their blocks are freed at
+        once (no request_finished), num_computed_tokens goes back to 0 and they wait again, to
+        be scheduled (and their connector hooks called) anew."""
+        out = set()
+        for req in [r for r in self.running if r.request_id in self.preempt_next]:
+            self.running.remove(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_preemptions += 1
+            self.free.extend(self.blocks.pop(req.request_id, []))
+            self.scheduled_once.discard(req.request_id)
+            self.waiting.insert(0, req)
+            out.add(req.request_id)
+        self.preempt_next -= out
         return out
 
     def step(self) -> KVConnectorOutput:
         """schedule(), every rank's worker step, then update_from_output."""
         out = self.schedule()
         for proc in self.ranks:  # metadata is pickled to every rank, as vLLM broadcasts it
-            proc.send("step", (out.kv_connector_metadata, out.finished_req_ids))
+            proc.send("step", (out.kv_connector_metadata, out.finished_req_ids,
+                               out.has_sync_kv_loads))
         per_rank = [proc.recv() for proc in self.ranks]
         for r in per_rank:
             self.load_errors.extend(r[3])
@@ -679,6 +797,14 @@ class Instance:
         return kv_out
 
     def update_from_output(self, out: SchedulerOutput, kv_out: KVConnectorOutput) -> None:
+        # The workers' stats merged with the scheduler-side connector's, then make_stats hands
+        # their data (a dict) to the stat loggers.
+        stats = kv_out.kv_connector_stats
+        if stats is not None:
+            own = self.connector.get_kv_connector_stats()
+            if own is not None:
+                stats = stats.aggregate(own)
+        self.stat_loggers.record(stats.data if stats is not None else None)
         failed = self._handle_invalid_blocks(kv_out.invalid_block_ids)
         for rid in out.scheduled:  # one token each: the prefill side stops at max_tokens 1
             req = self.requests.get(rid)

@@ -216,7 +216,32 @@ TEST(WorkerConfigTest, RoleAndRankTableEntryAreChecked) {
   EXPECT_EQ(w.status().code(), StatusCode::kNotFound);
   EXPECT_THAT(w.status().message(),
               HasSubstr("no decode_device_list entry for TP rank 0 on server_id \"127.0.0.2\""));
-  EXPECT_EQ(ParseRole("kv_both").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(*ParseRole("kv_both"), Role::kBoth);
+  EXPECT_EQ(ParseRole("kv_mixed").status().code(), StatusCode::kInvalidArgument);
+}
+
+// kv_both (vLLM's KVTransferConfig): each request's params say which side it is.
+TEST(SchedulerBothRoles, ServesAndLoadsByEachRequestsParams) {
+  Scheduler s({Role::kBoth, "both-0", "10.0.0.1", 5557, 0, 2});
+  KvTransferParams serve;
+  serve.do_remote_decode = true;
+  const std::vector<std::int64_t> blocks = {4, 5};
+  Scheduler::FinishedResult held =
+      s.RequestFinished("p", serve, FinishReason::kLengthCapped, blocks);
+  EXPECT_TRUE(held.delay_free);
+  ASSERT_TRUE(held.params.has_value());
+  EXPECT_EQ(held.params->remote_engine_id, "both-0");
+  KvTransferParams load = CompleteRemotePrefill();
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("d", load, blocks).ok());
+  KvTransferParams gone = CompleteRemotePrefill();
+  EXPECT_FALSE(s.RequestFinished("g", gone, FinishReason::kAborted, {}).delay_free);
+  KvTransferParams layerwise = serve;
+  layerwise.transfer_id = "xfer-b";
+  s.RequestScheduled("lw", layerwise, blocks, 0, 8, 8);
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  EXPECT_EQ(m.holds.size(), 1u);
+  EXPECT_EQ(m.loads.size(), 2u) << "the load, and the notify-only load of the aborted request";
+  EXPECT_EQ(m.saves.size(), 1u);
 }
 
 // Rule 16: layer-wise requests on both sides.
@@ -291,15 +316,19 @@ TEST(SchedulerLayerwiseTest, PrefillEndsTheTransferOfARequestItDoesNotHold) {
   p.do_remote_decode = true;
   p.transfer_id = "xfer-1";
   const std::vector<std::int64_t> blocks = {10};
-  for (FinishReason reason :
-       {FinishReason::kAborted, FinishReason::kStopped, FinishReason::kError}) {
+  for (FinishReason reason : {FinishReason::kAborted, FinishReason::kStopped, FinishReason::kError,
+                              FinishReason::kPreempted}) {
     Scheduler::FinishedResult f = s.RequestFinished("r1", p, reason, blocks);
     EXPECT_FALSE(f.delay_free);
+    EXPECT_FALSE(f.params.has_value());
     ConnectorMetadata m = s.BuildConnectorMeta();
     EXPECT_TRUE(m.holds.empty());
     ASSERT_EQ(m.transfer_ends.size(), 1u);
     EXPECT_EQ(m.transfer_ends[0].transfer_id, "xfer-1");
     EXPECT_THAT(m.transfer_ends[0].reason, HasSubstr("without holding"));
+    if (reason == FinishReason::kPreempted) {
+      EXPECT_THAT(m.transfer_ends[0].reason, HasSubstr("(preempted)"));
+    }
   }
   // Preempted: computed tokens go back to 0.
   s.RequestScheduled("r2", p, blocks, 0, 16, 32);

@@ -196,7 +196,9 @@ TEST(RankTableTest, NotFoundNamesWhatWasSoughtAndWhatTheTableHolds) {
 TEST(RankTableTest, ParseRoleAcceptsVllmNamesOnly) {
   EXPECT_EQ(*ParseRole("kv_producer"), Role::kPrefill);
   EXPECT_EQ(*ParseRole("kv_consumer"), Role::kDecode);
-  EXPECT_THAT(ParseRole("kv_both").status().message(), HasSubstr("expected kv_producer"));
+  EXPECT_EQ(*ParseRole("kv_both"), Role::kBoth);
+  EXPECT_STREQ(RoleName(Role::kBoth), "both");
+  EXPECT_THAT(ParseRole("kv_mixed").status().message(), HasSubstr("expected kv_producer"));
 }
 
 TEST(RankTableTest, VisibleDevicesParsing) {
