@@ -158,10 +158,16 @@ class SlowCancelTransport final : public Transport {
     cv_.wait(lock, [&] { return let_go_; });
     lock.unlock();
     inner_->Cancel(batch);
+    lock.lock();
+    cancel_returned_ = true;
   }
   void Release(BatchId batch) override { inner_->Release(batch); }
   TransportStats Stats() override { return inner_->Stats(); }
 
+  bool CancelReturned() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancel_returned_;
+  }
   bool WaitInCancel(milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, timeout, [&] { return in_cancel_; });
@@ -180,6 +186,7 @@ class SlowCancelTransport final : public Transport {
   std::condition_variable cv_;
   bool in_cancel_ = false;
   bool let_go_ = false;
+  bool cancel_returned_ = false;
 };
 
 // Finding 8: AbortLoad held the worker's lock while Cancel waited (up to a batch deadline when a
@@ -210,13 +217,18 @@ TEST(ConnectorHardeningTest, AbortLoadDoesNotHoldTheWorkerWhileCancelling) {
   std::thread aborter(
       [&] { EXPECT_TRUE(decode.worker(0).AbortLoad("req-a", "client gone").ok()); });
   ASSERT_TRUE(slow->WaitInCancel(milliseconds(5000)));
-  // While Cancel waits, the worker answers: nothing waits for I/O under its lock.
+  // While Cancel waits, the worker answers: nothing waits for I/O under its lock. Proved by
+  // order, not by time: the Cancel is held until LetGo, which comes only after GetFinished
+  // returned (a GetFinished behind the lock could return only after LetGo). The deadline only
+  // bounds the wait for a broken worker; a loaded machine cannot fail it.
   std::future<FinishedRequests> finished =
       std::async(std::launch::async, [&] { return decode.worker(0).GetFinished(); });
-  const bool answered = finished.wait_for(milliseconds(1000)) == std::future_status::ready;
+  const bool answered = finished.wait_for(milliseconds(60000)) == std::future_status::ready;
+  const bool cancel_still_held = !slow->CancelReturned();
   slow->LetGo();
   aborter.join();
   EXPECT_TRUE(answered) << "GetFinished waited for a Cancel held under the worker's lock";
+  EXPECT_TRUE(cancel_still_held) << "GetFinished returned only once the Cancel had returned";
   ASSERT_TRUE(decode.WaitReceived("req-a", {}, milliseconds(10000)));
   ASSERT_EQ(decode.Errors("req-a").size(), 1u);
   EXPECT_EQ(decode.Errors("req-a")[0].status.code(), StatusCode::kCancelled);
