@@ -83,7 +83,8 @@ netns: build
 
 # A longer soak than the one in make test: SOAK_REQUESTS requests, a third abandoned by the client.
 SOAK_REQUESTS ?= 10000
-soak: build
+soak: configure
+	cmake --build $(BUILD) -j $(JOBS) --target kvferry_cli
 	$(BUILD)/kvferry demo --requests $(SOAK_REQUESTS) --abort-rate 0.3 --min-prompt 16 \
 	  --max-prompt 2048 --num-blocks 2048 --hold-lease-ms 2000 --no-progress
 
@@ -158,7 +159,10 @@ install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
 # The end-to-end demo: prefill and decode instances (TP 2 each) moving real KV bytes, verified.
-demo: build
+# The demo needs only the CLI (it starts its instances as `kvferry serve` children): building
+# the tests too took a fresh machine's first `make demo` past seven minutes.
+demo: configure
+	cmake --build $(BUILD) -j $(JOBS) --target kvferry_cli
 	$(BUILD)/kvferry demo $(DEMO_ARGS)
 
 clean:

@@ -29,8 +29,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
-from setuptools.command.build_ext import build_ext
+
+def _require_debian_python() -> None:
+    """The build runs in the interpreter that runs this file: it needs setuptools and wheel,
+    which Debian's python3 has from `make deps`; another interpreter first on PATH (pyenv, a
+    venv without --system-site-packages) may lack them and failed with pip's bare "invalid
+    command 'bdist_wheel'"."""
+    import importlib.util
+
+    missing = [m for m in ("setuptools", "wheel") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"setup.py: this Python ({sys.executable}) has no {' and no '.join(missing)} "
+            "package; kvferry's wheel builds with Debian's /usr/bin/python3, whose packages "
+            "`make deps` installs (python3-setuptools, python3-wheel): run "
+            "`/usr/bin/python3 -m venv --system-site-packages ~/kvferry-venv` and "
+            "`~/kvferry-venv/bin/pip install .` (README, Install with pip)")
+
+
+_require_debian_python()
+
+from setuptools import Extension, setup  # noqa: E402
+from setuptools.command.build_ext import build_ext  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 BUILD_DIR_ENV = "KVFERRY_CMAKE_BUILD_DIR"

@@ -243,3 +243,16 @@ def test_vllm_adapter_moves_a_request_as_vllm_drives_it():
     assert "r-1" in sending
     for c in (p_work, d_work):
         c.shutdown()
+
+
+def test_setup_py_names_the_interpreter_and_packages_it_lacks():
+    """A python3 that does not see Debian's packages (pyenv first on PATH; here Debian's own
+    with site disabled) gets a message naming the interpreter, the missing packages and the one
+    to use, instead of pip's bare "invalid command 'bdist_wheel'" (issue 28 item 12)."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(["/usr/bin/python3", "-S", os.path.join(root, "setup.py"), "--version"],
+                         capture_output=True, text=True, timeout=60, cwd=root)
+    assert out.returncode != 0
+    assert "has no setuptools and no wheel package" in out.stderr, out.stderr
+    assert "/usr/bin/python3 -m venv --system-site-packages" in out.stderr
