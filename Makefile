@@ -161,6 +161,8 @@ install: build
 # The end-to-end demo: prefill and decode instances (TP 2 each) moving real KV bytes, verified.
 # The demo needs only the CLI (it starts its instances as `kvferry serve` children): building
 # the tests too took a fresh machine's first `make demo` past seven minutes.
+# A build the demo configures first has line tables only (-g1): about a quarter faster to build.
+demo soak: DEBUG_INFO = lines
 demo: configure
 	cmake --build $(BUILD) -j $(JOBS) --target kvferry_cli
 	$(BUILD)/kvferry demo $(DEMO_ARGS)

@@ -59,6 +59,7 @@ KvTransferParams ParamsFromDict(const py::dict& d) {
   if (opt("remote_host")) p.remote_host = d["remote_host"].cast<std::string>();
   if (opt("remote_port")) p.remote_port = d["remote_port"].cast<int>();
   if (opt("remote_tp_size")) p.remote_tp_size = d["remote_tp_size"].cast<int>();
+  if (opt("remote_pp_size")) p.remote_pp_size = d["remote_pp_size"].cast<int>();
   if (opt("remote_request_id")) p.remote_request_id = d["remote_request_id"].cast<std::string>();
   if (opt("transfer_id")) p.transfer_id = d["transfer_id"].cast<std::string>();
   return p;
@@ -73,6 +74,7 @@ py::dict ParamsToDict(const KvTransferParams& p) {
   if (p.remote_host) d["remote_host"] = *p.remote_host;
   if (p.remote_port) d["remote_port"] = *p.remote_port;
   if (p.remote_tp_size) d["remote_tp_size"] = *p.remote_tp_size;
+  if (p.remote_pp_size) d["remote_pp_size"] = *p.remote_pp_size;
   if (p.remote_request_id) d["remote_request_id"] = *p.remote_request_id;
   if (p.transfer_id) d["transfer_id"] = *p.transfer_id;
   return d;
@@ -262,7 +264,7 @@ PYBIND11_MODULE(_kvferry, m) {
              std::int64_t num_blocks, std::int64_t tokens_per_block, const std::string& dtype,
              const std::string& layout, int tp_size, int tp_rank,
              const std::vector<std::int64_t>& fields,
-             const std::vector<std::int64_t>& block_strides) {
+             const std::vector<std::int64_t>& block_strides, int first_layer) {
             CacheSpecOptions o;
             LayerSpec layer;
             layer.kind = Unwrap(ParseCacheKind(kind));
@@ -276,6 +278,7 @@ PYBIND11_MODULE(_kvferry, m) {
             o.tp_size = tp_size;
             o.tp_rank = tp_rank;
             o.block_strides = block_strides;
+            o.first_layer = first_layer;
             return MakeSpec(std::move(o));
           },
           "Any uniform cache: parts are (name, model-wide heads, head_dim); names enter the hash. "
@@ -283,12 +286,13 @@ PYBIND11_MODULE(_kvferry, m) {
           "qk_rope_head_dim); they enter the hash. block_strides: bytes from one block of a part "
           "to the next, one per part (empty: packed); parts interleaved block by block, as in "
           "vLLM's (num_blocks, 2, ...) tensors, have stride = the sum of all parts' block bytes. "
-          "Not in the hash.",
+          "Not in the hash. first_layer: the model-wide index of layer 0 (a pipeline stage's first "
+          "layer); in the hash.",
           py::arg("kind"), py::arg("layers"), py::arg("parts"), py::arg("num_blocks"),
           py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("layout") = "token_major",
           py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
           py::arg("fields") = std::vector<std::int64_t>{},
-          py::arg("block_strides") = std::vector<std::int64_t>{})
+          py::arg("block_strides") = std::vector<std::int64_t>{}, py::arg("first_layer") = 0)
       .def_property_readonly("fields", &CacheSpec::fields)
       .def_property_readonly("kind", [](const CacheSpec& s) { return CacheKindName(s.kind()); })
       .def_property_readonly("num_layers", &CacheSpec::num_layers)
@@ -298,6 +302,7 @@ PYBIND11_MODULE(_kvferry, m) {
       .def_property_readonly("dtype", [](const CacheSpec& s) { return DTypeName(s.dtype()); })
       .def_property_readonly("tp_size", &CacheSpec::tp_size)
       .def_property_readonly("tp_rank", &CacheSpec::tp_rank)
+      .def_property_readonly("first_layer", &CacheSpec::first_layer)
       .def_property_readonly("total_bytes", &CacheSpec::TotalBytes)
       .def("block_bytes", &CacheSpec::BlockBytes, py::arg("part"))
       .def("part_bytes", &CacheSpec::PartBytes, py::arg("part"))
@@ -348,7 +353,7 @@ PYBIND11_MODULE(_kvferry, m) {
                         "The scheduler side: pure bookkeeping; call it from one thread.")
       .def(py::init([](const std::string& role, const std::string& engine_id,
                        const std::string& host, int base_port, int dp_rank, int tp_size,
-                       int hold_lease_ms) {
+                       int hold_lease_ms, int pp_size) {
              SchedulerConfig c;
              c.role = Unwrap(ParseRole(role));
              c.engine_id = engine_id;
@@ -356,12 +361,13 @@ PYBIND11_MODULE(_kvferry, m) {
              c.base_port = base_port;
              c.dp_rank = dp_rank;
              c.tp_size = tp_size;
+             c.pp_size = pp_size;
              c.hold_lease = std::chrono::milliseconds(hold_lease_ms);
              return std::make_unique<Scheduler>(c);
            }),
            py::arg("role"), py::arg("engine_id"), py::arg("host") = "127.0.0.1",
            py::arg("base_port") = 5557, py::arg("dp_rank") = 0, py::arg("tp_size") = 1,
-           py::arg("hold_lease_ms") = 120000)
+           py::arg("hold_lease_ms") = 120000, py::arg("pp_size") = 1)
       .def("get_num_new_matched_tokens",
            [](const Scheduler& s, const py::dict& params, std::int64_t prompt,
               std::int64_t computed) {
@@ -411,13 +417,16 @@ PYBIND11_MODULE(_kvferry, m) {
                        const std::string& rank_table_path, const std::string& server_id,
                        const std::string& visible_devices, int transfer_timeout_ms,
                        int hold_lease_ms, const std::string& failure_policy,
-                       const std::map<std::string, std::string>& transport_options) {
+                       const std::map<std::string, std::string>& transport_options, int pp_size,
+                       int pp_rank) {
              WorkerConfig c;
              c.role = Unwrap(ParseRole(role));
              c.engine_id = engine_id;
              c.tp_size = tp_size;
              c.tp_rank = tp_rank;
              c.dp_rank = dp_rank;
+             c.pp_size = pp_size;
+             c.pp_rank = pp_rank;
              c.host = host;
              c.base_port = base_port;
              c.secret = secret;
@@ -449,7 +458,8 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("server_id") = "", py::arg("visible_devices") = "",
            py::arg("transfer_timeout_ms") = 30000, py::arg("hold_lease_ms") = 120000,
            py::arg("failure_policy") = "recompute",
-           py::arg("transport_options") = std::map<std::string, std::string>{})
+           py::arg("transport_options") = std::map<std::string, std::string>{},
+           py::arg("pp_size") = 1, py::arg("pp_rank") = 0)
       .def(
           "register_kv_caches",
           [](PyWorker& pw, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,

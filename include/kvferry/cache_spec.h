@@ -100,6 +100,10 @@ struct CacheSpecOptions {
   /// this side's memory only: not in the compatibility hash, and the two sides of a transfer may
   /// use different strides.
   std::vector<std::int64_t> block_strides;
+  /// The model-wide index of this cache's layer 0: a pipeline-parallel stage holds the model's
+  /// layers [first_layer, first_layer + layers.size()). In the compatibility hash (when not 0),
+  /// so a stage never reads another stage's layers into its own.
+  int first_layer = 0;
 };
 
 /// SHA-256 digest of the fields both sides of a transfer must agree on.
@@ -147,6 +151,7 @@ class CacheSpec {
   BlockLayout layout() const { return options_.layout; }
   int tp_size() const { return options_.tp_size; }
   int tp_rank() const { return options_.tp_rank; }
+  int first_layer() const { return options_.first_layer; }
 
   /// Heads of `part` this rank holds, and the model-wide index of the first.
   std::int64_t LocalHeads(int part) const;
@@ -180,7 +185,7 @@ class CacheSpec {
            a.options_.tokens_per_block == b.options_.tokens_per_block &&
            a.options_.dtype == b.options_.dtype && a.options_.layout == b.options_.layout &&
            a.options_.tp_size == b.options_.tp_size && a.options_.tp_rank == b.options_.tp_rank &&
-           a.block_strides_ == b.block_strides_;
+           a.options_.first_layer == b.options_.first_layer && a.block_strides_ == b.block_strides_;
   }
 
  private:

@@ -30,8 +30,8 @@ struct KvTransferParams {
   std::optional<std::vector<std::int64_t>> remote_block_ids;
   std::optional<std::string> remote_engine_id;
   std::optional<std::string> remote_host;
-  /// The side-channel port of the remote instance's TP rank 0 in its DP group; TP rank q listens
-  /// on remote_port + q.
+  /// The side-channel port of the remote instance's TP rank 0 of pipeline stage 0 in its DP
+  /// group; TP rank q of stage s listens on remote_port + s * remote_tp_size + q.
   std::optional<int> remote_port;
   std::optional<int> remote_tp_size;
   /// The request id on the prefill side, for engines that rename requests.
@@ -43,6 +43,8 @@ struct KvTransferParams {
   /// remote_host, remote_port, remote_tp_size, but no remote_block_ids) the decode side reads
   /// each layer as it is announced. 1 to 1,024 bytes, unique per request.
   std::optional<std::string> transfer_id;
+  /// The remote instance's pipeline-parallel size (NixlConnector's pp_size); absent means 1.
+  std::optional<int> remote_pp_size;
 
   friend bool operator==(const KvTransferParams&, const KvTransferParams&) = default;
 };
@@ -72,6 +74,10 @@ struct LoadSpec {
   /// Non-empty: a layer-wise load (remote_block_ids empty; the prefill side announces them with
   /// each layer). remote_request_id is then the transfer id too.
   std::string transfer_id;
+  /// Pipeline stages of the prefill instance: a decode worker of stage s reads stage s (equal PP
+  /// sizes only, whose stages hold the same layers; the compatibility hash checks the ranges),
+  /// at remote_port + s * remote_tp_size + q.
+  int remote_pp_size = 1;
 
   friend bool operator==(const LoadSpec&, const LoadSpec&) = default;
 };
@@ -133,13 +139,17 @@ struct SchedulerConfig {
   Role role = Role::kPrefill;
   std::string engine_id;
   /// Where this instance's workers listen: the host peers connect to, the base port, and the
-  /// DP rank and TP size that place rank 0's port at base_port + dp_rank * tp_size.
+  /// DP rank, TP and PP sizes that place rank 0's port at base_port + dp_rank * pp_size *
+  /// tp_size (worker_port).
   std::string host = "127.0.0.1";
   int base_port = 5557;
   int dp_rank = 0;
   int tp_size = 1;
   /// How long a prefill hold lasts without renewal (the reference's abort timeout).
   std::chrono::milliseconds hold_lease{120000};
+  /// Pipeline stages of this instance (after hold_lease, so positional initialisers of the
+  /// fields above keep their meaning).
+  int pp_size = 1;
 };
 
 /// The scheduler side. Pure bookkeeping, no I/O. Single-threaded by contract: call it from the
@@ -220,6 +230,11 @@ struct WorkerConfig {
   int dp_rank = 0;
   int tp_size = 1;
   int tp_rank = 0;
+  /// Pipeline parallelism: this worker's stage of pp_size. Its cache holds its stage's layers
+  /// (CacheSpecOptions::first_layer says which), it listens on the port of (dp_rank, pp_rank,
+  /// tp_rank) and, on the decode side, reads the same stage of the prefill instance.
+  int pp_size = 1;
+  int pp_rank = 0;
   /// Side channel: bind address (also what peers are told), base port, shared secret.
   std::string host = "127.0.0.1";
   int base_port = 5557;
@@ -324,6 +339,7 @@ struct WorkerStats {
   /// Side-channel messages the listener answered, by type (finished, abort, lease,
   /// metadata_request, ...).
   std::map<std::string, std::uint64_t> notices_received;
+  /// Loads started and not yet reported to GetFinished (an aborted load leaves at its abort).
   std::uint64_t loads_outstanding = 0;
   /// Loads that ended done, from start to the last read (decode side).
   LatencyHistogram transfer_latency;
@@ -351,8 +367,9 @@ class Worker {
  public:
   /// Starts the worker: its identity (from the rank table's entry for this server, visible
   /// devices and TP rank when a table is given: rule 5), its data plane (CreateTransport, or
-  /// config.make_transport) and its side-channel listener at base_port + dp_rank * tp_size +
-  /// tp_rank (rule 7). InvalidArgument for a config that names no engine, an invalid TP rank or
+  /// config.make_transport) and its side-channel listener at base_port + (dp_rank * pp_size +
+  /// pp_rank) * tp_size + tp_rank (rule 7; with one stage, base_port + dp_rank * tp_size +
+  /// tp_rank). InvalidArgument for a config that names no engine, an invalid TP rank or
   /// size, or no matching rank-table entry; Unavailable for a busy port (the message names it).
   static Result<std::unique_ptr<Worker>> Create(WorkerConfig config);
   /// Stops the listener, ends every load (queued ones fail fast; running ones are cancelled and

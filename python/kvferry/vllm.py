@@ -58,7 +58,7 @@ logger = logging.getLogger("kvferry.vllm")
 
 _MAX_ID_BYTES = 1024  # the wire format's bound on request, engine and host names
 _MAX_BLOCKS = 1 << 22
-_MAX_TP = 1 << 16
+_MAX_TP = 256  # kvferry's kMaxTpSize (cache_spec.h), for TP and PP sizes alike
 
 
 class KvferryConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
@@ -121,6 +121,7 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
             _int(b) is None or not 0 <= b < (1 << 62) for b in blocks):
         return None, "remote_block_ids must be a list of block ids"
     tp = params.get("remote_tp_size", params.get("tp_size"))
+    pp = params.get("remote_pp_size", params.get("pp_size", 1))
     port = _int(params.get("remote_port"))
     out = {"do_remote_prefill": True, "remote_block_ids": list(blocks),
            "remote_engine_id": params.get("remote_engine_id"),
@@ -132,6 +133,13 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
         return None, "remote_port must be a port number"
     if out["remote_tp_size"] is None or not 1 <= out["remote_tp_size"] <= _MAX_TP:
         return None, "remote_tp_size (or tp_size) must be a positive TP size"
+    if pp is not None:
+        if _int(pp) is None or not 1 <= pp <= _MAX_TP:
+            return None, "remote_pp_size (or pp_size) must be a positive PP size"
+        if pp > 1:
+            out["remote_pp_size"] = pp
+    if port + (pp or 1) * out["remote_tp_size"] - 1 > 65535:
+        return None, "remote_port + remote_pp_size * remote_tp_size - 1 is past port 65535"
     rid = params.get("remote_request_id")
     if rid is not None:
         if not _name(rid):
@@ -140,6 +148,25 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
     if transfer is not None:
         out["transfer_id"] = transfer
     return out, ""
+
+
+def first_layer(layer_names: list[str], pp_size: int) -> int:
+    """The model-wide index of a pipeline stage's first layer, from vLLM's layer names
+    ("model.layers.12.self_attn.attn": the first all-digit component): the smallest. It enters
+    kvferry's compatibility hash, so a stage never reads another stage's layers. Without
+    pipeline parallelism a name without an index means 0; with it, such names are refused."""
+    indices = []
+    for name in layer_names:
+        index = next((int(p) for p in str(name).split(".") if p.isdigit()), None)
+        if index is None:
+            if pp_size > 1:
+                raise _kvferry.InvalidArgumentError(
+                    f"pipeline-parallel size {pp_size}, but the layer name {name!r} has no "
+                    "layer index (expected vLLM's 'model.layers.N....'): kvferry cannot tell "
+                    "which layers this stage holds")
+            return 0
+        indices.append(index)
+    return min(indices) if indices else 0
 
 
 def layerwise_transfer_id(params: Any) -> Optional[str]:
@@ -204,6 +231,8 @@ class _Settings:
             self.native_role)
         parallel = _get(vllm_config, "parallel_config")
         self.tp_size = int(extra.get("tp_size", _get(parallel, "tensor_parallel_size", 1) or 1))
+        self.pp_size = int(extra.get("pp_size",
+                                     _get(parallel, "pipeline_parallel_size", 1) or 1))
         dp = None
         for field in ("data_parallel_index", "data_parallel_rank", "data_parallel_rank_local"):
             dp = _int(_get(parallel, field))
@@ -248,6 +277,27 @@ class _Settings:
         lora, rope = _get(hf, "kv_lora_rank"), _get(hf, "qk_rope_head_dim")
         if self.use_mla and isinstance(lora, int) and isinstance(rope, int):
             self.mla_split = (lora, rope)
+
+    def pipeline_ranks(self) -> tuple[int, int]:
+        """(pp_size, pp_rank) of this worker process: vLLM's pipeline group where it is
+        importable and initialised (get_pp_group(), as vLLM's make_layers reads it); else the
+        extra config's pp_size/pp_rank (tests); a PP size above 1 with neither is a
+        configuration error."""
+        try:  # pragma: no cover - with vLLM
+            from vllm.distributed.parallel_state import get_pp_group  # type: ignore
+            group = get_pp_group()
+            size, rank = int(group.world_size), int(group.rank_in_group)
+        except Exception:
+            size = rank = None
+        if size is not None:  # pragma: no cover - with vLLM
+            return size, rank
+        if "pp_rank" in self.extra:
+            return self.pp_size, int(self.extra["pp_rank"])
+        if self.pp_size == 1:
+            return 1, 0
+        raise _kvferry.InvalidArgumentError(
+            f"pipeline-parallel size {self.pp_size} but vLLM's parallel state is not available "
+            "to tell this worker's stage; run inside vLLM's worker processes")
 
     def worker_ranks(self) -> tuple[int, int]:
         """(tp_size, tp_rank) of this worker process: vLLM's parallel state where it is
@@ -317,7 +367,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
                 s.native_role, s.engine_id, s.host, s.base_port, s.dp_rank, s.tp_size,
-                s.hold_lease_ms)
+                s.hold_lease_ms, s.pp_size)
 
     if _Base is object:
         @property
@@ -581,6 +631,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         registers them; the geometry comes from shapes and strides (kvferry.vllm_layout)."""
         s = self._settings
         tp_size, tp_rank = s.worker_ranks()
+        pp_size, pp_rank = s.pipeline_ranks()
         prefer_heads_first = False
         try:  # pragma: no cover - with vLLM
             from vllm.platforms import current_platform  # type: ignore
@@ -595,7 +646,8 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
                           s.mla_split)
         spec = _kvferry.CacheSpec.create(reg.kind, len(reg.bases), reg.parts, reg.num_blocks,
                                          reg.tokens_per_block, reg.dtype, reg.layout, tp_size,
-                                         tp_rank, list(reg.fields), list(reg.block_strides))
+                                         tp_rank, list(reg.fields), list(reg.block_strides),
+                                         first_layer(list(host), pp_size))
         if reg.kind == "mha" and reg.local_heads != spec.local_heads(0):
             raise _kvferry.InvalidArgumentError(
                 f"the cache tensors hold {reg.local_heads} KV heads per rank, but "
@@ -605,7 +657,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             s.native_role, s.engine_id, tp_size, tp_rank, s.dp_rank, s.host, s.base_port,
             s.secret, s.transport, s.rank_table, s.server_id, s.visible_devices,
             s.transfer_timeout_ms, s.hold_lease_ms, s.failure_policy,
-            transport_options=s.transport_options)
+            transport_options=s.transport_options, pp_size=pp_size, pp_rank=pp_rank)
         try:
             worker.register_kv_caches(spec, reg.bases, reg.memory)
         except _kvferry.UnavailableError as e:

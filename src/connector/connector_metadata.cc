@@ -62,7 +62,8 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
   PackStr(pk, "loads");
   pk.pack_array(static_cast<std::uint32_t>(loads.size()));
   for (const LoadSpec& l : loads) {
-    pk.pack_map(9);
+    const bool staged = l.remote_pp_size != 1;  // sent only where it says something
+    pk.pack_map(9 + (staged ? 1 : 0));
     PackStr(pk, "request_id");
     PackStr(pk, l.request_id);
     PackStr(pk, "local_block_ids");
@@ -81,6 +82,10 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
     PackStr(pk, l.remote_request_id);
     PackStr(pk, "transfer_id");
     PackStr(pk, l.transfer_id);
+    if (staged) {
+      PackStr(pk, "remote_pp_size");
+      pk.pack_int32(l.remote_pp_size);
+    }
   }
   PackStr(pk, "holds");
   pk.pack_array(static_cast<std::uint32_t>(holds.size()));
@@ -154,6 +159,14 @@ Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t
     l.remote_tp_size = static_cast<int>(tp);
     KVFERRY_ASSIGN_OR_RETURN(l.remote_request_id, lm.Str("remote_request_id", wire::kMaxIdBytes));
     KVFERRY_ASSIGN_OR_RETURN(l.transfer_id, OptionalStr(lm, "transfer_id"));
+    if (lm.Find("remote_pp_size") != nullptr) {
+      KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pp, lm.Uint("remote_pp_size", kMaxTpSize));
+      if (pp == 0) {
+        return Status::InvalidArgument("metadata.loads[" + std::to_string(i) +
+                                       "].remote_pp_size is 0; expected a PP size of at least 1");
+      }
+      l.remote_pp_size = static_cast<int>(pp);
+    }
     md.loads.push_back(std::move(l));
   }
   for (std::uint32_t i = 0; i < holds->via.array.size; ++i) {

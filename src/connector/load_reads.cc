@@ -63,6 +63,16 @@ Result<LoadRunner::LoadPlan> LoadRunner::Plan(const LoadSpec& load) {
     return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
   }
   KVFERRY_RETURN_IF_ERROR(CheckRemoteRanks(load.remote_tp_size, load.remote_port));
+  if (load.remote_pp_size != cfg_.pp_size) {
+    // Rule 17: a stage reads only a stage holding exactly its layers; with other PP sizes no
+    // stage of the prefill instance does (refused before any byte moves).
+    return Status::NotSupported(
+        "request " + load.request_id + ": the prefill instance has pipeline-parallel size " +
+        std::to_string(load.remote_pp_size) + " and this decode instance " +
+        std::to_string(cfg_.pp_size) +
+        "; kvferry reads a stage's layers from the prefill stage that holds the same layers, so "
+        "both instances need the same PP size");
+  }
   // Rule 8: which prefill ranks, which bytes.
   KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
                            PlanTpSources(*spec, load.remote_tp_size, cfg_.tp_size, cfg_.tp_rank));

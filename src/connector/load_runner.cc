@@ -124,7 +124,10 @@ std::vector<LoadError> LoadRunner::TakeErrors() {
 WorkerStats LoadRunner::Stats() const {
   MutexLock lock(mu_);
   WorkerStats s = stats_;
-  s.loads_outstanding = loads_.size();
+  // Started and not yet reported: a load that Abort reported stays in loads_ until its thread has
+  // unwound, and is no longer outstanding to the engine (it is in GetFinished already).
+  s.loads_outstanding = static_cast<std::uint64_t>(std::count_if(
+      loads_.begin(), loads_.end(), [](const auto& kv) { return !kv.second.reported; }));
   return s;
 }
 

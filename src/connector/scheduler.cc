@@ -54,15 +54,21 @@ Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransfe
                                    " asks for remote prefill but its kv_transfer_params lack " +
                                    missing + "; check the proxy that forwards them");
   }
-  // Rule 14: the prefill ranks a load talks to are remote_port + 0 .. remote_tp_size - 1.
-  if (*params.remote_tp_size < 1 || *params.remote_tp_size > kMaxTpSize ||
-      *params.remote_port < 1 ||
-      static_cast<std::int64_t>(*params.remote_port) + *params.remote_tp_size - 1 > 65535) {
+  // Rule 14: the prefill ranks a load talks to are remote_port + 0 .. remote_pp_size *
+  // remote_tp_size - 1.
+  const int pp = params.remote_pp_size.value_or(1);
+  if (*params.remote_tp_size < 1 || *params.remote_tp_size > kMaxTpSize || pp < 1 ||
+      pp > kMaxTpSize || *params.remote_port < 1 ||
+      static_cast<std::int64_t>(*params.remote_port) +
+              static_cast<std::int64_t>(pp) * *params.remote_tp_size - 1 >
+          65535) {
     return Status::InvalidArgument(
         "request " + request_id + " has remote_tp_size " + std::to_string(*params.remote_tp_size) +
-        " and remote_port " + std::to_string(*params.remote_port) + "; expected a TP size in 1.." +
-        std::to_string(kMaxTpSize) + " and ports remote_port..remote_port + remote_tp_size - 1 " +
-        "inside 1..65535");
+        ", remote_pp_size " + std::to_string(pp) + " and remote_port " +
+        std::to_string(*params.remote_port) + "; expected TP and PP sizes in 1.." +
+        std::to_string(kMaxTpSize) +
+        " and ports remote_port..remote_port + remote_pp_size * remote_tp_size - 1 inside "
+        "1..65535");
   }
   LoadSpec load;
   load.request_id = request_id;
@@ -81,6 +87,7 @@ Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransfe
   load.remote_host = *params.remote_host;
   load.remote_port = *params.remote_port;
   load.remote_tp_size = *params.remote_tp_size;
+  load.remote_pp_size = pp;
   load.remote_request_id =
       layerwise ? load.transfer_id : params.remote_request_id.value_or(request_id);
   pending_.loads.push_back(std::move(load));
@@ -158,8 +165,9 @@ Scheduler::FinishedResult Scheduler::RequestFinished(const std::string& request_
   out.remote_block_ids = std::vector<std::int64_t>(block_ids.begin(), block_ids.end());
   out.remote_engine_id = config_.engine_id;
   out.remote_host = config_.host;
-  out.remote_port = config_.base_port + config_.dp_rank * config_.tp_size;
+  out.remote_port = config_.base_port + config_.dp_rank * config_.pp_size * config_.tp_size;
   out.remote_tp_size = config_.tp_size;
+  if (config_.pp_size > 1) out.remote_pp_size = config_.pp_size;
   // A layer-wise hold is keyed by the transfer id: a proxy that falls back to forwarding these
   // params (whole-request) reaches the same hold.
   out.remote_request_id = layerwise ? *params.transfer_id : request_id;

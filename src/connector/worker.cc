@@ -81,6 +81,13 @@ Status WorkerImpl::Init() {
                                    std::to_string(cfg_.tp_size) + " (DP rank " +
                                    std::to_string(cfg_.dp_rank) + ") is invalid");
   }
+  if (cfg_.pp_size < 1 || cfg_.pp_size > kMaxTpSize || cfg_.pp_rank < 0 ||
+      cfg_.pp_rank >= cfg_.pp_size) {
+    return Status::InvalidArgument("pipeline stage " + std::to_string(cfg_.pp_rank) + " of " +
+                                   std::to_string(cfg_.pp_size) +
+                                   " is invalid: expected a PP size of at least 1 and "
+                                   "0 <= stage < size");
+  }
   self_ = {cfg_.engine_id, static_cast<std::uint32_t>(cfg_.dp_rank),
            static_cast<std::uint32_t>(cfg_.tp_rank)};
   identity_.peer = self_;
@@ -131,6 +138,8 @@ Status WorkerImpl::Init() {
   lo.dp_rank = cfg_.dp_rank;
   lo.tp_size = cfg_.tp_size;
   lo.tp_rank = cfg_.tp_rank;
+  lo.pp_size = cfg_.pp_size;
+  lo.pp_rank = cfg_.pp_rank;
   lo.secret = cfg_.secret;
   lo.allow_insecure_remote = cfg_.allow_insecure_remote;
   KVFERRY_ASSIGN_OR_RETURN(
@@ -234,7 +243,17 @@ void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
   }
   if (begin_queued) announcer_->Add(std::move(begin));
   if (!pushes.empty()) pusher_->Push(std::move(pushes));
-  loads_->Start(metadata.loads);
+  if (cfg_.pp_rank == 0) {
+    loads_->Start(metadata.loads);
+    return;
+  }
+  // A pipeline stage reads the same stage of the prefill instance: its ports follow stage 0's
+  // TP ranks (a PP size that differs fails the load in LoadRunner::Plan, naming both).
+  std::vector<LoadSpec> loads = metadata.loads;
+  for (LoadSpec& l : loads) {
+    if (l.remote_pp_size == cfg_.pp_size) l.remote_port += cfg_.pp_rank * l.remote_tp_size;
+  }
+  loads_->Start(loads);
 }
 
 Status WorkerImpl::SaveKvLayer(int layer, std::uint64_t stream) {

@@ -236,6 +236,12 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
                                    std::to_string(options.tp_size) +
                                    " is invalid: expected size >= 1 and 0 <= rank < size");
   }
+  if (options.first_layer < 0 ||
+      options.first_layer > (1 << 20) - static_cast<std::int64_t>(layers.size())) {
+    return Status::InvalidArgument("first_layer " + std::to_string(options.first_layer) +
+                                   " is invalid: expected the model-wide index of this "
+                                   "pipeline stage's first layer, 0 to 2^20 less its layers");
+  }
   const LayerSpec& first = layers.front();
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const LayerSpec& layer = layers[l];
@@ -396,6 +402,8 @@ std::string CacheSpec::CanonicalText() const {
     out += " fields=";
     out += JoinFields(fields());
   }
+  // Likewise only a pipeline stage after the first names where its layers start.
+  if (first_layer() != 0) out += " first_layer=" + std::to_string(first_layer());
   return out;
 }
 

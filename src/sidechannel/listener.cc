@@ -12,7 +12,10 @@
 
 namespace kvferry::sidechannel {
 int ListenerPort(const ListenerOptions& o) {
-  return o.base_port + o.dp_rank * o.tp_size + o.tp_rank;
+  const std::int64_t port =
+      o.base_port + (static_cast<std::int64_t>(o.dp_rank) * o.pp_size + o.pp_rank) * o.tp_size +
+      o.tp_rank;
+  return port > 65535 ? -1 : static_cast<int>(port);
 }
 
 Result<std::unique_ptr<Listener>> Listener::Start(const ListenerOptions& options,
@@ -25,15 +28,20 @@ Result<std::unique_ptr<Listener>> Listener::Start(const ListenerOptions& options
         "secret (KVFERRY_SECRET), bind to 127.0.0.1, or allow this explicitly");
   }
   if (options.tp_size < 1 || options.tp_rank < 0 || options.tp_rank >= options.tp_size ||
-      options.dp_rank < 0) {
-    return Status::InvalidArgument("listener placement dp " + std::to_string(options.dp_rank) +
-                                   ", tp " + std::to_string(options.tp_rank) + " of " +
-                                   std::to_string(options.tp_size) + " is invalid");
+      options.dp_rank < 0 || options.pp_size < 1 || options.pp_rank < 0 ||
+      options.pp_rank >= options.pp_size || options.dp_rank > 65535 || options.pp_size > 65535 ||
+      options.tp_size > 65535) {
+    return Status::InvalidArgument(
+        "listener placement dp " + std::to_string(options.dp_rank) + ", pp " +
+        std::to_string(options.pp_rank) + " of " + std::to_string(options.pp_size) + ", tp " +
+        std::to_string(options.tp_rank) + " of " + std::to_string(options.tp_size) + " is invalid");
   }
   const int port = ListenerPort(options);
   if (port <= 0 || port > 65535) {
-    return Status::InvalidArgument("listener port " + std::to_string(port) +
-                                   " (base port + dp_rank * tp_size + tp_rank) is out of range");
+    return Status::InvalidArgument(
+        "listener port of dp " + std::to_string(options.dp_rank) + ", pp " +
+        std::to_string(options.pp_rank) + ", tp " + std::to_string(options.tp_rank) +
+        " (base port + (dp_rank * pp_size + pp_rank) * tp_size + tp_rank) is outside 1..65535");
   }
   ZmqSocket router(ZMQ_ROUTER);
   if (!router.valid()) return Status::Internal("zmq_socket(ROUTER): " + ZmqError());
@@ -50,10 +58,15 @@ Result<std::unique_ptr<Listener>> Listener::Start(const ListenerOptions& options
     const int err = zmq_errno();
     return Status::Unavailable(
         "cannot listen on " + endpoint + ": " + zmq_strerror(err) +
-        (err == EADDRINUSE ? "; port " + std::to_string(port) +
-                                 " is in use: choose another base port (kv_connector_extra_config "
-                                 "base_port, or VLLM_ASCEND_LLMDD_RPC_PORT)"
-                           : ""));
+        (err == EADDRINUSE
+             ? "; port " + std::to_string(port) + " (DP rank " + std::to_string(options.dp_rank) +
+                   ", pipeline stage " + std::to_string(options.pp_rank) + " of " +
+                   std::to_string(options.pp_size) + ", TP rank " +
+                   std::to_string(options.tp_rank) + " of " + std::to_string(options.tp_size) +
+                   ") is in use: choose another base port (kv_connector_extra_config "
+                   "base_port, or VLLM_ASCEND_LLMDD_RPC_PORT); with pipeline parallelism each "
+                   "stage needs its own TP-size block of ports, so tell kvferry the PP size"
+             : ""));
   }
   const int wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake < 0) return Status::Internal(std::string("eventfd: ") + ErrnoText(errno));

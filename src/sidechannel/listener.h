@@ -34,6 +34,10 @@ struct ListenerOptions {
   int dp_rank = 0;
   int tp_size = 1;
   int tp_rank = 0;
+  /// Pipeline stage of pp_size (the stages of one DP rank take consecutive blocks of tp_size
+  /// ports).
+  int pp_size = 1;
+  int pp_rank = 0;
   std::string secret;
   bool allow_insecure_remote = false;
   /// Requests whose timestamp is further than this from the local clock are refused.
@@ -42,7 +46,8 @@ struct ListenerOptions {
   std::size_t max_pending = 1024;
 };
 
-/// DESIGN rule 7: base_port + dp_rank * tp_size + tp_rank.
+/// DESIGN rule 7: base_port + (dp_rank * pp_size + pp_rank) * tp_size + tp_rank; with one
+/// pipeline stage, base_port + dp_rank * tp_size + tp_rank.
 int ListenerPort(const ListenerOptions& options);
 
 /// Runs on the handler thread for every authenticated, well-formed request (metadata_request,

@@ -44,7 +44,8 @@ void PackCache(Packer& pk, const CacheSpec& spec) {
   // they always did.
   const bool strided = !spec.options().block_strides.empty();
   const bool fused = !spec.fields().empty();
-  pk.pack_map(9 + (strided ? 1 : 0) + (fused ? 1 : 0));
+  const bool staged = spec.first_layer() != 0;
+  pk.pack_map(9 + (strided ? 1 : 0) + (fused ? 1 : 0) + (staged ? 1 : 0));
   PackKey(pk, "kind");
   PackStr(pk, CacheKindName(spec.kind()));
   PackKey(pk, "layers");
@@ -79,6 +80,10 @@ void PackCache(Packer& pk, const CacheSpec& spec) {
   if (fused) {
     PackKey(pk, "fields");
     PackInts(pk, spec.fields());
+  }
+  if (staged) {
+    PackKey(pk, "first_layer");
+    pk.pack_int32(spec.first_layer());
   }
 }
 
@@ -306,6 +311,10 @@ Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
   options.tp_size = static_cast<int>(tp_size);
   options.tp_rank = static_cast<int>(tp_rank);
   KVFERRY_ASSIGN_OR_RETURN(options.block_strides, OptionalInts(m, "block_strides", 8));
+  if (m.Find("first_layer") != nullptr) {  // a pipeline stage after the first
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t first, m.Uint("first_layer", 1 << 20));
+    options.first_layer = static_cast<int>(first);
+  }
   Result<CacheSpec> spec = CacheSpec::Create(std::move(options));
   if (!spec.ok()) return spec.status().WithContext(m.path());
   return spec;

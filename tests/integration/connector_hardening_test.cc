@@ -315,6 +315,9 @@ TEST(ConnectorHardeningTest, AnAbortEndsALoadWaitingOnAHandshakeAtOnce) {
   ASSERT_EQ(decode.Errors("req-a").size(), 1u);
   EXPECT_EQ(decode.Errors("req-a")[0].status.code(), StatusCode::kCancelled);
   EXPECT_FALSE(decode.Errors("req-a")[0].recompute);
+  // Reported means no longer outstanding, though its thread still waits on the silent peer
+  // (before the fix the gauge counted it until that thread unwound).
+  EXPECT_EQ(decode.loads_outstanding(), 0u);
   decode.Free("req-a");
   release.set_value();
   // The load's thread ends it quietly later: reported once.

@@ -127,6 +127,15 @@ TEST(SideChannelTest, ListenerPortFollowsRankPlacement) {
   o.tp_size = 4;
   o.tp_rank = 3;
   EXPECT_EQ(ListenerPort(o), 6000 + 2 * 4 + 3);
+  // Pipeline stages of one DP rank take consecutive TP-size blocks (issue 28: stage 1 collided
+  // with stage 0's ports on one host).
+  o.pp_size = 2;
+  o.pp_rank = 1;
+  EXPECT_EQ(ListenerPort(o), 6000 + (2 * 2 + 1) * 4 + 3);
+  o.pp_rank = 0;
+  o.dp_rank = 0;
+  o.tp_rank = 0;
+  EXPECT_EQ(ListenerPort(o), 6000) << "stage 0 of DP rank 0 keeps the base port";
 }
 
 TEST(SideChannelTest, FinishedNoticesToOnePeerAreBatched) {
@@ -339,9 +348,11 @@ TEST(SideChannelTest, BusyPortNamesThePortAndTheSetting) {
   Recorder r;
   Result<std::unique_ptr<Listener>> second = Listener::Start(o, r.Handler());
   EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
-  EXPECT_THAT(second.status().message(),
-              HasSubstr("port " + std::to_string(o.base_port) + " is in use"));
+  EXPECT_THAT(second.status().message(), HasSubstr("port " + std::to_string(o.base_port) +
+                                                   " (DP rank 0, pipeline stage 0 of 1"));
+  EXPECT_THAT(second.status().message(), HasSubstr("is in use"));
   EXPECT_THAT(second.status().message(), HasSubstr("base port"));
+  EXPECT_THAT(second.status().message(), HasSubstr("PP size"));
 }
 
 TEST(SideChannelTest, NoSecretMeansLoopbackOnlyUnlessAllowed) {

@@ -80,6 +80,10 @@ HOSTILE = [
     dict(GOOD, remote_port="5557"),
     dict(GOOD, remote_port=70000),
     dict(GOOD, remote_tp_size=0),
+    dict(GOOD, remote_tp_size=300),  # past kvferry's 256: the native scheduler refuses it
+    dict(GOOD, remote_port=65535, remote_tp_size=2),  # rank 1's port would be 65536
+    dict(GOOD, remote_pp_size=0),
+    dict(GOOD, remote_pp_size=2, remote_port=65535),
     dict(GOOD, remote_host=""),
     dict(GOOD, remote_engine_id=None),
     dict(GOOD, remote_engine_id="x" * 5000),

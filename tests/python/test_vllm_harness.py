@@ -104,6 +104,37 @@ def test_unequal_tp_with_nhd_moves_strided_head_slices(ranks, p_tp, d_tp):
     assert decode.load_errors == []
 
 
+# Pipeline parallelism (issue 28 item 1), as vLLM runs it: every stage a worker process with its
+# own layers (vllm/model_executor/models/utils.py make_layers over get_pp_indices), the stage
+# from get_pp_group(), KVOutputAggregator expecting parallel_config.world_size (PP x TP) reports
+# of every finished request.
+@pytest.mark.parametrize("backend", ["flash_attn_nhd", "mla"])
+def test_pipeline_parallel_stages_each_read_their_own_layers(ranks, backend):
+    g = geometry(backend, layers=4, heads=2 if backend != "mla" else 1)
+    prefill = Instance(g, "kv_producer", free_port(2), ranks[:2], pp=2)
+    decode = Instance(g, "kv_consumer", free_port(2), ranks[2:4], pp=2)
+    pairs = disaggregated(prefill, decode)  # both prefill stages' holds released by readers
+    check_every_byte(g, decode, pairs)
+    assert decode.load_errors == []
+
+
+def test_unequal_pipeline_parallel_sizes_are_refused_not_read(ranks):
+    """Prefill PP 2 against decode PP 1: no prefill stage holds the decode worker's layers, so
+    the load fails (recomputed by vLLM's policy) naming both PP sizes, and nothing is read."""
+    g = geometry("flash_attn_nhd", layers=4, heads=2)
+    prefill = Instance(g, "kv_producer", free_port(2), ranks[:2], pp=2)
+    decode = Instance(g, "kv_consumer", free_port(1), ranks[2:3])
+    params = proxy_hop(prefill, "pp-1", PROMPT)
+    assert params["remote_pp_size"] == 2
+    req = decode_request("pp-1", PROMPT, params)
+    decode.add_request(req)
+    run_until([prefill, decode], lambda: req.status == RequestStatus.RUNNING,
+              "the refused load to be recomputed")
+    assert [code for _, code, _ in decode.load_errors] == ["NotSupported"], decode.load_errors
+    assert "pipeline-parallel size 2" in decode.load_errors[0][2]
+    check_every_byte(g, decode, [])  # not a byte read
+
+
 HOSTILE = [
     {"do_remote_prefill": True},
     {"do_remote_prefill": True, "remote_block_ids": "1,2", "remote_engine_id": "p",

@@ -78,6 +78,24 @@ def aggregate(outputs):
     return acc
 
 
+def record_load_errors(work):
+    """The native load errors the adapter takes, kept (with their messages) for the test."""
+    errors = []
+    native = work._worker
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def take_load_errors(self):
+            got = native.take_load_errors()
+            errors.extend(got)
+            return got
+
+    work._worker = Recorder()
+    return errors
+
+
 def pair(p_role="kv_producer", d_role="kv_consumer", layers=LAYERS, d_extra=None):
     pport, dport = free_port(), free_port()
     p = (kvferry.vllm.KvferryConnector(config(p_role, pport), "SCHEDULER"),
@@ -210,19 +228,7 @@ def test_preempted_layerwise_prefill_leg_fails_its_reader_at_once_and_holds_noth
     its transfer ends at once (the decode load fails naming the preemption, not by the progress
     deadline), and when vLLM later recomputes and finishes it, nothing is announced or held."""
     pport, (p_sched, p_work), p_caches, dport, (d_sched, d_work), _ = pair()
-    errors = []
-    native = d_work._worker
-
-    class Recorder:
-        def __getattr__(self, name):
-            return getattr(native, name)
-
-        def take_load_errors(self):
-            got = native.take_load_errors()
-            errors.extend(got)
-            return got
-
-    d_work._worker = Recorder()
+    errors = record_load_errors(d_work)
     dreq = request("d-1", {"do_remote_prefill": True, "transfer_id": "xfer-p",
                            "remote_engine_id": f"kv_producer-{pport}", "remote_host": "127.0.0.1",
                            "remote_port": pport, "remote_tp_size": 1}, 2 * BS)
@@ -361,3 +367,42 @@ def test_layout_modules_import_in_one_direction():
         tree = ast.parse(open(os.path.join(package, module), encoding="utf-8").read())
         names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "vllm_layout" not in names, f"{module} imports vllm_layout: {names}"
+
+
+def test_a_decode_stage_pointed_at_another_stages_layers_is_refused_not_read():
+    """The pipeline-parallel corruption of issue 28: a decode stage that reaches a prefill stage
+    holding other layers (stage 1, layers 2-3, at the port of stage 0, layers 0-1, as a proxy
+    or host layout can make happen) read them into its own layers with no error. The layer
+    range is in the compatibility hash now: the handshake refuses it and not a byte moves."""
+    pport, dport = free_port(), free_port(2)
+    p_sched = kvferry.vllm.KvferryConnector(
+        config("kv_producer", pport, {"pp_size": 2, "pp_rank": 0}), "SCHEDULER")
+    p_work = kvferry.vllm.KvferryConnector(
+        config("kv_producer", pport, {"pp_size": 2, "pp_rank": 0}), "WORKER")
+    d_sched = kvferry.vllm.KvferryConnector(
+        config("kv_consumer", dport, {"pp_size": 2, "pp_rank": 1}), "SCHEDULER")
+    d_work = kvferry.vllm.KvferryConnector(
+        config("kv_consumer", dport, {"pp_size": 2, "pp_rank": 1, "transfer_timeout_ms": 5000}),
+        "WORKER")
+    p_caches = {f"model.layers.{i}.self_attn.attn": fa_nhd() for i in (0, 1)}
+    d_caches = {f"model.layers.{i}.self_attn.attn": fa_nhd() for i in (2, 3)}
+    for i, c in enumerate(p_caches.values()):
+        fill_random(c, 50 + i)
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches(d_caches)
+    assert p_work._spec.first_layer == 0 and d_work._spec.first_layer == 2
+    errors = record_load_errors(d_work)
+    params, _ = offer(p_sched, p_work, "r-1", [1, 2])
+    assert params["remote_pp_size"] == 2
+    # Stage 1 of the decode side reads remote_port + 1 * remote_tp_size: aimed at stage 0.
+    aimed = dict(params, remote_port=pport - 1)
+    req = request("d-1", aimed, 2 * BS)
+    d_sched.get_num_new_matched_tokens(req, 0)
+    d_sched.update_state_after_alloc(req, Blocks([5, 6]), 2 * BS)
+    mds = [d_sched.build_connector_meta(None)]
+    got = poll(lambda: worker_step(d_work, mds.pop() if mds else
+                                   d_sched.build_connector_meta(None))[1], "the refused load")
+    assert got == {"d-1"}
+    assert errors and "layouts differ" in errors[0]["message"], errors
+    assert "first_layer=2" in errors[0]["message"], errors[0]["message"]
+    assert all(not c.any() for c in d_caches.values()), "a byte of another stage was read"

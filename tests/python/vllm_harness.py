@@ -369,11 +369,16 @@ def copy_kv_blocks_for(torch, kind: str, calls: list):
 # ----------------------------------------------------------------------------- worker processes
 
 
-def _fake_vllm(size: int, rank: int, cpu: bool) -> None:
-    """vLLM's parallel state and platform as the connector reads them in a worker process."""
+def _fake_vllm(size: int, rank: int, cpu: bool, pp: int = 1, pp_rank: int = 0) -> None:
+    """vLLM's parallel state and platform as the connector reads them in a worker process:
+    the TP group's size and rank, and the pipeline group (get_pp_group(): a GroupCoordinator's
+    world_size and rank_in_group)."""
     ps = types.ModuleType("vllm.distributed.parallel_state")
     ps.get_tensor_model_parallel_world_size = lambda: size
     ps.get_tensor_model_parallel_rank = lambda: rank
+    ps.get_pp_group = lambda: types.SimpleNamespace(world_size=pp, rank_in_group=pp_rank,
+                                                   is_first_rank=pp_rank == 0,
+                                                   is_last_rank=pp_rank == pp - 1)
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: cpu)
     for name in ("vllm", "vllm.distributed"):
@@ -391,7 +396,19 @@ SEED_KV_TRANSFER_CONFIG = {"kv_connector": "KvferryConnector", "kv_buffer_device
                            "engine_id": "0", "kv_connector_module_path": "kvferry.vllm"}
 
 
-def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = None):
+def pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """vllm/distributed/utils.py get_pp_indices without VLLM_PP_LAYER_PARTITION: [start, end)
+    of a stage, the remainder layers going to the stages before the last."""
+    per, rem = divmod(num_layers, pp_size)
+    sizes = [per] * pp_size
+    for i in range(rem):  # vLLM spreads the remainder over the non-last partitions
+        sizes[pp_size - 2 - i if pp_size > 1 else 0] += 1
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = None,
+                pp: int = 1):
     """The parts of VllmConfig the connector reads; the same object for every rank. With
     g["seed_config"] the kv_transfer_config is SEED_KV_TRANSFER_CONFIG (kv_buffer_device
     g["seed_config"]) and nothing else: no extra config."""
@@ -402,7 +419,8 @@ def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = 
         rope = widths[1] if len(widths) > 1 else g["width"] - g["lora"]
         model.hf_text_config = types.SimpleNamespace(kv_lora_rank=g["lora"],
                                                      qk_rope_head_dim=rope)
-    parallel = types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0)
+    parallel = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                     data_parallel_rank=0)
     cache = types.SimpleNamespace(block_size=g["block_size"])
     if g.get("seed_config"):
         ktc = dict(SEED_KV_TRANSFER_CONFIG, kv_role=role, kv_buffer_device=g["seed_config"])
@@ -453,10 +471,10 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                 if old is not None:
                     old.shutdown()
                     del old
-                g, role, port, tp, rank, env = arg
-                _fake_vllm(tp, rank, g["backend"] == "cpu")
+                g, role, port, tp, rank, env, pp, pp_rank = arg
+                _fake_vllm(tp, rank, g["backend"] == "cpu", pp, pp_rank)
                 with environment(env):  # the reference's variables, read when it is made
-                    c = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, tp),
+                    c = kvferry.vllm.KvferryConnector(vllm_config(g, role, port, tp, pp=pp),
                                                       KVConnectorRole.WORKER)
                 acl = None
                 if g.get("acl"):  # NPU memory from the fake CANN runtime, kept per process
@@ -464,7 +482,8 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                     state["acl"] = acl
                 alloc = (lambda shape, dt: acl.zeros(torch, shape, dt)) if acl else None
                 caches, views = {}, []
-                for layer in range(g["layers"]):
+                first, end = pp_indices(g["layers"], pp_rank, pp)
+                for layer in range(first, end):  # this pipeline stage's layers (make_layers)
                     tensor, canon = build_cache(torch, g, tp, rank, alloc)
                     if role == "kv_producer":
                         full = model_content(g, layer)
@@ -497,7 +516,7 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
 
                 c._worker = Recorder()
                 state.update(connector=c, views=views, errors=errors, caches=caches,
-                             copies=copies)
+                             copies=copies, layers=list(range(first, end)))
                 conn.send(("ok", None))
             elif cmd == "step":
                 # vLLM's worker step with a connector (vllm/v1/worker/gpu_model_runner.py
@@ -536,8 +555,8 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                 conn.send(("ok", {"memory": reg.memory, "kind": reg.kind, "layout": reg.layout,
                                   "engine_id": c._settings.engine_id,
                                   "base_port": c._settings.base_port}))
-            elif cmd == "read":
-                conn.send(("ok", [v.read() for v in state["views"]]))
+            elif cmd == "read":  # (model-wide layer index, canonical bytes) of each layer held
+                conn.send(("ok", list(zip(state["layers"], [v.read() for v in state["views"]]))))
             else:
                 conn.send(("error", f"unknown command {cmd}"))
         except Exception as e:  # reported to the test, which fails with it
@@ -653,18 +672,21 @@ class Instance:
     """One vLLM instance: its scheduler (here) and its TP ranks (worker processes)."""
 
     def __init__(self, g: dict, role: str, port: int, ranks: list[RankProcess],
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, pp: int = 1):
         """`env`: environment variables the instance's processes start with (the reference's
-        VLLM_ASCEND_LLMDD_RPC_PORT, DISAGGREGATED_PREFILL_RANK_TABLE_PATH, ...)."""
+        VLLM_ASCEND_LLMDD_RPC_PORT, DISAGGREGATED_PREFILL_RANK_TABLE_PATH, ...). `pp`: pipeline
+        stages; the ranks are stage-major (vLLM's DP x PP x TP rank order), TP = ranks / pp."""
         import kvferry.vllm
 
-        self.g, self.role, self.ranks, self.tp = g, role, ranks, len(ranks)
+        assert len(ranks) % pp == 0
+        self.g, self.role, self.ranks, self.pp = g, role, ranks, pp
+        self.tp = len(ranks) // pp
         for r, proc in enumerate(ranks):
-            proc.send("init", (g, role, port, self.tp, r, env))
+            proc.send("init", (g, role, port, self.tp, r % self.tp, env, pp, r // self.tp))
         for proc in ranks:
             proc.recv()
         with environment(env):
-            cfg = vllm_config(g, role, port, self.tp)
+            cfg = vllm_config(g, role, port, self.tp, pp=pp)
             self.connector = kvferry.vllm.KvferryConnector(cfg, KVConnectorRole.SCHEDULER)
         self.stat_loggers = StatLoggers(type(self.connector), cfg)
         self.preempt_next: set[str] = set()  # running requests to preempt in the next schedule()
@@ -681,7 +703,8 @@ class Instance:
         self.failed_recving_kv_req_ids: set[str] = set()
         self.finished_req_ids: set[str] = set()
         self.responses: dict[str, Optional[dict]] = {}  # finished: the kv_transfer_params
-        self.aggregator = KVOutputAggregator(self.tp)
+        # KVOutputAggregator.from_connector: parallel_config.world_size reports (PP x TP).
+        self.aggregator = KVOutputAggregator(len(ranks))
         self.load_errors: list[tuple] = []  # (request, code, message) from every rank
         # num_computed_tokens of each request promoted out of WAITING_FOR_REMOTE_KVS
         self.promoted: dict[str, int] = {}
@@ -859,8 +882,8 @@ class Instance:
             proc.send("registration")
         return [proc.recv() for proc in self.ranks]
 
-    def read(self) -> list[list[np.ndarray]]:
-        """Every rank's caches as [rank][layer] canonical byte arrays."""
+    def read(self) -> list[list[tuple[int, np.ndarray]]]:
+        """Every rank's caches as [rank] lists of (model-wide layer, canonical byte array)."""
         for proc in self.ranks:
             proc.send("read")
         return [proc.recv() for proc in self.ranks]
@@ -904,8 +927,9 @@ def decode_request(rid: str, prompt_tokens: int, params: Optional[dict]) -> Requ
 
 def expected_decode_bytes(g: dict, decode: Instance, rank: int, layer: int,
                           pairs: list[tuple[int, int]], like: np.ndarray) -> np.ndarray:
-    """What decode rank `rank` must hold in `layer`: the prefill instance's model-wide bytes of
-    each remote block in its local block (this rank's heads), zeros everywhere else."""
+    """What decode rank `rank` (its TP rank in its pipeline stage) must hold in model-wide
+    `layer`: the prefill instance's bytes of each remote block in its local block (this rank's
+    heads), zeros everywhere else."""
     want = np.zeros_like(like)
     full = model_content(g, layer)
     for remote, local in pairs:
@@ -918,15 +942,20 @@ def expected_decode_bytes(g: dict, decode: Instance, rank: int, layer: int,
 
 
 def check_every_byte(g: dict, decode: Instance, pairs: list[tuple[int, int]]) -> None:
-    for rank, layers in enumerate(decode.read()):
-        assert len(layers) == g["layers"]
-        for layer, got in enumerate(layers):
+    held: dict[int, int] = {}  # model-wide layer -> ranks holding it
+    for r, layers in enumerate(decode.read()):
+        rank = r % decode.tp  # ranks are stage-major
+        for layer, got in layers:
+            held[layer] = held.get(layer, 0) + 1
             want = expected_decode_bytes(g, decode, rank, layer, pairs, got)
             if not np.array_equal(got, want):
                 bad = np.argwhere(got != want)
                 raise AssertionError(
                     f"decode rank {rank} layer {layer}: {len(bad)} bytes differ, first at "
                     f"{tuple(int(x) for x in bad[0])} (pairs remote->local {pairs})")
+    assert held == {layer: decode.tp for layer in range(g["layers"])}, (
+        f"the decode ranks hold layers {held}; expected every one of {g['layers']} layers on "
+        f"its stage's {decode.tp} TP ranks")
 
 
 # ----------------------------------------------------------------------------- vllm-ascend's setup

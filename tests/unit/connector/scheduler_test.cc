@@ -90,7 +90,7 @@ TEST(SchedulerRule14, RemoteRanksAreBoundedBeforeAnythingIsQueued) {
   huge.remote_tp_size = 1 << 30;
   Status st = s.UpdateStateAfterAlloc("d-huge", huge, std::vector<std::int64_t>{1});
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(st.message(), HasSubstr("TP size in 1..256"));
+  EXPECT_THAT(st.message(), HasSubstr("TP and PP sizes in 1..256"));
   KvTransferParams past_port = CompleteRemotePrefill();
   past_port.remote_port = 65535;
   past_port.remote_tp_size = 2;  // ranks at 65535 and 65536
@@ -218,6 +218,35 @@ TEST(WorkerConfigTest, RoleAndRankTableEntryAreChecked) {
               HasSubstr("no decode_device_list entry for TP rank 0 on server_id \"127.0.0.2\""));
   EXPECT_EQ(*ParseRole("kv_both"), Role::kBoth);
   EXPECT_EQ(ParseRole("kv_mixed").status().code(), StatusCode::kInvalidArgument);
+}
+
+// Pipeline parallelism: the prefill side names its PP size and the port of stage 0's TP rank 0;
+// the decode side's load carries it, bounded with the ports it reaches.
+TEST(SchedulerPipelineTest, PrefillNamesItsStagesAndLoadsCarryThem) {
+  SchedulerConfig pc{Role::kPrefill, "prefill-0", "10.0.0.1", 5557, /*dp_rank=*/1,
+                     /*tp_size=*/2};
+  pc.pp_size = 3;
+  Scheduler prefill(pc);
+  KvTransferParams serve;
+  serve.do_remote_decode = true;
+  const std::vector<std::int64_t> blocks = {1};
+  Scheduler::FinishedResult r =
+      prefill.RequestFinished("p", serve, FinishReason::kLengthCapped, blocks);
+  ASSERT_TRUE(r.params.has_value());
+  EXPECT_EQ(r.params->remote_pp_size, 3);
+  EXPECT_EQ(r.params->remote_port, 5557 + 1 * 3 * 2);
+  Scheduler decode = DecodeScheduler();
+  KvTransferParams p = *r.params;
+  ASSERT_TRUE(decode.UpdateStateAfterAlloc("d", p, blocks).ok());
+  ConnectorMetadata m = decode.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u);
+  EXPECT_EQ(m.loads[0].remote_pp_size, 3);
+  Result<ConnectorMetadata> back = ConnectorMetadata::Decode(m.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, m);
+  KvTransferParams far = *r.params;
+  far.remote_port = 65535 - 4;  // stage 2's TP rank 1 would be 65535 + 1
+  EXPECT_EQ(decode.UpdateStateAfterAlloc("f", far, blocks).code(), StatusCode::kInvalidArgument);
 }
 
 // kv_both (vLLM's KVTransferConfig): each request's params say which side it is.

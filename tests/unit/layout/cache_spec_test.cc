@@ -121,6 +121,24 @@ TEST(CacheSpecTest, Rejects64BitOverflow) {
   EXPECT_THAT(total.status().message(), HasSubstr("total cache bytes"));
 }
 
+// Issue 28: a pipeline stage's layer range is in the hash, so a decode stage never reads another
+// stage's layers into its own (it did, silently, with PP across hosts); stage 0 keeps the hash
+// it had before PP.
+TEST(CacheSpecTest, HashCoversAPipelineStagesLayerRange) {
+  auto stage = [](int first_layer) {
+    CacheSpecOptions o = CacheSpec::Mha(2, 8, 128, 10, 16, DType::kBFloat16)->options();
+    o.first_layer = first_layer;
+    return *CacheSpec::Create(o);
+  };
+  EXPECT_EQ(stage(0).Hash(), CacheSpec::Mha(2, 8, 128, 10, 16, DType::kBFloat16)->Hash());
+  EXPECT_NE(stage(0).Hash(), stage(2).Hash());
+  EXPECT_THAT(stage(2).CanonicalText(), HasSubstr(" first_layer=2"));
+  EXPECT_FALSE(stage(0) == stage(2));
+  CacheSpecOptions bad = stage(0).options();
+  bad.first_layer = -1;
+  EXPECT_THAT(CacheSpec::Create(bad).status().message(), HasSubstr("first_layer -1"));
+}
+
 TEST(CacheSpecTest, HashCoversModelShapeButNotPlacement) {
   auto spec = [](int tp, int rank, std::int64_t blocks, std::int64_t dim) {
     return *CacheSpec::Mha(4, 8, dim, blocks, 16, DType::kBFloat16, tp, rank);

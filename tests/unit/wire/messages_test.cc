@@ -65,6 +65,18 @@ TEST(WireTest, MetadataWithoutOptionalFieldsRoundTrips) {
   EXPECT_EQ(std::get<AgentMetadata>(*back), m);
 }
 
+TEST(WireTest, APipelineStagesCacheSpecRoundTripsWithItsFirstLayer) {
+  AgentMetadata m = SampleMetadata();
+  CacheSpecOptions o = m.cache.options();
+  o.first_layer = 30;
+  m.cache = *CacheSpec::Create(o);
+  m.cache_hash = m.cache.Hash();
+  Result<Message> back = Decode(Encode(m));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(std::get<AgentMetadata>(*back).cache.first_layer(), 30);
+  EXPECT_EQ(std::get<AgentMetadata>(*back), m);
+}
+
 TEST(WireTest, StridedAndFusedCacheSpecsRoundTrip) {
   AgentMetadata m = SampleMetadata();
   CacheSpecOptions o = CacheSpec::Mha(2, 8, 128, 64, 16, DType::kBFloat16)->options();
