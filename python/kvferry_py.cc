@@ -376,13 +376,16 @@ PYBIND11_MODULE(_kvferry, m) {
       .def(
           "update_state_after_alloc",
           [](Scheduler& s, const std::string& request_id, py::dict params,
-             const std::vector<std::int64_t>& block_ids) {
+             const std::vector<std::int64_t>& block_ids, std::int64_t num_external_tokens,
+             std::int64_t num_prompt_tokens) {
             KvTransferParams p = ParamsFromDict(params);
-            Status st = s.UpdateStateAfterAlloc(request_id, p, block_ids);
+            Status st = s.UpdateStateAfterAlloc(request_id, p, block_ids, num_external_tokens,
+                                                num_prompt_tokens);
             params["do_remote_prefill"] = p.do_remote_prefill;  // cleared: not loaded twice
             ThrowIfError(st);
           },
-          py::arg("request_id"), py::arg("params"), py::arg("block_ids"))
+          py::arg("request_id"), py::arg("params"), py::arg("block_ids"),
+          py::arg("num_external_tokens") = -1, py::arg("num_prompt_tokens") = -1)
       .def(
           "request_scheduled",
           [](Scheduler& s, const std::string& request_id, const py::dict& params,

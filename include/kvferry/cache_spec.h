@@ -171,10 +171,11 @@ class CacheSpec {
   /// Alignment every part's base address must have: the element size.
   std::int64_t RequiredAlignment() const { return DTypeSize(options_.dtype); }
 
-  /// Hash of the model-level geometry: kind, layers, parts (names, model-wide heads, dims),
-  /// fused fields, tokens per block, dtype and layout. Block counts, block strides and TP placement
-  /// are not in it: two sides with different cache sizes, memory layouts of whole blocks or TP
-  /// sizes can still exchange blocks.
+  /// Hash of the model-level geometry: kind, layers (and a stage's first layer), parts (names,
+  /// model-wide heads, dims), fused fields, dtype and layout. Block counts, tokens per block, block
+  /// strides and TP placement are not in it: two sides with different cache sizes, block sizes,
+  /// memory layouts of whole blocks or TP sizes can still exchange KV (token by token where the
+  /// block sizes differ).
   CompatibilityHash Hash() const;
   /// The exact text that Hash() digests; also a readable one-line summary.
   std::string CanonicalText() const;

@@ -78,6 +78,14 @@ struct LoadSpec {
   /// sizes only, whose stages hold the same layers; the compatibility hash checks the ranges),
   /// at remote_port + s * remote_tp_size + q.
   int remote_pp_size = 1;
+  /// The prompt tokens this load brings: [first_token, first_token + num_tokens), held by
+  /// local_block_ids from first_token on (first_token is the prefix the decode side had cached)
+  /// and by remote_block_ids from token 0. What pairs blocks of different token counts on the two
+  /// sides (docs/protocol.md, "Block sizes"). -1 where the engine gave only block ids: blocks then
+  /// pair by the tail rule, and different block sizes only where a decode block holds a whole
+  /// number of prefill blocks.
+  std::int64_t first_token = -1;
+  std::int64_t num_tokens = -1;
 
   friend bool operator==(const LoadSpec&, const LoadSpec&) = default;
 };
@@ -178,6 +186,14 @@ class Scheduler {
   /// do_remote_prefill are ignored (OK). The scheduler keeps no reference to the span (rule 2).
   Status UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
                                std::span<const std::int64_t> new_block_ids);
+  /// The same, knowing the tokens the load brings: vLLM's `num_external_tokens` of the request's
+  /// `num_prompt_tokens` (the decode side computed the rest, a prefix of whole blocks). The load
+  /// then reads prompt tokens [num_prompt_tokens - num_external_tokens, num_prompt_tokens), and
+  /// the two instances may use any block sizes (LoadSpec::first_token). A count outside
+  /// 0..num_prompt_tokens is InvalidArgument, with the flag cleared and nothing queued.
+  Status UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
+                               std::span<const std::int64_t> new_block_ids,
+                               std::int64_t num_external_tokens, std::int64_t num_prompt_tokens);
 
   /// Prefill side, layer-wise (rule 16): the engine scheduled `num_scheduled_tokens` tokens of
   /// a request that has `num_computed_tokens` computed, `num_prompt_tokens` in its prompt and

@@ -19,7 +19,9 @@ before a load is reported).
 On Ascend (vllm-ascend), NPU caches register as npu:N memory, and the LLM-DataDist connector's
 kv_transfer_config works with only kv_connector and kv_connector_module_path changed
 (kvferry.vllm_ascend: kv_port as the base port, an engine id per role, the rank table's server
-id); its per-layer tuples are read by kvferry.vllm_ascend_layout.
+id), as do the Mooncake connectors' (MooncakeConnectorV1, MooncakeLayerwiseConnector,
+MooncakeHybridConnector: kv_port and their "prefill"/"decode" entries); its per-layer tuples are
+read by kvferry.vllm_ascend_layout.
 
 The class subclasses KVConnectorBase_V1 when vLLM is importable; without vLLM it works
 standalone (the tests drive it as vLLM's scheduler and one-process-per-rank workers do). Extra
@@ -89,6 +91,12 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
+def _prompt_tokens(request: Any) -> int:
+    """A vLLM Request's prompt length (prompt_token_ids, else num_prompt_tokens)."""
+    prompt = _get(request, "prompt_token_ids")
+    return len(prompt) if prompt is not None else int(_get(request, "num_prompt_tokens", 0))
+
+
 def _is_scheduler(role: Any) -> bool:
     return "scheduler" in str(getattr(role, "name", role)).lower()
 
@@ -111,6 +119,12 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
     transfer = params.get("transfer_id")
     if transfer is not None and not _name(transfer):
         return None, "transfer_id must be a non-empty string of at most 1024 bytes"
+    if params.get("metaserver") is not None and params.get("remote_host") is None:
+        return None, ("they name a metaserver: vllm-ascend's layer-wise proxy "
+                      "(load_balance_proxy_layerwise_server_example.py), whose decode instance "
+                      "posts its blocks there for the prefill to push into; kvferry's decode "
+                      "reads from the prefill instead. Use load_balance_proxy_server_example.py "
+                      "(prefill first) or kvferry-proxy")
     blocks = params.get("remote_block_ids")
     if transfer is not None and blocks is None:
         blocks = []  # a layer-wise leg: the prefill side announces its blocks with each layer
@@ -239,7 +253,15 @@ class _Settings:
             if dp is not None:
                 break
         self.dp_rank = int(extra.get("dp_rank", dp or 0))
-        self.host = extra.get("host", os.environ.get("VLLM_ASCEND_LLMDD_RPC_IP", "127.0.0.1"))
+        # A vllm-ascend Mooncake connector's config: its role's entry must describe this instance.
+        placement = vllm_ascend.mooncake_placement(extra)
+        if placement is not None:
+            vllm_ascend.check_mooncake_placement(
+                placement, self.native_role, self.tp_size,
+                _int(_get(parallel, "data_parallel_size")), self.pp_size,
+                (_int(_get(parallel, "prefill_context_parallel_size")),
+                 _int(_get(parallel, "decode_context_parallel_size"))))
+        self.host = vllm_ascend.listen_host(extra)
         self.base_port = vllm_ascend.base_port(extra, _get(ktc, "kv_port"))
         self.secret = extra.get("secret", os.environ.get("KVFERRY_SECRET", ""))
         self.transport = extra.get("transport", "auto")
@@ -419,9 +441,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         params = self._params(request)
         if params is None:
             return 0, False
-        prompt = _get(request, "prompt_token_ids")
-        count = len(prompt) if prompt is not None else int(_get(request, "num_prompt_tokens", 0))
-        count -= int(num_computed_tokens)
+        count = _prompt_tokens(request) - int(num_computed_tokens)
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -455,7 +475,10 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
                    else blocks)
             block_ids = [int(b) for b in ids]
         rid = str(_get(request, "request_id"))
-        self._scheduler.update_state_after_alloc(rid, params, block_ids)
+        # The tokens the load brings: what lets the two instances use different block sizes.
+        self._scheduler.update_state_after_alloc(rid, params, block_ids,
+                                                 max(int(num_external_tokens), 0),
+                                                 _prompt_tokens(request))
         if num_external_tokens > 0:
             self._awaited_next.append(rid)  # else: a full prefix hit only notifies the prefill side
             self._load_blocks_next[rid] = block_ids
@@ -481,9 +504,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             if isinstance(scheduled, dict):
                 if rid not in scheduled:
                     continue
-                prompt = _get(req, "prompt_token_ids")
-                count = (len(prompt) if prompt is not None
-                         else int(_get(req, "num_prompt_tokens", 0)))
+                count = _prompt_tokens(req)
                 if int(_get(req, "num_computed_tokens", 0) or 0) + int(scheduled[rid]) < count:
                     continue  # a chunk short of the prompt's end
             saves[rid] = list(ids)
@@ -508,8 +529,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
                 new_ids[str(rid)] = [int(b) for b in ids or ()]
         for rid, (req, params, ids) in self._layerwise.items():
             ids.extend(new_ids.get(rid, ()))
-            prompt = _get(req, "prompt_token_ids")
-            count = len(prompt) if prompt is not None else int(_get(req, "num_prompt_tokens", 0))
+            count = _prompt_tokens(req)
             if isinstance(scheduled, dict):
                 if rid not in scheduled:
                     continue

@@ -62,8 +62,10 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
   PackStr(pk, "loads");
   pk.pack_array(static_cast<std::uint32_t>(loads.size()));
   for (const LoadSpec& l : loads) {
-    const bool staged = l.remote_pp_size != 1;  // sent only where it says something
-    pk.pack_map(9 + (staged ? 1 : 0));
+    // Sent only where they say something.
+    const bool staged = l.remote_pp_size != 1;
+    const bool tokens = l.num_tokens >= 0;
+    pk.pack_map(9 + (staged ? 1 : 0) + (tokens ? 2 : 0));
     PackStr(pk, "request_id");
     PackStr(pk, l.request_id);
     PackStr(pk, "local_block_ids");
@@ -85,6 +87,12 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
     if (staged) {
       PackStr(pk, "remote_pp_size");
       pk.pack_int32(l.remote_pp_size);
+    }
+    if (tokens) {
+      PackStr(pk, "first_token");
+      pk.pack_int64(l.first_token);
+      PackStr(pk, "num_tokens");
+      pk.pack_int64(l.num_tokens);
     }
   }
   PackStr(pk, "holds");
@@ -166,6 +174,14 @@ Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t
                                        "].remote_pp_size is 0; expected a PP size of at least 1");
       }
       l.remote_pp_size = static_cast<int>(pp);
+    }
+    if (lm.Find("num_tokens") != nullptr) {
+      // Bounded so first_token + num_tokens cannot overflow.
+      constexpr std::uint64_t kMaxTokens = std::uint64_t{1} << 40;
+      KVFERRY_ASSIGN_OR_RETURN(std::uint64_t first, lm.Uint("first_token", kMaxTokens));
+      KVFERRY_ASSIGN_OR_RETURN(std::uint64_t count, lm.Uint("num_tokens", kMaxTokens));
+      l.first_token = static_cast<std::int64_t>(first);
+      l.num_tokens = static_cast<std::int64_t>(count);
     }
     md.loads.push_back(std::move(l));
   }

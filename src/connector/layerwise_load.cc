@@ -114,6 +114,19 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
 
   KVFERRY_ASSIGN_OR_RETURN(std::vector<SourceAgent> agents,
                            ResolveSources(load, plan, deadline, wire::kFeatureLayerwise));
+  for (const SourceAgent& a : agents) {
+    // Announcements name blocks of the prefill side's size, read into ours one for one.
+    const std::int64_t theirs = a.agent->metadata->cache.tokens_per_block();
+    if (theirs != plan.spec.tokens_per_block()) {
+      return Status::NotSupported(
+          "request " + load.request_id + ": the prefill worker at " + a.endpoint +
+          " has blocks of " + std::to_string(theirs) + " tokens and this decode worker of " +
+          std::to_string(plan.spec.tokens_per_block()) +
+          "; layer-wise transfer needs one block size on both sides (whole-request loads take "
+          "any): give both instances one block size, or send whole-request legs (the proxy's "
+          "--layerwise off)");
+    }
+  }
   {
     MutexLock w(watch->mu);
     for (const SourceAgent& a : agents) {

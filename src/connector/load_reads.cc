@@ -35,6 +35,48 @@ bool PeerFault(const Status& s) {
 
 }  // namespace
 
+Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_per_block,
+                               std::int64_t local_tokens_per_block) {
+  const std::string sizes = "the prefill side's blocks hold " +
+                            std::to_string(remote_tokens_per_block) + " tokens and this side's " +
+                            std::to_string(local_tokens_per_block);
+  if (load.num_tokens >= 0) {
+    if (load.first_token < 0 || load.first_token % local_tokens_per_block != 0) {
+      return Status::InvalidArgument("request " + load.request_id + " loads from token " +
+                                     std::to_string(load.first_token) + "; " + sizes +
+                                     ", and a load starts at a block of this side (a multiple of " +
+                                     std::to_string(local_tokens_per_block) + ")");
+    }
+    return TokenSpan{load.first_token, load.num_tokens};
+  }
+  // Only block ids: where a local block holds m remote ones, the request's ceil(R / m) local
+  // blocks end where the remote ones do, so the tail rule holds in tokens.
+  if (local_tokens_per_block % remote_tokens_per_block != 0) {
+    return Status::InvalidArgument(
+        "request " + load.request_id + ": " + sizes +
+        ", and its load gives block ids but not the tokens they hold, which blocks this small "
+        "cannot be placed by; pass num_external_tokens and num_prompt_tokens to "
+        "update_state_after_alloc (kvferry's vLLM adapter does), or give both instances one "
+        "block size");
+  }
+  const std::int64_t m = local_tokens_per_block / remote_tokens_per_block;
+  const auto remote = static_cast<std::int64_t>(load.remote_block_ids.size());
+  const auto local = static_cast<std::int64_t>(load.local_block_ids.size());
+  const std::int64_t total = (remote + m - 1) / m;
+  if (local > total) {
+    return Status::InvalidArgument(
+        "the decode side allocated " + std::to_string(local) + " blocks but the prefill side's " +
+        std::to_string(remote) + " fill only " + std::to_string(total) + " (" + sizes +
+        "); expected at most as many");
+  }
+  const std::int64_t first = (total - local) * local_tokens_per_block;
+  return TokenSpan{first, remote * remote_tokens_per_block - first};
+}
+
+namespace {
+
+}  // namespace
+
 std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
                                                      const std::vector<TpSource>& sources) const {
   std::set<int> ranks;
@@ -127,8 +169,36 @@ Status LoadRunner::AddReads(const LoadPlan& plan, const SourceAgent& s,
   KVFERRY_ASSIGN_OR_RETURN(
       std::vector<BlockRun> runs,
       MergeBlockRuns(remote_ids, local_ids, remote.num_blocks(), plan.spec.num_blocks()));
-  for (const ByteRange& r : RunByteRanges(runs, first_layer, end_layer,
-                                          PartBlockGeometryOf(remote, plan.spec), s.source)) {
+  AppendReadOps(plan, s,
+                RunByteRanges(runs, first_layer, end_layer, PartBlockGeometryOf(remote, plan.spec),
+                              s.source),
+                batch);
+  batch.runs += runs.size();
+  return Status::Ok();
+}
+
+Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const SourceAgent& s,
+                                 PlannedBatch& batch) const {
+  const CacheSpec& remote = s.agent->metadata->cache;
+  KVFERRY_ASSIGN_OR_RETURN(TokenSpan tokens, TokensOfLoad(load, remote.tokens_per_block(),
+                                                          plan.spec.tokens_per_block()));
+  KVFERRY_ASSIGN_OR_RETURN(
+      std::vector<TokenRun> runs,
+      PairTokenRuns({load.remote_block_ids, remote.tokens_per_block(), remote.num_blocks(), 0},
+                    {load.local_block_ids, plan.spec.tokens_per_block(), plan.spec.num_blocks(),
+                     tokens.first},
+                    tokens.first, tokens.count));
+  AppendReadOps(
+      plan, s, TokenRunByteRanges(runs, 0, plan.spec.num_layers(), remote, plan.spec, s.source),
+      batch);
+  batch.runs += runs.size();
+  return Status::Ok();
+}
+
+void LoadRunner::AppendReadOps(const LoadPlan& plan, const SourceAgent& s,
+                               std::span<const ByteRange> ranges, PlannedBatch& batch) const {
+  const CacheSpec& remote = s.agent->metadata->cache;
+  for (const ByteRange& r : ranges) {
     const PartRegion region = RegionOfPart(remote, r.layer, r.part);
     batch.ops.push_back(
         {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
@@ -139,8 +209,6 @@ Status LoadRunner::AddReads(const LoadPlan& plan, const SourceAgent& s,
          static_cast<std::uint64_t>(r.remote_step), static_cast<std::uint64_t>(r.local_step)});
     batch.bytes += static_cast<std::uint64_t>(r.length * r.count);
   }
-  batch.runs += runs.size();
-  return Status::Ok();
 }
 
 Status LoadRunner::RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& planned,
@@ -225,16 +293,20 @@ Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
   }
   std::set<std::string> read_from;
   if (!load.local_block_ids.empty()) {
-    // The tail rule for decode-side prefix hits.
-    KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
-                             TailOfRemote(load.remote_block_ids, load.local_block_ids));
     KVFERRY_ASSIGN_OR_RETURN(std::vector<SourceAgent> agents,
                              ResolveSources(load, plan, deadline, nullptr));
     std::vector<PlannedBatch> batches;
     for (const SourceAgent& a : agents) {
       batches.push_back({&a, {}, 0, 0});
-      KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, remote_ids, load.local_block_ids, 0,
-                                       plan.spec.num_layers(), batches.back()));
+      if (a.agent->metadata->cache.tokens_per_block() != plan.spec.tokens_per_block()) {
+        KVFERRY_RETURN_IF_ERROR(AddTokenReads(load, plan, a, batches.back()));
+      } else {
+        // The tail rule for decode-side prefix hits.
+        KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
+                                 TailOfRemote(load.remote_block_ids, load.local_block_ids));
+        KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, remote_ids, load.local_block_ids, 0,
+                                         plan.spec.num_layers(), batches.back()));
+      }
       read_from.insert(a.endpoint);
     }
     KVFERRY_RETURN_IF_ERROR(RunBatches(load, batches, deadline, moved));

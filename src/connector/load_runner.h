@@ -29,6 +29,23 @@
 
 namespace kvferry {
 
+/// The prompt tokens a load brings: [first, first + count).
+struct TokenSpan {
+  std::int64_t first = 0;
+  std::int64_t count = 0;
+
+  friend bool operator==(const TokenSpan&, const TokenSpan&) = default;
+};
+
+/// The tokens of a whole-request load between blocks of `remote_tokens_per_block` and
+/// `local_tokens_per_block` tokens: the load's own first_token and num_tokens where it has them;
+/// from its block ids alone where a local block holds a whole number m of remote ones (its
+/// local blocks are the last of the ceil(remote / m) the prompt fills, the tail rule in tokens).
+/// InvalidArgument otherwise (blocks of the decode side smaller than the prefill's cannot be
+/// placed without the token counts), or for a first token that is not at a local block.
+Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_per_block,
+                               std::int64_t local_tokens_per_block);
+
 /// What a LoadRunner shares with its worker; everything outlives the runner.
 struct LoadRunnerContext {
   const WorkerConfig& config;
@@ -135,6 +152,13 @@ class LoadRunner {
   Status AddReads(const LoadPlan& plan, const SourceAgent& s,
                   std::span<const std::int64_t> remote_ids, std::span<const std::int64_t> local_ids,
                   int first_layer, int end_layer, PlannedBatch& batch) const;
+  // The same for blocks of another token count than ours: the reads of the load's tokens, token
+  // run by token run, every layer.
+  Status AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const SourceAgent& s,
+                       PlannedBatch& batch) const;
+  // `ranges` from `s` as read ops into `batch`.
+  void AppendReadOps(const LoadPlan& plan, const SourceAgent& s, std::span<const ByteRange> ranges,
+                     PlannedBatch& batch) const;
   // Submits the batches (each registered with the load, so an abort cancels it), waits for all,
   // releases them and counts what they moved; the first failure (or the engine's abort) wins.
   Status RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& batches, Deadline deadline,

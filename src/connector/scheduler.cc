@@ -36,9 +36,25 @@ std::pair<std::int64_t, bool> Scheduler::GetNumNewMatchedTokens(
 
 Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
                                         std::span<const std::int64_t> new_block_ids) {
+  return UpdateStateAfterAlloc(request_id, params, new_block_ids, -1, -1);
+}
+
+Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
+                                        std::span<const std::int64_t> new_block_ids,
+                                        std::int64_t num_external_tokens,
+                                        std::int64_t num_prompt_tokens) {
   if (!params.do_remote_prefill) return Status::Ok();
   // Cleared first, whatever happens next, so the request is never loaded twice.
   params.do_remote_prefill = false;
+  const bool tokens_known = num_external_tokens >= 0 || num_prompt_tokens >= 0;
+  constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;  // what the metadata carries
+  if (tokens_known && (num_external_tokens < 0 || num_prompt_tokens > kMaxTokens ||
+                       num_external_tokens > num_prompt_tokens)) {
+    return Status::InvalidArgument("request " + request_id + " brings " +
+                                   std::to_string(num_external_tokens) + " external tokens of a " +
+                                   std::to_string(num_prompt_tokens) +
+                                   "-token prompt; expected 0 to the prompt's length");
+  }
   std::string missing;
   auto need = [&](bool present, const char* name) {
     if (!present) missing += std::string(missing.empty() ? "" : ", ") + name;
@@ -88,6 +104,10 @@ Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransfe
   load.remote_port = *params.remote_port;
   load.remote_tp_size = *params.remote_tp_size;
   load.remote_pp_size = pp;
+  if (tokens_known) {
+    load.first_token = num_prompt_tokens - num_external_tokens;
+    load.num_tokens = num_external_tokens;
+  }
   load.remote_request_id =
       layerwise ? load.transfer_id : params.remote_request_id.value_or(request_id);
   pending_.loads.push_back(std::move(load));

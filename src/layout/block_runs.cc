@@ -181,4 +181,131 @@ std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int first_l
   return out;
 }
 
+namespace {
+
+Status CheckTokenBlocks(const char* side, const TokenBlocks& b, std::int64_t first_token,
+                        std::int64_t end_token) {
+  if (b.tokens_per_block <= 0) {
+    return Status::InvalidArgument(std::string(side) + " blocks hold " +
+                                   std::to_string(b.tokens_per_block) +
+                                   " tokens; expected a positive count");
+  }
+  const auto held = static_cast<std::int64_t>(b.ids.size());
+  if (b.first_token > first_token || b.first_token + held * b.tokens_per_block < end_token) {
+    return Status::InvalidArgument(
+        std::string(side) + " blocks hold tokens [" + std::to_string(b.first_token) + ", " +
+        std::to_string(b.first_token + held * b.tokens_per_block) + ") (" + std::to_string(held) +
+        " blocks of " + std::to_string(b.tokens_per_block) + "), which do not cover tokens [" +
+        std::to_string(first_token) + ", " + std::to_string(end_token) + ") of the load");
+  }
+  for (std::size_t i = 0; i < b.ids.size(); ++i) {
+    if (b.ids[i] < 0 || b.ids[i] >= b.num_blocks) {
+      return Status::InvalidArgument(std::string(side) + " block id " + std::to_string(b.ids[i]) +
+                                     " at index " + std::to_string(i) + " is outside [0, " +
+                                     std::to_string(b.num_blocks) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::vector<TokenRun>> PairTokenRuns(const TokenBlocks& remote, const TokenBlocks& local,
+                                            std::int64_t first_token, std::int64_t num_tokens) {
+  if (first_token < 0 || num_tokens < 0) {
+    return Status::InvalidArgument("a load of tokens [" + std::to_string(first_token) + ", +" +
+                                   std::to_string(num_tokens) +
+                                   "); expected a first token and a count of at least 0");
+  }
+  const std::int64_t end_token = first_token + num_tokens;
+  KVFERRY_RETURN_IF_ERROR(CheckTokenBlocks("remote", remote, first_token, end_token));
+  KVFERRY_RETURN_IF_ERROR(CheckTokenBlocks("local", local, first_token, end_token));
+  // Every local block that receives tokens receives them from this load alone.
+  std::vector<bool> seen(static_cast<std::size_t>(std::max<std::int64_t>(local.num_blocks, 0)));
+  const std::int64_t first_local = (first_token - local.first_token) / local.tokens_per_block;
+  const std::int64_t end_local =
+      num_tokens == 0 ? first_local
+                      : (end_token - 1 - local.first_token) / local.tokens_per_block + 1;
+  for (std::int64_t i = first_local; i < end_local; ++i) {
+    const auto slot = static_cast<std::size_t>(local.ids[static_cast<std::size_t>(i)]);
+    if (seen[slot]) {
+      return Status::InvalidArgument("local block id " + std::to_string(slot) +
+                                     " appears twice; each local block can receive one block");
+    }
+    seen[slot] = true;
+  }
+  std::vector<TokenRun> runs;
+  for (std::int64_t t = first_token; t < end_token;) {
+    const std::int64_t r = t - remote.first_token;
+    const std::int64_t l = t - local.first_token;
+    const std::int64_t r_slot = r % remote.tokens_per_block;
+    const std::int64_t l_slot = l % local.tokens_per_block;
+    const std::int64_t n = std::min(
+        {remote.tokens_per_block - r_slot, local.tokens_per_block - l_slot, end_token - t});
+    runs.push_back({remote.ids[static_cast<std::size_t>(r / remote.tokens_per_block)], r_slot,
+                    local.ids[static_cast<std::size_t>(l / local.tokens_per_block)], l_slot, n});
+    t += n;
+  }
+  return runs;
+}
+
+std::vector<ByteRange> TokenRunByteRanges(std::span<const TokenRun> runs, int first_layer,
+                                          int end_layer, const CacheSpec& remote,
+                                          const CacheSpec& local, const TpSource& source) {
+  std::vector<ByteRange> out;
+  auto add = [&out](const ByteRange& r) {
+    if (!out.empty()) {
+      ByteRange& last = out.back();
+      if (last.layer == r.layer && last.part == r.part && last.count == 1 && r.count == 1 &&
+          last.remote_offset + last.length == r.remote_offset &&
+          last.local_offset + last.length == r.local_offset) {
+        last.length += r.length;
+        return;
+      }
+    }
+    out.push_back(r);
+  };
+  const std::int64_t esize = DTypeSize(local.dtype());
+  const bool token_major = local.layout() == BlockLayout::kTokenMajor;
+  for (int layer = first_layer; layer < end_layer; ++layer) {
+    for (int p = 0; p < local.num_parts(); ++p) {
+      const std::int64_t row = local.parts()[static_cast<std::size_t>(p)].head_dim * esize;
+      const std::int64_t remote_heads = remote.LocalHeads(p);
+      const std::int64_t local_heads = local.LocalHeads(p);
+      const std::int64_t heads = source.heads > 0 ? source.heads : local_heads;
+      const std::int64_t remote_head = source.heads > 0 ? source.remote_first_head : 0;
+      const std::int64_t local_head = source.heads > 0 ? source.local_first_head : 0;
+      for (const TokenRun& run : runs) {
+        const std::int64_t remote_block = run.remote_block * remote.BlockStride(p);
+        const std::int64_t local_block = run.local_block * local.BlockStride(p);
+        if (token_major) {
+          // [token][head][dim]: the heads of a token are one piece, a token row apart.
+          const std::int64_t remote_row = remote_heads * row;
+          const std::int64_t local_row = local_heads * row;
+          const std::int64_t from = remote_block + run.remote_slot * remote_row + remote_head * row;
+          const std::int64_t to = local_block + run.local_slot * local_row + local_head * row;
+          if (heads == remote_heads && heads == local_heads) {
+            add({layer, p, from, to, run.count * local_row, 1, 0, 0});
+          } else {
+            add({layer, p, from, to, heads * row, run.count, remote_row, local_row});
+          }
+          continue;
+        }
+        // [head][token][dim]: a head's tokens are one piece, a block's tokens of a head apart.
+        const std::int64_t remote_step = remote.tokens_per_block() * row;
+        const std::int64_t local_step = local.tokens_per_block() * row;
+        const std::int64_t from =
+            remote_block + remote_head * remote_step + run.remote_slot * row;
+        const std::int64_t to = local_block + local_head * local_step + run.local_slot * row;
+        if (heads == 1) {
+          add({layer, p, from, to, run.count * row, 1, 0, 0});
+        } else {
+          add({layer, p, from, to, run.count * row, heads, remote_step, local_step});
+        }
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace kvferry

@@ -84,6 +84,45 @@ std::vector<ByteRange> RunByteRanges(std::span<const BlockRun> runs, int first_l
                                      std::span<const PartBlockGeometry> blocks,
                                      const TpSource& source);
 
+/// Tokens contiguous inside one block on each side: slots [remote_slot, +count) of remote block
+/// remote_block go to slots [local_slot, +count) of local block local_block. How blocks of
+/// different token counts pair (16-token prefill blocks into 32-token decode ones, and back).
+struct TokenRun {
+  std::int64_t remote_block = 0;
+  std::int64_t remote_slot = 0;
+  std::int64_t local_block = 0;
+  std::int64_t local_slot = 0;
+  std::int64_t count = 0;
+
+  friend bool operator==(const TokenRun&, const TokenRun&) = default;
+};
+
+/// One side's blocks of a request: ids[i] holds its tokens [first_token + i * tokens_per_block,
+/// first_token + (i + 1) * tokens_per_block); ids lie in [0, num_blocks).
+struct TokenBlocks {
+  std::span<const std::int64_t> ids;
+  std::int64_t tokens_per_block = 0;
+  std::int64_t num_blocks = 0;
+  std::int64_t first_token = 0;
+};
+
+/// Pairs tokens [first_token, first_token + num_tokens) of a request from `remote` into `local`,
+/// one run wherever a block on either side begins or ends, in token order. InvalidArgument,
+/// naming the value, when an id lies outside its cache, a local id repeats, a side starts after
+/// `first_token` or has too few blocks for the tokens, or a count is not positive.
+Result<std::vector<TokenRun>> PairTokenRuns(const TokenBlocks& remote, const TokenBlocks& local,
+                                            std::int64_t first_token, std::int64_t num_tokens);
+
+/// The byte ranges of `runs` for layers [first_layer, end_layer), part by part, reading the heads
+/// `source` names (TpSource::heads) from a cache laid out as `remote` into one laid out as
+/// `local` (the same parts, dtype and block layout; any tokens per block and strides). Token-major:
+/// one range per run when whole tokens move, else a strided range of one piece per token;
+/// head-major: one piece per head. Ranges adjacent on both sides are merged. Ordered by layer,
+/// part, then run.
+std::vector<ByteRange> TokenRunByteRanges(std::span<const TokenRun> runs, int first_layer,
+                                          int end_layer, const CacheSpec& remote,
+                                          const CacheSpec& local, const TpSource& source);
+
 /// How one worker's cache is named in its transport (docs/transport.md, "Region ids"). Packed
 /// parts (every stride equal to its block size): one region per layer and part, id
 /// `layer * parts + part`, offset 0. Interleaved parts (some stride differs from its block size):

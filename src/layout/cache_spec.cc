@@ -383,10 +383,11 @@ std::int64_t CacheSpec::FirstLocalHead(int part) const {
 }
 
 std::string CacheSpec::CanonicalText() const {
-  std::string out = "kvferry-cache-v1 kind=";
+  // v2: tokens per block left the hash (whole-request loads pair blocks of any sizes by token;
+  // layer-wise ones check the sizes at the handshake), so a v1 peer differs in the first word.
+  std::string out = "kvferry-cache-v2 kind=";
   out += CacheKindName(kind());
   out += " layers=" + std::to_string(num_layers());
-  out += " tokens_per_block=" + std::to_string(tokens_per_block());
   out += " dtype=";
   out += DTypeName(dtype());
   out += " layout=";

@@ -70,7 +70,7 @@ Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefi
     const std::int64_t end = std::min(mine.first + mine.count, theirs.first + theirs.count);
     const bool whole = (h == mine.first && end == mine.first + mine.count && h == theirs.first &&
                         end == theirs.first + theirs.count);
-    TpSource source{q, {}};
+    TpSource source{q, {}, h - theirs.first, h - mine.first, end - h};
     for (int p = 0; p < parts; ++p) {
       if (whole || geometry.layout() == BlockLayout::kHeadMajor) {
         source.part_slices.push_back({HeadBytes(geometry, p, h - theirs.first),

@@ -33,6 +33,13 @@ struct BlockSlice {
 struct TpSource {
   int prefill_rank = 0;
   std::vector<BlockSlice> part_slices;
+  /// The same read in heads, for reads between blocks of different token counts
+  /// (TokenRunByteRanges): heads [remote_first_head, +heads) of the prefill rank's own heads of
+  /// every part into [local_first_head, +heads) of this rank's. heads 0: every head of each part
+  /// (the replicated kinds, whose parts may have different head counts).
+  std::int64_t remote_first_head = 0;
+  std::int64_t local_first_head = 0;
+  std::int64_t heads = 0;
 
   friend bool operator==(const TpSource&, const TpSource&) = default;
 };

@@ -406,3 +406,78 @@ def test_a_decode_stage_pointed_at_another_stages_layers_is_refused_not_read():
     assert errors and "layouts differ" in errors[0]["message"], errors
     assert "first_layer=2" in errors[0]["message"], errors[0]["message"]
     assert all(not c.any() for c in d_caches.values()), "a byte of another stage was read"
+
+
+# Cache makers of any block size, in the logical shapes vLLM's backends hand over (the makers
+# of test_vllm_adapter, with the block size a parameter).
+SHAPES = {
+    "flash_nhd": lambda bs: np.zeros((2, 16, bs, 2, 8), np.float32),
+    "flash_hnd": lambda bs: np.zeros((2, 16, 2, bs, 8), np.float32).transpose(0, 1, 3, 2, 4),
+    "flash_main_nhd": lambda bs: np.zeros((16, 2, bs, 2, 8), np.float32),
+    "flash_main_hnd": lambda bs: np.zeros((16, 2, 2, bs, 8), np.float32).transpose(0, 1, 3, 2, 4),
+}
+
+
+def token_rows(cache, block, slot):
+    """K and V of one token slot, (2, heads, head_dim), in either logical shape."""
+    if cache.shape[1] == 2:  # (num_blocks, 2, block_size, heads, head_dim)
+        return cache[block, :, slot]
+    return cache[:, block, slot]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("p_bs,d_bs", [(16, 32), (32, 16)], ids=["P16-D32", "P32-D16"])
+@pytest.mark.parametrize("prefix_blocks", [0, 1], ids=["no-prefix", "decode-prefix"])
+def test_prefill_and_decode_block_sizes_differ(shape, p_bs, d_bs, prefix_blocks):
+    """Issue 28 item 5: blocks of 16 tokens on one side and 32 on the other (vLLM's
+    cache_config.block_size per instance). Before, tokens per block was in the compatibility
+    hash and every load failed. Follows vLLM's scheduler (vllm/v1/core/sched/scheduler.py,
+    schedule: get_num_new_matched_tokens with the local prefix hit, then
+    update_state_after_alloc with num_external_tokens) and NixlConnector's decode side: every
+    token of the load lands in the decode block and slot that hold it, the decode side's cached
+    prefix and every other block untouched."""
+    pport, dport = free_port(), free_port()
+    p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport, block_size=p_bs),
+                                            "SCHEDULER")
+    p_work = kvferry.vllm.KvferryConnector(config("kv_producer", pport, block_size=p_bs), "WORKER")
+    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, block_size=d_bs),
+                                            "SCHEDULER")
+    d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, block_size=d_bs), "WORKER")
+    p_caches = {f"l{i}": SHAPES[shape](p_bs) for i in range(LAYERS)}
+    d_caches = {f"l{i}": SHAPES[shape](d_bs) for i in range(LAYERS)}
+    for i, c in enumerate(p_caches.values()):
+        fill_random(c, 70 + i)
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches(d_caches)
+    prompt = 75  # a partial last block on both sides
+    remote = [9, 3, 12, 5, 7][:(prompt + p_bs - 1) // p_bs]
+    preq = request("p-1", {"do_remote_decode": True}, prompt, "FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished(preq, remote)
+    assert delay
+    worker_step(p_work, p_sched.build_connector_meta(None))
+    computed = prefix_blocks * d_bs
+    dreq = request("d-1", dict(params), prompt)
+    assert d_sched.get_num_new_matched_tokens(dreq, computed) == (prompt - computed, True)
+    local = [4, 11, 2, 14, 6][:(prompt + d_bs - 1) // d_bs - prefix_blocks]
+    d_sched.update_state_after_alloc(dreq, Blocks(local), prompt - computed)
+    errors = record_load_errors(d_work)
+    mds = [d_sched.build_connector_meta(None)]
+    got = poll(lambda: worker_step(d_work, mds.pop() if mds else
+                                   d_sched.build_connector_meta(None))[1], "the load")
+    assert got == {"d-1"}
+    assert errors == [] and d_work.get_block_ids_with_load_errors() == set(), errors
+    for name, d in d_caches.items():
+        p = p_caches[name]
+        for t in range(computed, prompt):
+            j, s = divmod(t - computed, d_bs)
+            want = token_rows(p, remote[t // p_bs], t % p_bs)
+            np.testing.assert_array_equal(token_rows(d, local[j], s), want,
+                                          err_msg=f"{name} token {t}")
+        for t in range(prompt, len(local) * d_bs + computed):  # past the prompt: not written
+            j, s = divmod(t - computed, d_bs)
+            assert not token_rows(d, local[j], s).any(), f"{name} slot past the prompt {t}"
+        for b in range(16):
+            if b not in local:
+                assert not block_view(d, b).any(), f"{name} block {b} is not the load's"
+    assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
+                                    finished={"p-1"})[0], "the release") == {"p-1"}

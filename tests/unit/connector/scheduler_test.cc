@@ -2,6 +2,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "connector/load_runner.h"
 #include "kvferry/connector.h"
 
 namespace kvferry {
@@ -367,6 +368,60 @@ TEST(SchedulerLayerwiseTest, PrefillEndsTheTransferOfARequestItDoesNotHold) {
   EXPECT_EQ(m.saves.size(), 2u);
   ASSERT_EQ(m.transfer_ends.size(), 1u);
   EXPECT_THAT(m.transfer_ends[0].reason, HasSubstr("preempted"));
+}
+
+// Issue 28 item 5: the tokens a load brings travel with it, so blocks of different sizes pair.
+TEST(SchedulerBlockSizes, TheLoadCarriesItsTokensThroughTheMetadata) {
+  Scheduler s = DecodeScheduler();
+  KvTransferParams p = CompleteRemotePrefill();
+  const std::vector<std::int64_t> local = {3, 4};
+  // vLLM: a 100-token prompt, 32 tokens in the decode side's prefix cache, 68 external.
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("d-req", p, local, 68, 100).ok());
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u);
+  EXPECT_EQ(m.loads[0].first_token, 32);
+  EXPECT_EQ(m.loads[0].num_tokens, 68);
+  Result<ConnectorMetadata> back = ConnectorMetadata::Decode(m.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->loads, m.loads);
+  // Without them (the older call) the fields stay unknown, on the wire too.
+  KvTransferParams q = CompleteRemotePrefill();
+  ASSERT_TRUE(s.UpdateStateAfterAlloc("d-old", q, local).ok());
+  Result<ConnectorMetadata> old = ConnectorMetadata::Decode(s.BuildConnectorMeta().Encode());
+  ASSERT_TRUE(old.ok());
+  EXPECT_EQ(old->loads[0].num_tokens, -1);
+  EXPECT_EQ(old->loads[0].first_token, -1);
+  KvTransferParams bad = CompleteRemotePrefill();
+  Status st = s.UpdateStateAfterAlloc("d-bad", bad, local, 101, 100);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("101 external tokens of a 100-token prompt"));
+  EXPECT_FALSE(bad.do_remote_prefill);
+  EXPECT_TRUE(s.BuildConnectorMeta().loads.empty());
+}
+
+TEST(SchedulerBlockSizes, TokensOfALoadFromItsCountsOrItsBlocks) {
+  LoadSpec load;
+  load.request_id = "r";
+  load.remote_block_ids = {1, 2, 3, 4, 5};  // 5 blocks of 16: tokens 0-79
+  load.local_block_ids = {8, 9};
+  load.first_token = 32;
+  load.num_tokens = 40;
+  EXPECT_EQ(*TokensOfLoad(load, 16, 32), (TokenSpan{32, 40}));
+  EXPECT_THAT(TokensOfLoad(load, 16, 64).status().message(),
+              HasSubstr("a load starts at a block of this side (a multiple of 64)"));
+  // Only block ids, decode blocks of 32 = 2 prefill blocks: ceil(5 / 2) = 3 decode blocks, the
+  // last 2 of them loaded (the first was cached): tokens 32-79.
+  load.first_token = -1;
+  load.num_tokens = -1;
+  EXPECT_EQ(*TokensOfLoad(load, 16, 32), (TokenSpan{32, 48}));
+  load.local_block_ids = {7, 8, 9, 10};
+  EXPECT_THAT(TokensOfLoad(load, 16, 32).status().message(),
+              HasSubstr("allocated 4 blocks but the prefill side's 5 fill only 3"));
+  // Decode blocks smaller than the prefill's cannot be placed by block ids alone.
+  Status st = TokensOfLoad(load, 32, 16).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("blocks hold 32 tokens and this side's 16"));
+  EXPECT_THAT(st.message(), HasSubstr("num_external_tokens"));
 }
 
 }  // namespace

@@ -147,7 +147,8 @@ TEST(CacheSpecTest, HashCoversModelShapeButNotPlacement) {
   EXPECT_NE(spec(1, 0, 100, 128).Hash(), spec(1, 0, 100, 64).Hash());
   EXPECT_NE(CacheSpec::Mha(4, 8, 128, 10, 16, DType::kBFloat16)->Hash(),
             CacheSpec::Mha(4, 8, 128, 10, 16, DType::kFloat16)->Hash());
-  EXPECT_NE(CacheSpec::Mha(4, 8, 128, 10, 16, DType::kBFloat16)->Hash(),
+  // Block sizes may differ (whole-request loads pair tokens; issue 28 item 5).
+  EXPECT_EQ(CacheSpec::Mha(4, 8, 128, 10, 16, DType::kBFloat16)->Hash(),
             CacheSpec::Mha(4, 8, 128, 10, 32, DType::kBFloat16)->Hash());
   EXPECT_NE(CacheSpec::Mha(4, 8, 128, 10, 16, DType::kBFloat16)->Hash(),
             CacheSpec::Mha(5, 8, 128, 10, 16, DType::kBFloat16)->Hash());
