@@ -1,4 +1,4 @@
-"""What the vLLM adapter reads the way vllm-ascend's LLM-DataDist connector does.
+"""What the vLLM adapter reads the way vllm-ascend's LLM-DataDist and Mooncake connectors do.
 
 kvferry replaces that connector (vllm_ascend.distributed.llmdatadist_c_mgr_connector) in a
 deployment written for it when only ``kv_connector`` and ``kv_connector_module_path`` change

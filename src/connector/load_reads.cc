@@ -64,18 +64,16 @@ Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_
   const auto local = static_cast<std::int64_t>(load.local_block_ids.size());
   const std::int64_t total = (remote + m - 1) / m;
   if (local > total) {
-    return Status::InvalidArgument(
-        "the decode side allocated " + std::to_string(local) + " blocks but the prefill side's " +
-        std::to_string(remote) + " fill only " + std::to_string(total) + " (" + sizes +
-        "); expected at most as many");
+    return Status::InvalidArgument("the decode side allocated " + std::to_string(local) +
+                                   " blocks but the prefill side's " + std::to_string(remote) +
+                                   " fill only " + std::to_string(total) + " (" + sizes +
+                                   "); expected at most as many");
   }
   const std::int64_t first = (total - local) * local_tokens_per_block;
   return TokenSpan{first, remote * remote_tokens_per_block - first};
 }
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
                                                      const std::vector<TpSource>& sources) const {
@@ -169,10 +167,10 @@ Status LoadRunner::AddReads(const LoadPlan& plan, const SourceAgent& s,
   KVFERRY_ASSIGN_OR_RETURN(
       std::vector<BlockRun> runs,
       MergeBlockRuns(remote_ids, local_ids, remote.num_blocks(), plan.spec.num_blocks()));
-  AppendReadOps(plan, s,
-                RunByteRanges(runs, first_layer, end_layer, PartBlockGeometryOf(remote, plan.spec),
-                              s.source),
-                batch);
+  AppendReadOps(
+      plan, s,
+      RunByteRanges(runs, first_layer, end_layer, PartBlockGeometryOf(remote, plan.spec), s.source),
+      batch);
   batch.runs += runs.size();
   return Status::Ok();
 }
@@ -188,9 +186,9 @@ Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, con
                     {load.local_block_ids, plan.spec.tokens_per_block(), plan.spec.num_blocks(),
                      tokens.first},
                     tokens.first, tokens.count));
-  AppendReadOps(
-      plan, s, TokenRunByteRanges(runs, 0, plan.spec.num_layers(), remote, plan.spec, s.source),
-      batch);
+  AppendReadOps(plan, s,
+                TokenRunByteRanges(runs, 0, plan.spec.num_layers(), remote, plan.spec, s.source),
+                batch);
   batch.runs += runs.size();
   return Status::Ok();
 }

@@ -294,8 +294,7 @@ std::vector<ByteRange> TokenRunByteRanges(std::span<const TokenRun> runs, int fi
         // [head][token][dim]: a head's tokens are one piece, a block's tokens of a head apart.
         const std::int64_t remote_step = remote.tokens_per_block() * row;
         const std::int64_t local_step = local.tokens_per_block() * row;
-        const std::int64_t from =
-            remote_block + remote_head * remote_step + run.remote_slot * row;
+        const std::int64_t from = remote_block + remote_head * remote_step + run.remote_slot * row;
         const std::int64_t to = local_block + local_head * local_step + run.local_slot * row;
         if (heads == 1) {
           add({layer, p, from, to, run.count * row, 1, 0, 0});
