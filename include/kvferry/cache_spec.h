@@ -104,7 +104,15 @@ struct CacheSpecOptions {
   /// layers [first_layer, first_layer + layers.size()). In the compatibility hash (when not 0),
   /// so a stage never reads another stage's layers into its own.
   int first_layer = 0;
+  /// Consecutive blocks of this cache that one engine block id names: vLLM's logical block of
+  /// `blocks_per_id` kernel blocks (the tensor's blocks, smaller than the block size vLLM's
+  /// scheduler counts in). Id b is blocks [b * blocks_per_id, (b + 1) * blocks_per_id); num_blocks
+  /// must be a multiple. A property of this side's memory, like block_strides: not in the hash.
+  std::int64_t blocks_per_id = 1;
 };
+
+/// The largest CacheSpecOptions::blocks_per_id kvferry accepts, local or from a peer.
+inline constexpr std::int64_t kMaxBlocksPerId = 1024;
 
 /// SHA-256 digest of the fields both sides of a transfer must agree on.
 using CompatibilityHash = std::array<std::uint8_t, 32>;
@@ -152,6 +160,9 @@ class CacheSpec {
   int tp_size() const { return options_.tp_size; }
   int tp_rank() const { return options_.tp_rank; }
   int first_layer() const { return options_.first_layer; }
+  std::int64_t blocks_per_id() const { return options_.blocks_per_id; }
+  /// Tokens one engine block id holds: tokens_per_block * blocks_per_id.
+  std::int64_t tokens_per_id() const { return options_.tokens_per_block * options_.blocks_per_id; }
 
   /// Heads of `part` this rank holds, and the model-wide index of the first.
   std::int64_t LocalHeads(int part) const;
@@ -186,7 +197,9 @@ class CacheSpec {
            a.options_.tokens_per_block == b.options_.tokens_per_block &&
            a.options_.dtype == b.options_.dtype && a.options_.layout == b.options_.layout &&
            a.options_.tp_size == b.options_.tp_size && a.options_.tp_rank == b.options_.tp_rank &&
-           a.options_.first_layer == b.options_.first_layer && a.block_strides_ == b.block_strides_;
+           a.options_.first_layer == b.options_.first_layer &&
+           a.options_.blocks_per_id == b.options_.blocks_per_id &&
+           a.block_strides_ == b.block_strides_;
   }
 
  private:

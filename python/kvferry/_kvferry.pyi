@@ -18,7 +18,8 @@ class CacheSpec:
     def create(kind: str, layers: int, parts: list[tuple[str, int, int]], num_blocks: int,
                tokens_per_block: int, dtype: str = ..., layout: str = ..., tp_size: int = ...,
                tp_rank: int = ..., fields: list[int] = ...,
-               block_strides: list[int] = ..., first_layer: int = ...) -> CacheSpec: ...
+               block_strides: list[int] = ..., first_layer: int = ...,
+               blocks_per_id: int = ...) -> CacheSpec: ...
     @property
     def fields(self) -> list[int]: ...
     @staticmethod
@@ -39,6 +40,7 @@ class CacheSpec:
     tp_size: int
     tp_rank: int
     first_layer: int
+    blocks_per_id: int
     total_bytes: int
     hash: bytes
     canonical_text: str

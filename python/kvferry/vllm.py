@@ -667,7 +667,7 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         spec = _kvferry.CacheSpec.create(reg.kind, len(reg.bases), reg.parts, reg.num_blocks,
                                          reg.tokens_per_block, reg.dtype, reg.layout, tp_size,
                                          tp_rank, list(reg.fields), list(reg.block_strides),
-                                         first_layer(list(host), pp_size))
+                                         first_layer(list(host), pp_size), reg.blocks_per_id)
         if reg.kind == "mha" and reg.local_heads != spec.local_heads(0):
             raise _kvferry.InvalidArgumentError(
                 f"the cache tensors hold {reg.local_heads} KV heads per rank, but "

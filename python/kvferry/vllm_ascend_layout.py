@@ -82,7 +82,7 @@ def _kv_pair(name: str, info: TensorInfo, block_size: int, total_kv_heads: Optio
     token_major = (x == block_size) if local is None else (y == local and block_size % x == 0)
     head_major = y == block_size and (local is None or x == local)
     if token_major:
-        nblocks = _logical_blocks(name, info, nb, x, block_size, False)
+        nblocks = _logical_blocks(name, info, nb, x, block_size)
         heads, layout, ratio = y, "token_major", nb // nblocks
     elif head_major:
         nblocks, heads, layout, ratio = nb, x, "head_major", 1
@@ -111,7 +111,7 @@ def _bsh_pair(name: str, info: TensorInfo, block_size: int, total_kv_heads: Opti
     if width % local != 0:
         raise _refuse(name, info, f"the row width {width} is not this rank's {local} KV heads "
                       "times a head size")
-    nblocks = _logical_blocks(name, info, nb, x, block_size, False)
+    nblocks = _logical_blocks(name, info, nb, x, block_size)
     return Geometry("mha", "token_major", dtype, _mha_parts(suffix, total_kv_heads, width // local),
                     nblocks, local, (), nb // nblocks)
 
@@ -139,7 +139,7 @@ def _mla_parts(name: str, infos: list[TensorInfo], block_size: int,
             f"gives kv_lora_rank {mla_split[0]} and qk_rope_head_dim {mla_split[1]}"))
     if mla_split is None and len(infos) == 2 and widths[0] == widths[1]:
         raise _refuse(name, first, "two parts of equal width that are not 4-D K and V")
-    nblocks = _logical_blocks(name, first, first.shape[0], first.shape[1], block_size, False)
+    nblocks = _logical_blocks(name, first, first.shape[0], first.shape[1], block_size)
     parts = tuple((_MLA_LABELS[i] + suffix, 1, w) for i, w in enumerate(widths))
     kind = "mla" if len(infos) == 2 else "sparse_mla"
     return Geometry(kind, "token_major", dtype, parts, nblocks, 1, (),
@@ -167,6 +167,6 @@ def _one_part(name: str, info: TensorInfo, block_size: int,
         raise _refuse(name, info, (
             f"the row width {width} is not above the model's kv_lora_rank {lora}: not a packed "
             "MLA row"))
-    nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size, False)
+    nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size)
     return Geometry("mla_fused", "token_major", dtype, ((label + suffix, 1, width),), nblocks, 1,
                     (), info.shape[0] // nblocks, fields)

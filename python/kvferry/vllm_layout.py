@@ -11,7 +11,7 @@ Accepted (see README, "Using kvferry from Python and vLLM"):
     with NHD strides (token-major blocks) or HND strides (head-major blocks);
   * ``(num_blocks, 2, block_size, heads, head_dim)`` (FlashAttention/Triton at vLLM main,
     FlashInfer) with NHD or HND strides: K and V alternate block by block, registered with
-    block strides of two blocks (kernel block size must equal vLLM's block size);
+    block strides of two blocks;
   * ``(2, num_blocks, heads, block_size, head_dim)``, vLLM's CPU backend (head-major blocks);
   * ``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)`` contiguous, vLLM's MLA
     backends: one ``mla_fused`` part whose split (from the model config) enters the hash;
@@ -22,8 +22,7 @@ Accepted (see README, "Using kvferry from Python and vLLM"):
 CUDA and NPU tensors are registered as device memory ("cuda:N", "npu:N"). Device tensors move
 through host mirrors when vLLM runs with kv_buffer_device "cpu" (``host_mirrors``); other devices
 are refused without it, naming the device and that way out. Refused too,
-naming what was found: ``(num_blocks, 2, ...)`` tensors whose kernel blocks are smaller than
-vLLM's blocks, a fused MLA tensor without the model's kv_lora_rank and qk_rope_head_dim or whose
+naming what was found: a fused MLA tensor without the model's kv_lora_rank and qk_rope_head_dim or whose
 width disagrees with them, any other shape or stride pattern.
 """
 
@@ -67,6 +66,9 @@ class Registration:
     block_strides: tuple[int, ...] = ()  # bytes between blocks of a part; () when packed
     kernel_blocks_per_block: int = 1  # kernel (tensor) blocks in one logical block
     memory: str = "host"  # where the tensors are: "host", "cuda:N" or "npu:N" (memory_kind)
+    # >1: num_blocks and tokens_per_block are the kernel's, and one vLLM block id names this many
+    # consecutive kernel blocks (kvferry's CacheSpec blocks_per_id)
+    blocks_per_id: int = 1
 
 
 # Device types whose memory kvferry moves itself (docs/device.md): the tensor's device type and
@@ -171,7 +173,7 @@ def _kv_first(name: str, info: TensorInfo, block_size: int, local_heads: Optiona
 def _kv_inner(name: str, info: TensorInfo, block_size: int, local_heads: Optional[int]
               ) -> tuple[str, int, int, int, list[int], int]:
     """A (num_blocks, 2, block_size, heads, head_dim) tensor (FlashAttention/Triton at vLLM main,
-    FlashInfer): K and V alternate block by block. Returns (layout, blocks, local heads,
+    FlashInfer): K and V alternate block by block. Returns (layout, kernel blocks, local heads,
     head_dim, [K base, V base], block stride in bytes)."""
     s, st = info.shape, info.strides
     block = s[2] * s[3] * s[4]
@@ -185,10 +187,6 @@ def _kv_inner(name: str, info: TensorInfo, block_size: int, local_heads: Optiona
                       "innermost")
     if local_heads is not None and s[3] != local_heads:
         raise _refuse(name, info, f"dim 3 is not this rank's {local_heads} KV heads")
-    if s[2] != block_size:
-        raise _refuse(name, info, (
-            f"the tensor's block size {s[2]} is not vLLM's block size {block_size}; with K and V "
-            "alternating per kernel block, a logical block is not one run of K and one of V"))
     layout = "token_major" if order[0] == 2 else "head_major"
     base = info.address
     return (layout, s[0], s[3], s[4], [base, base + block * info.itemsize],
@@ -270,9 +268,10 @@ def read_caches(kv_caches: dict[str, Any], block_size: int, total_kv_heads: Opti
             ", ".join(f"{m}: layer {n}" for m, n in memories.items()) +
             "); kvferry registers one worker's caches in one memory")
     g = geometry
-    return Registration(g.kind, g.layout, g.dtype, list(g.parts), g.num_blocks, block_size,
-                        g.local_heads, bases, names, tuple(g.fields), tuple(g.block_strides),
-                        g.kernel_blocks_per_block, next(iter(memories)))
+    return Registration(g.kind, g.layout, g.dtype, list(g.parts), g.num_blocks,
+                        block_size // g.blocks_per_id, g.local_heads, bases, names,
+                        tuple(g.fields), tuple(g.block_strides), g.kernel_blocks_per_block,
+                        next(iter(memories)), g.blocks_per_id)
 
 
 def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
@@ -293,22 +292,28 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                 local = max(total_kv_heads // tp_size, 1)
             layout, kblocks, ksize, heads, head_dim, layer_bases = _kv_first(
                 name, first, block_size, local, prefer_heads_first)
-            nblocks = _logical_blocks(name, first, kblocks, ksize, block_size,
-                                      layout == "head_major")
+            nblocks = _logical_blocks(name, first, kblocks, ksize, block_size)
             model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
             parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
             ratio = kblocks // nblocks
+            if ratio > 1 and layout == "head_major":
+                # A logical block is `ratio` head-major blocks, not one: kernel blocks registered.
+                return (Geometry("mha", layout, dtype, parts, kblocks, heads, (), ratio, (), ratio),
+                        layer_bases)
             return Geometry("mha", layout, dtype, parts, nblocks, heads, (), ratio), layer_bases
         if len(s) == 5 and s[1] == 2:
             local = None
             if total_kv_heads is not None:
                 local = max(total_kv_heads // tp_size, 1)
-            layout, nblocks, heads, head_dim, layer_bases, stride = _kv_inner(
+            layout, kblocks, heads, head_dim, layer_bases, stride = _kv_inner(
                 name, first, block_size, local)
             model_heads = total_kv_heads if total_kv_heads is not None else heads * tp_size
             parts = (("k" + suffix, model_heads, head_dim), ("v" + suffix, model_heads, head_dim))
-            return (Geometry("mha", layout, dtype, parts, nblocks, heads, (stride, stride)),
-                    layer_bases)
+            # K and V alternate per kernel block: a logical block of several kernel blocks is not
+            # one run of K and one of V, so kernel blocks are registered, `ratio` per block id.
+            ratio = kblocks // _logical_blocks(name, first, kblocks, first.shape[2], block_size)
+            return (Geometry("mha", layout, dtype, parts, kblocks, heads, (stride, stride), ratio,
+                             (), ratio), layer_bases)
         if len(s) == 3:
             return _fused_mla(name, first, block_size, mla_split, suffix, dtype)
         raise _refuse(name, first, "not a KV cache layout kvferry knows (see the README)")
@@ -337,7 +342,7 @@ def _fused_mla(name: str, info: TensorInfo, block_size: int,
             f"{rope} = {lora + rope} from the model config"))
     if not _contiguous(info):
         raise _refuse(name, info, "a fused MLA cache must be contiguous")
-    nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size, False)
+    nblocks = _logical_blocks(name, info, info.shape[0], info.shape[1], block_size)
     parts = (("latent_rope" + suffix, 1, lora + rope),)
     ratio = info.shape[0] // nblocks
     return (Geometry("mla_fused", "token_major", dtype, parts, nblocks, 1, (), ratio, (lora, rope)),

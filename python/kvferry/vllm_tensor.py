@@ -56,6 +56,10 @@ class Geometry(NamedTuple):
     block_strides: tuple[int, ...] = ()
     kernel_blocks_per_block: int = 1
     fields: tuple[int, ...] = ()
+    # >1: num_blocks counts kernel blocks, registered as they are, this many per vLLM block id
+    # (a logical block that is not one run per part: K and V alternating per kernel block, or
+    # head-major kernel blocks). 1: num_blocks counts logical blocks.
+    blocks_per_id: int = 1
 
 
 def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
@@ -63,17 +67,13 @@ def _refuse(name: str, info: TensorInfo, why: str) -> CacheLayoutError:
 
 
 def _logical_blocks(name: str, info: TensorInfo, kernel_blocks: int, kernel_size: int,
-                    logical_size: int, head_major: bool) -> int:
+                    logical_size: int) -> int:
     """Logical block count: vLLM's scheduler may count in blocks larger than the kernel's."""
     if logical_size % kernel_size != 0:
         raise _refuse(name, info, (
             f"the tensor's block size {kernel_size} does not divide vLLM's block size "
             f"{logical_size}"))
     ratio = logical_size // kernel_size
-    if ratio > 1 and head_major:
-        raise _refuse(name, info, (
-            f"head-major kernel blocks of {kernel_size} tokens inside logical blocks of "
-            f"{logical_size} are not one head-major block; use the NHD layout or equal sizes"))
     if kernel_blocks % ratio != 0:
         raise _refuse(name, info, (
             f"{kernel_blocks} kernel blocks are not a whole number of logical blocks of "

@@ -53,7 +53,7 @@ wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
     }
     watch = it->second;
     num_layers = spec_->num_layers();
-    tokens_per_block = spec_->tokens_per_block();
+    tokens_per_block = spec_->tokens_per_id();  // announcements name engine block ids
   }
   MutexLock lock(watch->mu);
   auto source = watch->latest.find(static_cast<int>(p.from.tp_rank));
@@ -116,12 +116,16 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
                            ResolveSources(load, plan, deadline, wire::kFeatureLayerwise));
   for (const SourceAgent& a : agents) {
     // Announcements name blocks of the prefill side's size, read into ours one for one.
-    const std::int64_t theirs = a.agent->metadata->cache.tokens_per_block();
-    if (theirs != plan.spec.tokens_per_block()) {
+    const CacheSpec& theirs = a.agent->metadata->cache;
+    if (theirs.tokens_per_block() != plan.spec.tokens_per_block() ||
+        theirs.blocks_per_id() != plan.spec.blocks_per_id()) {
+      auto blocks = [](const CacheSpec& c) {
+        return std::to_string(c.tokens_per_id()) + " tokens (" + std::to_string(c.blocks_per_id()) +
+               " kernel blocks of " + std::to_string(c.tokens_per_block()) + ")";
+      };
       return Status::NotSupported(
           "request " + load.request_id + ": the prefill worker at " + a.endpoint +
-          " has blocks of " + std::to_string(theirs) + " tokens and this decode worker of " +
-          std::to_string(plan.spec.tokens_per_block()) +
+          " has blocks of " + blocks(theirs) + " and this decode worker of " + blocks(plan.spec) +
           "; layer-wise transfer needs one block size on both sides (whole-request loads take "
           "any): give both instances one block size, or send whole-request legs (the proxy's "
           "--layerwise off)");
@@ -130,7 +134,9 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
   {
     MutexLock w(watch->mu);
     for (const SourceAgent& a : agents) {
-      watch->remote_blocks[a.source.prefill_rank] = a.agent->metadata->cache.num_blocks();
+      // In engine block ids, as announcements name them.
+      watch->remote_blocks[a.source.prefill_rank] =
+          a.agent->metadata->cache.num_blocks() / a.agent->metadata->cache.blocks_per_id();
     }
   }
   const Deadline start_deadline = std::min(deadline, start + cfg_.layerwise_start_timeout);
@@ -172,6 +178,7 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
   std::map<int, std::uint64_t> taken;  // by rank, the seq of the announcement last read
   Deadline progress_deadline = Deadline::max();
   const int num_layers = plan.spec.num_layers();
+  const std::int64_t per_id = plan.spec.blocks_per_id();
   for (;;) {
     std::map<int, wire::Progress> fresh;
     bool waiting = false;
@@ -234,11 +241,13 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
           [&, wanted = rank](const SourceAgent& s) { return s.source.prefill_rank == wanted; });
       KVFERRY_ASSIGN_OR_RETURN(
           std::vector<LayerGroupRead> groups,
-          PlanLayerwiseReads(p, load.local_block_ids, plan.spec.tokens_per_block(), num_layers,
-                             a.agent->metadata->cache.num_blocks(), cursors[rank]));
+          PlanLayerwiseReads(p, load.local_block_ids, plan.spec.tokens_per_id(), num_layers,
+                             a.agent->metadata->cache.num_blocks() / per_id, cursors[rank]));
       batches.push_back({&a, {}, 0, 0});
       for (const LayerGroupRead& g : groups) {
-        KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, g.remote_ids, g.local_ids, g.first_layer,
+        // Engine block ids, each per_id cache blocks on both sides (checked above).
+        KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, CacheBlocksOfIds(g.remote_ids, per_id),
+                                         CacheBlocksOfIds(g.local_ids, per_id), g.first_layer,
                                          g.end_layer, batches.back()));
       }
     }

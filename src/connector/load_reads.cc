@@ -178,13 +178,17 @@ Status LoadRunner::AddReads(const LoadPlan& plan, const SourceAgent& s,
 Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const SourceAgent& s,
                                  PlannedBatch& batch) const {
   const CacheSpec& remote = s.agent->metadata->cache;
-  KVFERRY_ASSIGN_OR_RETURN(TokenSpan tokens, TokensOfLoad(load, remote.tokens_per_block(),
-                                                          plan.spec.tokens_per_block()));
+  // Engine block ids hold tokens_per_id tokens; the caches' own blocks, tokens_per_block.
+  KVFERRY_ASSIGN_OR_RETURN(TokenSpan tokens,
+                           TokensOfLoad(load, remote.tokens_per_id(), plan.spec.tokens_per_id()));
+  const std::vector<std::int64_t> remote_ids =
+      CacheBlocksOfIds(load.remote_block_ids, remote.blocks_per_id());
+  const std::vector<std::int64_t> local_ids =
+      CacheBlocksOfIds(load.local_block_ids, plan.spec.blocks_per_id());
   KVFERRY_ASSIGN_OR_RETURN(
       std::vector<TokenRun> runs,
-      PairTokenRuns({load.remote_block_ids, remote.tokens_per_block(), remote.num_blocks(), 0},
-                    {load.local_block_ids, plan.spec.tokens_per_block(), plan.spec.num_blocks(),
-                     tokens.first},
+      PairTokenRuns({remote_ids, remote.tokens_per_block(), remote.num_blocks(), 0},
+                    {local_ids, plan.spec.tokens_per_block(), plan.spec.num_blocks(), tokens.first},
                     tokens.first, tokens.count));
   AppendReadOps(plan, s,
                 TokenRunByteRanges(runs, 0, plan.spec.num_layers(), remote, plan.spec, s.source),
@@ -296,7 +300,9 @@ Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
     std::vector<PlannedBatch> batches;
     for (const SourceAgent& a : agents) {
       batches.push_back({&a, {}, 0, 0});
-      if (a.agent->metadata->cache.tokens_per_block() != plan.spec.tokens_per_block()) {
+      const CacheSpec& remote = a.agent->metadata->cache;
+      if (remote.tokens_per_block() != plan.spec.tokens_per_block() ||
+          remote.blocks_per_id() != 1 || plan.spec.blocks_per_id() != 1) {
         KVFERRY_RETURN_IF_ERROR(AddTokenReads(load, plan, a, batches.back()));
       } else {
         // The tail rule for decode-side prefix hits.

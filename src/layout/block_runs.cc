@@ -210,6 +210,19 @@ Status CheckTokenBlocks(const char* side, const TokenBlocks& b, std::int64_t fir
 
 }  // namespace
 
+std::vector<std::int64_t> CacheBlocksOfIds(std::span<const std::int64_t> ids,
+                                           std::int64_t blocks_per_id) {
+  std::vector<std::int64_t> out;
+  out.reserve(ids.size() * static_cast<std::size_t>(blocks_per_id));
+  for (std::int64_t id : ids) {
+    // Ids past any cache stay past it (they are checked against the cache after this).
+    const std::int64_t first =
+        id < 0 ? -1 : (id > (std::int64_t{1} << 40) ? std::int64_t{1} << 50 : id * blocks_per_id);
+    for (std::int64_t k = 0; k < blocks_per_id; ++k) out.push_back(first < 0 ? -1 : first + k);
+  }
+  return out;
+}
+
 Result<std::vector<TokenRun>> PairTokenRuns(const TokenBlocks& remote, const TokenBlocks& local,
                                             std::int64_t first_token, std::int64_t num_tokens) {
   if (first_token < 0 || num_tokens < 0) {

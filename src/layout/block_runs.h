@@ -97,6 +97,12 @@ struct TokenRun {
   friend bool operator==(const TokenRun&, const TokenRun&) = default;
 };
 
+/// The cache blocks that engine block ids name, `blocks_per_id` consecutive ones each
+/// (CacheSpecOptions::blocks_per_id): id b is blocks b * blocks_per_id + 0 .. blocks_per_id - 1.
+/// Negative ids stay negative (PairTokenRuns refuses them).
+std::vector<std::int64_t> CacheBlocksOfIds(std::span<const std::int64_t> ids,
+                                           std::int64_t blocks_per_id);
+
 /// One side's blocks of a request: ids[i] holds its tokens [first_token + i * tokens_per_block,
 /// first_token + (i + 1) * tokens_per_block); ids lie in [0, num_blocks).
 struct TokenBlocks {

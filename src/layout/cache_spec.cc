@@ -236,6 +236,13 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
                                    std::to_string(options.tp_size) +
                                    " is invalid: expected size >= 1 and 0 <= rank < size");
   }
+  if (options.blocks_per_id < 1 || options.blocks_per_id > kMaxBlocksPerId ||
+      options.num_blocks % options.blocks_per_id != 0) {
+    return Status::InvalidArgument(
+        "blocks_per_id " + std::to_string(options.blocks_per_id) + " with " +
+        std::to_string(options.num_blocks) + " blocks is invalid: expected 1 to " +
+        std::to_string(kMaxBlocksPerId) + " blocks per engine block id, dividing num_blocks");
+  }
   if (options.first_layer < 0 ||
       options.first_layer > (1 << 20) - static_cast<std::int64_t>(layers.size())) {
     return Status::InvalidArgument("first_layer " + std::to_string(options.first_layer) +

@@ -45,7 +45,8 @@ void PackCache(Packer& pk, const CacheSpec& spec) {
   const bool strided = !spec.options().block_strides.empty();
   const bool fused = !spec.fields().empty();
   const bool staged = spec.first_layer() != 0;
-  pk.pack_map(9 + (strided ? 1 : 0) + (fused ? 1 : 0) + (staged ? 1 : 0));
+  const bool grouped = spec.blocks_per_id() != 1;
+  pk.pack_map(9 + (strided ? 1 : 0) + (fused ? 1 : 0) + (staged ? 1 : 0) + (grouped ? 1 : 0));
   PackKey(pk, "kind");
   PackStr(pk, CacheKindName(spec.kind()));
   PackKey(pk, "layers");
@@ -84,6 +85,10 @@ void PackCache(Packer& pk, const CacheSpec& spec) {
   if (staged) {
     PackKey(pk, "first_layer");
     pk.pack_int32(spec.first_layer());
+  }
+  if (grouped) {
+    PackKey(pk, "blocks_per_id");
+    pk.pack_int64(spec.blocks_per_id());
   }
 }
 
@@ -314,6 +319,11 @@ Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
   if (m.Find("first_layer") != nullptr) {  // a pipeline stage after the first
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t first, m.Uint("first_layer", 1 << 20));
     options.first_layer = static_cast<int>(first);
+  }
+  if (m.Find("blocks_per_id") != nullptr) {  // kernel blocks smaller than the engine's
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t per_id,
+                             m.Uint("blocks_per_id", static_cast<std::uint64_t>(kMaxBlocksPerId)));
+    options.blocks_per_id = static_cast<std::int64_t>(per_id);
   }
   Result<CacheSpec> spec = CacheSpec::Create(std::move(options));
   if (!spec.ok()) return spec.status().WithContext(m.path());

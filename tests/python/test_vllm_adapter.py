@@ -310,9 +310,12 @@ def test_geometry_read_from_shape_and_strides():
     assert (main.layout, main.num_blocks, main.block_strides[0]) == (
         "token_major", NB, 2 * BS * HEADS * DIM * 4)
     assert geometry_of(fa_main_hnd).layout == "head_major"
-    # K and V alternating per kernel block: a logical block of two kernel blocks is no one run.
-    with pytest.raises(CacheLayoutError, match="block size 4 is not vLLM's block size 8"):
-        geometry_of(fa_main_nhd, block_size=2 * BS)
+    # K and V alternating per kernel block: a logical block of two kernel blocks is no one run,
+    # so the kernel blocks are registered, two per vLLM block id (issue 28 item 5).
+    kernel = geometry_of(fa_main_nhd, block_size=2 * BS)
+    assert (kernel.num_blocks, kernel.tokens_per_block, kernel.blocks_per_id) == (NB, BS, 2)
+    assert geometry_of(fa_hnd, block_size=2 * BS).blocks_per_id == 2
+    assert geometry_of(fa_nhd, block_size=2 * BS).blocks_per_id == 1  # one run: logical blocks
 
 
 @pytest.mark.parametrize("tensor, words", [

@@ -408,34 +408,38 @@ def test_a_decode_stage_pointed_at_another_stages_layers_is_refused_not_read():
     assert all(not c.any() for c in d_caches.values()), "a byte of another stage was read"
 
 
-# Cache makers of any block size, in the logical shapes vLLM's backends hand over (the makers
-# of test_vllm_adapter, with the block size a parameter).
+# Cache makers of any (kernel) block size and block count, in the logical shapes vLLM's backends
+# hand over (the makers of test_vllm_adapter, with the sizes parameters).
 SHAPES = {
-    "flash_nhd": lambda bs: np.zeros((2, 16, bs, 2, 8), np.float32),
-    "flash_hnd": lambda bs: np.zeros((2, 16, 2, bs, 8), np.float32).transpose(0, 1, 3, 2, 4),
-    "flash_main_nhd": lambda bs: np.zeros((16, 2, bs, 2, 8), np.float32),
-    "flash_main_hnd": lambda bs: np.zeros((16, 2, 2, bs, 8), np.float32).transpose(0, 1, 3, 2, 4),
+    "flash_nhd": lambda bs, nb: np.zeros((2, nb, bs, 2, 8), np.float32),
+    "flash_hnd": lambda bs, nb: np.zeros((2, nb, 2, bs, 8), np.float32).transpose(0, 1, 3, 2, 4),
+    "flash_main_nhd": lambda bs, nb: np.zeros((nb, 2, bs, 2, 8), np.float32),
+    "flash_main_hnd": lambda bs, nb: np.zeros((nb, 2, 2, bs, 8),
+                                              np.float32).transpose(0, 1, 3, 2, 4),
 }
 
 
-def token_rows(cache, block, slot):
-    """K and V of one token slot, (2, heads, head_dim), in either logical shape."""
+def token_rows(cache, ids, block_size, t):
+    """K and V of token t, (2, heads, head_dim), of a request whose vLLM block ids are `ids`
+    (block i holds tokens [i * block_size, (i + 1) * block_size)); the tensor's kernel blocks may
+    be smaller: vLLM block b is kernel blocks b * ratio .. b * ratio + ratio - 1."""
+    kernel = cache.shape[2]
+    block, offset = divmod(t, block_size)
+    k = ids[block] * (block_size // kernel) + offset // kernel
     if cache.shape[1] == 2:  # (num_blocks, 2, block_size, heads, head_dim)
-        return cache[block, :, slot]
-    return cache[:, block, slot]
+        return cache[k, :, offset % kernel]
+    return cache[:, k, offset % kernel]
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("p_bs,d_bs", [(16, 32), (32, 16)], ids=["P16-D32", "P32-D16"])
-@pytest.mark.parametrize("prefix_blocks", [0, 1], ids=["no-prefix", "decode-prefix"])
-def test_prefill_and_decode_block_sizes_differ(shape, p_bs, d_bs, prefix_blocks):
-    """Issue 28 item 5: blocks of 16 tokens on one side and 32 on the other (vLLM's
-    cache_config.block_size per instance). Before, tokens per block was in the compatibility
-    hash and every load failed. Follows vLLM's scheduler (vllm/v1/core/sched/scheduler.py,
-    schedule: get_num_new_matched_tokens with the local prefix hit, then
-    update_state_after_alloc with num_external_tokens) and NixlConnector's decode side: every
-    token of the load lands in the decode block and slot that hold it, the decode side's cached
-    prefix and every other block untouched."""
+def move_tokens(p_side, d_side, prefix_blocks, prompt=75):
+    """A prefill instance and a decode instance of the given (shape, kernel block size, vLLM
+    block size, kernel blocks) move one request of `prompt` tokens, the decode side holding its
+    first `prefix_blocks` vLLM blocks in its prefix cache. Follows vLLM's scheduler
+    (vllm/v1/core/sched/scheduler.py, schedule: get_num_new_matched_tokens with the local prefix
+    hit, then update_state_after_alloc with num_external_tokens and the new blocks) and worker
+    step (worker_step). Checks every token of the load in the decode block and slot that hold
+    it, and that nothing else of the decode cache was written."""
+    (p_shape, p_kernel, p_bs, p_nb), (d_shape, d_kernel, d_bs, d_nb) = p_side, d_side
     pport, dport = free_port(), free_port()
     p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport, block_size=p_bs),
                                             "SCHEDULER")
@@ -443,22 +447,24 @@ def test_prefill_and_decode_block_sizes_differ(shape, p_bs, d_bs, prefix_blocks)
     d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, block_size=d_bs),
                                             "SCHEDULER")
     d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, block_size=d_bs), "WORKER")
-    p_caches = {f"l{i}": SHAPES[shape](p_bs) for i in range(LAYERS)}
-    d_caches = {f"l{i}": SHAPES[shape](d_bs) for i in range(LAYERS)}
+    p_caches = {f"l{i}": SHAPES[p_shape](p_kernel, p_nb) for i in range(LAYERS)}
+    d_caches = {f"l{i}": SHAPES[d_shape](d_kernel, d_nb) for i in range(LAYERS)}
     for i, c in enumerate(p_caches.values()):
         fill_random(c, 70 + i)
     p_work.register_kv_caches(p_caches)
     d_work.register_kv_caches(d_caches)
-    prompt = 75  # a partial last block on both sides
-    remote = [9, 3, 12, 5, 7][:(prompt + p_bs - 1) // p_bs]
+    p_ids = p_nb * p_kernel // p_bs  # vLLM block ids each side has
+    d_ids = d_nb * d_kernel // d_bs
+    remote = list(np.random.default_rng(pport).permutation(p_ids)[:(prompt + p_bs - 1) // p_bs])
     preq = request("p-1", {"do_remote_decode": True}, prompt, "FINISHED_LENGTH_CAPPED")
-    delay, params = p_sched.request_finished(preq, remote)
+    delay, params = p_sched.request_finished(preq, [int(b) for b in remote])
     assert delay
     worker_step(p_work, p_sched.build_connector_meta(None))
     computed = prefix_blocks * d_bs
     dreq = request("d-1", dict(params), prompt)
     assert d_sched.get_num_new_matched_tokens(dreq, computed) == (prompt - computed, True)
-    local = [4, 11, 2, 14, 6][:(prompt + d_bs - 1) // d_bs - prefix_blocks]
+    order = [int(b) for b in np.random.default_rng(dport).permutation(d_ids)]
+    cached, local = order[:prefix_blocks], order[prefix_blocks:(prompt + d_bs - 1) // d_bs]
     d_sched.update_state_after_alloc(dreq, Blocks(local), prompt - computed)
     errors = record_load_errors(d_work)
     mds = [d_sched.build_connector_meta(None)]
@@ -468,16 +474,43 @@ def test_prefill_and_decode_block_sizes_differ(shape, p_bs, d_bs, prefix_blocks)
     assert errors == [] and d_work.get_block_ids_with_load_errors() == set(), errors
     for name, d in d_caches.items():
         p = p_caches[name]
+        written = np.zeros(d.shape, dtype=bool)  # C order, whatever d's strides
+        marker = np.arange(d.size).reshape(d.shape)  # to find each element of a token row
         for t in range(computed, prompt):
-            j, s = divmod(t - computed, d_bs)
-            want = token_rows(p, remote[t // p_bs], t % p_bs)
-            np.testing.assert_array_equal(token_rows(d, local[j], s), want,
+            np.testing.assert_array_equal(token_rows(d, cached + local, d_bs, t),
+                                          token_rows(p, remote, p_bs, t),
                                           err_msg=f"{name} token {t}")
-        for t in range(prompt, len(local) * d_bs + computed):  # past the prompt: not written
-            j, s = divmod(t - computed, d_bs)
-            assert not token_rows(d, local[j], s).any(), f"{name} slot past the prompt {t}"
-        for b in range(16):
-            if b not in local:
-                assert not block_view(d, b).any(), f"{name} block {b} is not the load's"
+            where = token_rows(marker, cached + local, d_bs, t)
+            written.reshape(-1)[where.reshape(-1)] = True
+        assert not d[~written].view(np.uint32).any(), (
+            f"{name}: bytes outside the load's tokens were written")
     assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
                                     finished={"p-1"})[0], "the release") == {"p-1"}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("p_bs,d_bs", [(16, 32), (32, 16)], ids=["P16-D32", "P32-D16"])
+@pytest.mark.parametrize("prefix_blocks", [0, 1], ids=["no-prefix", "decode-prefix"])
+def test_prefill_and_decode_block_sizes_differ(shape, p_bs, d_bs, prefix_blocks):
+    """Issue 28 item 5: blocks of 16 tokens on one side and 32 on the other (vLLM's
+    cache_config.block_size per instance). Before, tokens per block was in the compatibility
+    hash and every load failed ("the KV cache layouts differ"). NixlConnector handles only P
+    smaller than D; here both ways, every vLLM cache shape, with and without a decode prefix."""
+    move_tokens((shape, p_bs, p_bs, 16), (shape, d_bs, d_bs, 16), prefix_blocks)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_kernel_blocks_smaller_than_vllms_block_in_every_shape(shape, side):
+    """Issue 28 item 5: the attention backend's kernel block is smaller than vLLM's block
+    (vLLM block b is kernel blocks b * ratio ..; NixlConnector's _logical_to_kernel_block_ids).
+    Before, (num_blocks, 2, ...) tensors and head-major ones with such blocks were refused at
+    registration. Kernel blocks of 8 in vLLM blocks of 32 on one side, against whole blocks of 16
+    on the other, a decode-side prefix: every token checked."""
+    small = (shape, 8, 32, 32)
+    # The layout (token- or head-major) is in the compatibility hash: the other side shares it.
+    plain = ("flash_main_hnd" if shape.endswith("hnd") else "flash_main_nhd", 16, 16, 16)
+    if side == "prefill":
+        move_tokens(small, plain, prefix_blocks=1)
+    else:
+        move_tokens(plain, small, prefix_blocks=1)
