@@ -162,7 +162,9 @@ class Deployment {
                                      "--exit-on-stdin-eof"};
     if (a.shm_permit_any_tracer) argv.emplace_back("--shm-permit-any-tracer");
     for (const std::string& s : TransportOptArgv(a.transport_opts)) argv.push_back(s);
-    for (const std::string& s : ModelArgv(a.model)) argv.push_back(s);
+    for (const std::string& s : ModelArgv(RoleModel(a, std::string(role) == "prefill"))) {
+      argv.push_back(s);
+    }
     KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv, {"KVFERRY_SECRET=" + secret}));
     KVFERRY_ASSIGN_OR_RETURN(std::string line, p.ReadLine(milliseconds(60000)));
     if (line.rfind("READY ", 0) != 0) {
@@ -598,6 +600,13 @@ Status Settle(Deployment& d, const PipelineArgs& a, std::uint64_t bytes_before,
 
 }  // namespace
 
+ModelArgs RoleModel(const PipelineArgs& a, bool prefill) {
+  ModelArgs m = a.model;
+  const std::int64_t tpb = prefill ? a.prefill_tokens_per_block : a.decode_tokens_per_block;
+  if (tpb > 0) m.tokens_per_block = tpb;
+  return m;
+}
+
 Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
   KVFERRY_ASSIGN_OR_RETURN(CacheSpecOptions o, BuildModel(m));
   std::uint64_t total = 0;
@@ -615,7 +624,17 @@ Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
 
 Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                    const std::vector<std::vector<std::int32_t>>& prompts) {
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t block_bytes, BytesPerBlock(a.model, a.decode_tp));
+  if (a.layerwise && RoleModel(a, true).tokens_per_block != RoleModel(a, false).tokens_per_block) {
+    return Status::InvalidArgument(
+        "--layerwise needs one block size on both roles, found " +
+        std::to_string(RoleModel(a, true).tokens_per_block) + " prefill and " +
+        std::to_string(RoleModel(a, false).tokens_per_block) +
+        " decode tokens per block: drop --layerwise (whole-request loads take any sizes) or give "
+        "both one size");
+  }
+  // The decode instances count what they loaded in their own blocks.
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t block_bytes,
+                           BytesPerBlock(RoleModel(a, false), a.decode_tp));
   KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Deployment> d, Deployment::Start(a));
   // Instances that already ran count from before this run: report this run's bytes only.
   std::uint64_t bytes_before = 0;

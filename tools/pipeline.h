@@ -21,6 +21,10 @@ struct PipelineArgs {
   int prefill_instances = 1;
   int decode_instances = 1;
   ModelArgs model;
+  /// Tokens per block of each role's instances; 0: the model's --tokens-per-block. The two may
+  /// differ (whole-request loads pair tokens; layer-wise transfer needs one size).
+  std::int64_t prefill_tokens_per_block = 0;
+  std::int64_t decode_tokens_per_block = 0;
   std::string transport = "auto";
   std::vector<std::string> transport_opts;
   bool shm_permit_any_tracer = false;
@@ -96,6 +100,9 @@ struct PipelineResult {
 /// asked for their stats (failed requests are counted in the result, with their errors).
 Result<PipelineResult> RunPipeline(const PipelineArgs& args,
                                    const std::vector<std::vector<std::int32_t>>& prompts);
+
+/// The model of one role's instances: the pipeline's model with that role's tokens per block.
+ModelArgs RoleModel(const PipelineArgs& args, bool prefill);
 
 /// Bytes one block occupies across all layers, parts and TP ranks of an instance.
 Result<std::uint64_t> BytesPerBlock(const ModelArgs& model, int tp);

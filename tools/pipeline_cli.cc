@@ -79,6 +79,15 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
       ->capture_default_str();
   cmd.add_option("--decode-tp", p.decode_tp, "TP size of the decode instance")
       ->capture_default_str();
+  cmd.add_option("--prefill-tokens-per-block", p.prefill_tokens_per_block,
+                 "Tokens per block of the prefill instances (0: --tokens-per-block)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--decode-tokens-per-block", p.decode_tokens_per_block,
+                 "Tokens per block of the decode instances (0: --tokens-per-block); may differ "
+                 "from the prefill's")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd.add_option("--transport", p.transport, TransportChoices())->capture_default_str();
   AddTransportOptOption(cmd, p.transport_opts);
   cmd.add_flag("--shm-permit-any-tracer", p.shm_permit_any_tracer,

@@ -373,11 +373,13 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
     r.prefix_hit = static_cast<std::int64_t>(hit.size());
     r.blocks = hit;
     r.blocks.insert(r.blocks.end(), fresh->begin(), fresh->end());
-    auto [tokens, async] =
+    const auto [tokens, async] =
         scheduler_->GetNumNewMatchedTokens(r.request.params, prompt, r.prefix_hit * tpb);
-    (void)tokens;
     (void)async;
-    Status s = scheduler_->UpdateStateAfterAlloc(r.request.request_id, r.request.params, *fresh);
+    // With the tokens it brings (vLLM's num_external_tokens), so the prefill instance's blocks
+    // may hold another number of tokens than ours.
+    Status s = scheduler_->UpdateStateAfterAlloc(r.request.request_id, r.request.params, *fresh,
+                                                 tokens, prompt);
     r.result.queue_ms = Ms(r.submitted, r.scheduled);
     r.result.prefix_hit_blocks = r.prefix_hit;
     r.result.loaded_blocks = static_cast<std::int64_t>(fresh->size());
