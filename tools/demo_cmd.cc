@@ -48,14 +48,21 @@ struct DemoArgs {
 int RunDemo(const DemoArgs& a) {
   if (!a.json) {
     const bool external = !a.pipeline.prefill_control.empty();
+    auto placement = [](int tp, int pp, std::int64_t tpb) {
+      return "TP " + std::to_string(tp) + (pp > 1 ? " x PP " + std::to_string(pp) : "") +
+             (tpb > 0 ? ", " + std::to_string(tpb) + "-token blocks" : "");
+    };
     std::cout << "kvferry demo: "
               << (external
                       ? "the running instances at " + a.pipeline.prefill_control + " -> " +
                             a.pipeline.decode_control
-                      : std::to_string(a.pipeline.prefill_instances) +
-                            " prefill instance(s) of TP " + std::to_string(a.pipeline.prefill_tp) +
+                      : std::to_string(a.pipeline.prefill_instances) + " prefill instance(s) of " +
+                            placement(a.pipeline.prefill_tp, a.pipeline.prefill_pp,
+                                      a.pipeline.prefill_tokens_per_block) +
                             " -> " + std::to_string(a.pipeline.decode_instances) +
-                            " decode instance(s) of TP " + std::to_string(a.pipeline.decode_tp))
+                            " decode instance(s) of " +
+                            placement(a.pipeline.decode_tp, a.pipeline.decode_pp,
+                                      a.pipeline.decode_tokens_per_block))
               << ", " << a.requests << " requests, prompts " << a.min_prompt << ".." << a.max_prompt
               << " tokens, transport " << a.pipeline.transport << ", model "
               << a.pipeline.model.kind << " " << a.pipeline.model.layers << " layers" << std::endl;

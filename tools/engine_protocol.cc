@@ -139,6 +139,7 @@ Json ParamsToJson(const KvTransferParams& p) {
   if (p.remote_host) j["remote_host"] = *p.remote_host;
   if (p.remote_port) j["remote_port"] = *p.remote_port;
   if (p.remote_tp_size) j["remote_tp_size"] = *p.remote_tp_size;
+  if (p.remote_pp_size) j["remote_pp_size"] = *p.remote_pp_size;
   if (p.remote_request_id) j["remote_request_id"] = *p.remote_request_id;
   if (p.transfer_id) j["transfer_id"] = *p.transfer_id;
   return j;
@@ -191,12 +192,21 @@ Result<KvTransferParams> ParamsFromJson(const Json& j, std::string_view where) {
                              Integer(*v, Field(where, "remote_tp_size"), 1, kMaxRemoteTpSize));
     p.remote_tp_size = static_cast<int>(tp);
   }
-  // TP rank q of the remote instance listens on remote_port + q.
-  if (p.remote_port && p.remote_tp_size && *p.remote_port + *p.remote_tp_size - 1 > 65535) {
+  if (const Json* v = Member(j, "remote_pp_size", true)) {
+    KVFERRY_ASSIGN_OR_RETURN(std::int64_t pp,
+                             Integer(*v, Field(where, "remote_pp_size"), 1, kMaxRemoteTpSize));
+    p.remote_pp_size = static_cast<int>(pp);
+  }
+  // TP rank q of stage s of the remote instance listens on remote_port + s * remote_tp_size + q.
+  const int stages = p.remote_pp_size.value_or(1);
+  if (p.remote_port && p.remote_tp_size &&
+      *p.remote_port + stages * *p.remote_tp_size - 1 > 65535) {
     return Status::InvalidArgument(
-        Field(where, "remote_port") + " + " + Field(where, "remote_tp_size") +
-        " - 1: expected at most 65535 (TP rank q listens on remote_port + q), found " +
-        std::to_string(*p.remote_port + *p.remote_tp_size - 1));
+        Field(where, "remote_port") + " + " + Field(where, "remote_pp_size") + " * " +
+        Field(where, "remote_tp_size") +
+        " - 1: expected at most 65535 (TP rank q of stage s listens on remote_port + s * "
+        "remote_tp_size + q), found " +
+        std::to_string(*p.remote_port + stages * *p.remote_tp_size - 1));
   }
   return p;
 }

@@ -70,8 +70,8 @@ class Deployment {
                                      std::to_string(a.decode_instances));
     }
     // The deployment's rank table: every instance on this host, each on its own devices.
-    const int prefill_devices = a.prefill_instances * a.prefill_tp;
-    const int decode_devices = a.decode_instances * a.decode_tp;
+    const int prefill_devices = a.prefill_instances * a.prefill_tp * a.prefill_pp;
+    const int decode_devices = a.decode_instances * a.decode_tp * a.decode_pp;
     RankTableGenOptions gen;
     gen.hosts = {"127.0.0.1"};
     gen.devices_per_host = prefill_devices + decode_devices;
@@ -87,19 +87,21 @@ class Deployment {
       const bool prefill = role == 0;
       const int count = prefill ? a.prefill_instances : a.decode_instances;
       const int tp = prefill ? a.prefill_tp : a.decode_tp;
+      const int pp = prefill ? a.prefill_pp : a.decode_pp;
       for (int i = 0; i < count; ++i) {
-        const int base = FreeLoopbackPorts(tp, taken);
+        const int base = FreeLoopbackPorts(tp * pp, taken);
         const int control = FreeLoopbackPorts(1, taken);
         if (base == 0 || control == 0) {
           return Status::Unavailable("could not find free ports on 127.0.0.1");
         }
         std::string devices;
-        const int first = (prefill ? 0 : prefill_devices) + i * tp;
-        for (int dev = first; dev < first + tp; ++dev) {
+        const int first = (prefill ? 0 : prefill_devices) + i * tp * pp;
+        for (int dev = first; dev < first + tp * pp; ++dev) {
           devices += (devices.empty() ? "" : ",") + std::to_string(dev);
         }
-        KVFERRY_ASSIGN_OR_RETURN(Subprocess proc, Spawn(a, prefill ? "prefill" : "decode", tp, base,
-                                                        control, table_path, devices, secret));
+        KVFERRY_ASSIGN_OR_RETURN(Subprocess proc,
+                                 Spawn(a, prefill ? "prefill" : "decode", tp, pp, base, control,
+                                       table_path, devices, secret));
         (prefill ? d->prefill_procs_ : d->decode_procs_).push_back(std::move(proc));
         (prefill ? d->prefill_ : d->decode_)
             .push_back(std::make_unique<ControlClient>("tcp://127.0.0.1:" + std::to_string(control),
@@ -130,7 +132,7 @@ class Deployment {
  private:
   Deployment() = default;
 
-  static Result<Subprocess> Spawn(const PipelineArgs& a, const char* role, int tp, int base,
+  static Result<Subprocess> Spawn(const PipelineArgs& a, const char* role, int tp, int pp, int base,
                                   int control, const std::string& table_path,
                                   const std::string& devices, const std::string& secret) {
     std::vector<std::string> argv = {SelfExe(),
@@ -139,6 +141,8 @@ class Deployment {
                                      role,
                                      "--tp",
                                      std::to_string(tp),
+                                     "--pp",
+                                     std::to_string(pp),
                                      "--base-port",
                                      std::to_string(base),
                                      "--control-port",
@@ -319,9 +323,13 @@ class Proxy {
         const std::string transfer = "xfer-" + std::to_string(next_) + "-" + run_tag_;
         params["transfer_id"] = transfer;
         const Json& c = prefill_connectors_[f.instance];
-        decode_params = {{"do_remote_prefill", true},          {"transfer_id", transfer},
-                         {"remote_engine_id", c["engine_id"]}, {"remote_host", c["host"]},
-                         {"remote_port", c["port"]},           {"remote_tp_size", c["tp_size"]}};
+        decode_params = {{"do_remote_prefill", true},
+                         {"transfer_id", transfer},
+                         {"remote_engine_id", c["engine_id"]},
+                         {"remote_host", c["host"]},
+                         {"remote_port", c["port"]},
+                         {"remote_tp_size", c["tp_size"]},
+                         {"remote_pp_size", c.value("pp_size", 1)}};
       }
       const bool lost =
           f.layerwise && a_.drop_prefill_legs > 0 && unit_(rng_) < a_.drop_prefill_legs;
@@ -624,6 +632,13 @@ Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
 
 Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                    const std::vector<std::vector<std::int32_t>>& prompts) {
+  if (a.prefill_pp != a.decode_pp) {
+    return Status::NotSupported(
+        "--prefill-pp " + std::to_string(a.prefill_pp) + " and --decode-pp " +
+        std::to_string(a.decode_pp) +
+        ": kvferry reads a decode stage's layers from the prefill stage holding the same ones, "
+        "so both need the same pipeline-parallel size (unequal sizes are not supported yet)");
+  }
   if (a.layerwise && RoleModel(a, true).tokens_per_block != RoleModel(a, false).tokens_per_block) {
     return Status::InvalidArgument(
         "--layerwise needs one block size on both roles, found " +

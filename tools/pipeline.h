@@ -16,6 +16,10 @@ namespace kvferry::cli {
 struct PipelineArgs {
   int prefill_tp = 2;
   int decode_tp = 2;
+  /// Pipeline stages of each role's instances (equal on both: a decode stage reads the prefill
+  /// stage that holds its layers).
+  int prefill_pp = 1;
+  int decode_pp = 1;
   /// xPyD: instances of each role, each with its TP ranks and its own devices of the rank table;
   /// the proxy sends each request to the instance with the fewest outstanding requests.
   int prefill_instances = 1;

@@ -79,6 +79,16 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
       ->capture_default_str();
   cmd.add_option("--decode-tp", p.decode_tp, "TP size of the decode instance")
       ->capture_default_str();
+  cmd.add_option("--prefill-pp", p.prefill_pp,
+                 "Pipeline stages of the prefill instances (each stage's TP workers hold its "
+                 "layers)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  cmd.add_option("--decode-pp", p.decode_pp,
+                 "Pipeline stages of the decode instances (equal to --prefill-pp: a decode "
+                 "stage reads the prefill stage holding its layers)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
   cmd.add_option("--prefill-tokens-per-block", p.prefill_tokens_per_block,
                  "Tokens per block of the prefill instances (0: --tokens-per-block)")
       ->capture_default_str()

@@ -30,6 +30,7 @@ struct ServeArgs {
   std::string role = "prefill";
   std::string engine_id;
   int tp = 1;
+  int pp = 1;
   int dp_rank = 0;
   std::string host = "127.0.0.1";
   int base_port = 5557;
@@ -105,6 +106,7 @@ int RunServe(const ServeArgs& a) {
                                           std::to_string(a.dp_rank) + "-" + LaunchTag()
                                     : a.engine_id;
   c.tp_size = a.tp;
+  c.pp_size = a.pp;
   c.dp_rank = a.dp_rank;
   c.host = a.host;
   c.base_port = a.base_port;
@@ -288,8 +290,9 @@ int RunServe(const ServeArgs& a) {
                {"connector",
                 {{"engine_id", c.engine_id},
                  {"host", c.host},
-                 {"port", c.base_port + c.dp_rank * c.tp_size},
+                 {"port", c.base_port + c.dp_rank * c.pp_size * c.tp_size},
                  {"tp_size", c.tp_size},
+                 {"pp_size", c.pp_size},
                  {"features", {"layerwise"}}}}});
         return;
       }
@@ -384,6 +387,13 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
                     "Engine id (default: <role>-<dp rank>-<random>, new at every launch)");
   serve->add_option("--tp", a->tp, "TP size: one worker with its own cache per rank")
       ->capture_default_str();
+  serve
+      ->add_option("--pp", a->pp,
+                   "Pipeline stages, each with its own TP workers and its share of the layers "
+                   "(vLLM's split); stage s TP rank r listens on base port + (dp rank * pp + s) "
+                   "* tp + r")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
   serve->add_option("--dp-rank", a->dp_rank, "DP rank")->capture_default_str();
   serve->add_option("--host", a->host, "Address to bind and advertise")->capture_default_str();
   serve->add_option("--base-port", a->base_port, "Side-channel base port")->capture_default_str();

@@ -96,10 +96,12 @@ Status WorkerImpl::Init() {
   identity_.device_id = std::to_string(cfg_.tp_rank);
   identity_.device_ip = cfg_.host;
   if (cfg_.rank_table) {
-    // Rule 5: the local entry by server id, visible devices and TP rank.
-    KVFERRY_ASSIGN_OR_RETURN(DeviceEntry e,
-                             cfg_.rank_table->SelectLocal(cfg_.role, identity_.server_id,
-                                                          cfg_.visible_devices, cfg_.tp_rank));
+    // Rule 5: the local entry by server id, visible devices and the worker's local rank (the TP
+    // rank; with pipeline parallelism stage-major, pp_rank * tp_size + tp_rank, as vLLM's).
+    KVFERRY_ASSIGN_OR_RETURN(
+        DeviceEntry e,
+        cfg_.rank_table->SelectLocal(cfg_.role, identity_.server_id, cfg_.visible_devices,
+                                     cfg_.pp_rank * cfg_.tp_size + cfg_.tp_rank));
     identity_.server_id = e.server_id;
     identity_.device_id = e.device_id;
     identity_.device_ip = e.device_ip;

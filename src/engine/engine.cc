@@ -63,10 +63,29 @@ Result<std::unique_ptr<Instance>> Instance::Create(InstanceConfig config) {
 Instance::Instance(InstanceConfig config) : config_(std::move(config)) {}
 Instance::~Instance() = default;
 
+std::pair<int, int> PipelineLayers(int num_layers, int pp_rank, int pp_size) {
+  std::vector<int> counts(static_cast<std::size_t>(pp_size), num_layers / pp_size);
+  for (int i = 2; i < num_layers % pp_size + 2; ++i) ++counts[counts.size() - i];
+  int first = 0;
+  for (int s = 0; s < pp_rank; ++s) first += counts[static_cast<std::size_t>(s)];
+  return {first, first + counts[static_cast<std::size_t>(pp_rank)]};
+}
+
 Status Instance::Init() {
   const InstanceConfig& c = config_;
-  for (int r = 0; r < c.tp_size; ++r) {
+  const auto model_layers = static_cast<int>(c.model.layers.size());
+  if (c.pp_size < 1 || c.pp_size > model_layers) {
+    return Status::InvalidArgument("pipeline-parallel size " + std::to_string(c.pp_size) + " for " +
+                                   std::to_string(model_layers) +
+                                   " layers; expected 1 to the number of layers");
+  }
+  for (int worker_index = 0; worker_index < c.pp_size * c.tp_size; ++worker_index) {
+    const int stage = worker_index / c.tp_size;
+    const int r = worker_index % c.tp_size;
+    const auto [first_layer, end_layer] = PipelineLayers(model_layers, stage, c.pp_size);
     CacheSpecOptions o = c.model;
+    o.layers.resize(static_cast<std::size_t>(end_layer - first_layer));
+    o.first_layer = first_layer;
     o.tp_size = c.tp_size;
     o.tp_rank = r;
     KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
@@ -116,6 +135,8 @@ Status Instance::Init() {
     w.dp_rank = c.dp_rank;
     w.tp_size = c.tp_size;
     w.tp_rank = r;
+    w.pp_size = c.pp_size;
+    w.pp_rank = stage;
     w.host = c.host;
     w.base_port = c.base_port;
     w.secret = c.secret;
@@ -141,6 +162,7 @@ Status Instance::Init() {
   s.base_port = c.base_port;
   s.dp_rank = c.dp_rank;
   s.tp_size = c.tp_size;
+  s.pp_size = c.pp_size;
   s.hold_lease = c.hold_lease;
   scheduler_ = std::make_unique<Scheduler>(s);
   allocator_ = std::make_unique<BlockAllocator>(c.model.num_blocks);

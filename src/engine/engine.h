@@ -46,6 +46,9 @@ struct InstanceConfig {
   Role role = Role::kPrefill;
   std::string engine_id;
   int tp_size = 1;
+  /// Pipeline stages: stage s holds the model's layers as vLLM's get_pp_indices splits them, with
+  /// TP workers of its own (pp_size * tp_size workers, stage-major).
+  int pp_size = 1;
   int dp_rank = 0;
   std::string host = "127.0.0.1";
   int base_port = 5557;
@@ -229,6 +232,11 @@ class Instance {
   std::atomic<std::uint64_t> in_flight_{0};
   std::atomic<std::int64_t> blocks_allocated_{0};
 };
+
+/// The model-wide layers [first, end) of pipeline stage `pp_rank` of `pp_size` for `num_layers`
+/// layers, as vLLM splits them (vllm/distributed/utils.py, get_pp_indices): an equal share each,
+/// the remainder one layer each to the stages before the last.
+std::pair<int, int> PipelineLayers(int num_layers, int pp_rank, int pp_size);
 
 /// Chain hashes of a prompt's positions: hash[t] covers tokens[0..t].
 std::vector<std::uint64_t> PrefixHashes(const std::vector<std::int32_t>& prompt);

@@ -104,7 +104,8 @@ bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t cou
             for (std::int64_t h = 0; h < heads; ++h) {
               row.head = first_head + h;
               row.seed =
-                  Mix(token ^ (static_cast<std::uint64_t>(l) << 48) ^
+                  // The model-wide layer: a pipeline stage's bytes are its own layers'.
+                  Mix(token ^ (static_cast<std::uint64_t>(spec.first_layer() + l) << 48) ^
                       (static_cast<std::uint64_t>(p) << 40) ^ static_cast<std::uint64_t>(row.head));
               const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
                                            ? (s * heads + h) * row.dim
@@ -134,7 +135,10 @@ Status Instance::ComputeLayerwise(const Running& r) {
   const std::int64_t tpb = config_.model.tokens_per_block;
   const std::int64_t chunk =
       config_.prefill_chunk_tokens > 0 ? config_.prefill_chunk_tokens : prompt;
-  const int layers = specs_.front().num_layers();
+  // Pipeline stages may hold different numbers of layers (vLLM's split): layer l of the step is
+  // each stage's own layer l, where it has one.
+  int layers = 0;
+  for (const CacheSpec& spec : specs_) layers = std::max(layers, spec.num_layers());
   for (std::int64_t begin = 0; begin < prompt; begin += chunk) {
     const std::int64_t end = std::min(prompt, begin + chunk);
     // What vLLM's scheduler side does each step, then its workers' start of the step.
@@ -164,7 +168,11 @@ Status Instance::ComputeLayerwise(const Running& r) {
         KVFERRY_RETURN_IF_ERROR(EnqueueCopies(r, first_block, blocks, /*up=*/true, {l, l + 1}));
         stream = stream_->native_handle();
       }
-      for (auto& w : workers_) KVFERRY_RETURN_IF_ERROR(w->SaveKvLayer(l, stream));
+      for (std::size_t w = 0; w < workers_.size(); ++w) {
+        if (l < specs_[w].num_layers()) {
+          KVFERRY_RETURN_IF_ERROR(workers_[w]->SaveKvLayer(l, stream));
+        }
+      }
       std::this_thread::sleep_until(start + per_layer * (l + 1));  // the MLP
     }
   }
