@@ -12,7 +12,10 @@ pybind11-dev, python3-dev and the C++ libraries), so it works offline and withou
 (With a pip newer than Debian 12's 23.0, add --no-build-isolation to pip install.)
 
 By default CMake configures an optimised build (-O2, no debug information) of only what the
-wheel needs (no tests) in build-wheel/cmake and builds the two targets.
+wheel needs (no tests) outside the source tree (``KVFERRY_WHEEL_BUILD_DIR``, else
+``~/.cache/kvferry/wheel-build-<tag of this tree>``: its ``cmake/``, with setuptools' own build
+directory and the egg-info beside it; kept, so a second build is incremental) and builds the two
+targets; the source tree is left as it was.
 ``KVFERRY_CMAKE_BUILD_DIR=<dir>`` reuses an existing CMake build directory of this source tree
 instead (absolute, or relative to this directory; for example ``build`` after ``make build``):
 only the two targets are brought up to date there, nothing else is rebuilt. Debug information is
@@ -54,6 +57,23 @@ from setuptools.command.build_ext import build_ext  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 BUILD_DIR_ENV = "KVFERRY_CMAKE_BUILD_DIR"
+WORK_DIR_ENV = "KVFERRY_WHEEL_BUILD_DIR"
+
+
+def work_dir() -> Path:
+    """Where the wheel's build output goes, outside the source tree so that `pip install .` leaves
+    it as it was: KVFERRY_WHEEL_BUILD_DIR, else a directory of this source tree under the user's
+    cache ($XDG_CACHE_HOME, else ~/.cache), kept between builds so that the next one is
+    incremental. It holds the CMake build (cmake/), setuptools' build directory (setuptools/) and
+    the egg-info."""
+    given = os.environ.get(WORK_DIR_ENV, "")
+    if given:
+        return Path(given).resolve()
+    import hashlib
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]
+    return cache / "kvferry" / f"wheel-build-{tag}"
 TARGETS = ("_kvferry", "kvferry_cli")
 
 
@@ -114,7 +134,7 @@ class CMakeBuild(build_ext):
 
     def _build_dir(self) -> Path:
         """The CMake build directory: the one KVFERRY_CMAKE_BUILD_DIR names (checked to belong to
-        this source tree), or build-wheel/cmake configured here for the wheel."""
+        this source tree), or work_dir()/cmake configured here for the wheel."""
         given = os.environ.get(BUILD_DIR_ENV, "")
         if given:
             build_dir = (ROOT / given).resolve()
@@ -128,7 +148,7 @@ class CMakeBuild(build_ext):
                 raise SystemExit(f"setup.py: {BUILD_DIR_ENV}={given} is a build of {source}, not "
                                  f"of {ROOT}; its binaries would not be this tree's")
             return build_dir
-        build_dir = ROOT / "build-wheel" / "cmake"
+        build_dir = work_dir() / "cmake"
         # The optimisation the project builds and tests with (RelWithDebInfo's -O2; GCC 12's -O3
         # warns falsely under -Werror), without its debug information.
         command = ["cmake", "-S", str(ROOT), "-B", str(build_dir),
@@ -155,8 +175,13 @@ class CMakeBuild(build_ext):
             subprocess.run([strip, "--strip-debug", str(destination)], check=True)
 
 
+_WORK = work_dir()
+(_WORK / "egg-info").mkdir(parents=True, exist_ok=True)
 setup(
     version=project_version(),
     ext_modules=[Extension("kvferry._kvferry", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
+    # Defaults a config file (DIST_EXTRA_CONFIG, setup.cfg) may override.
+    options={"build": {"build_base": str(_WORK / "setuptools")},
+             "egg_info": {"egg_base": str(_WORK / "egg-info")}},
 )

@@ -30,3 +30,19 @@ def free_port(count: int = 1) -> int:
         if ok:
             return base
     raise RuntimeError("no free port")
+
+
+class SilentPeer:
+    """A loopback port that accepts TCP and never speaks ZMTP: a handshake with it cannot finish
+    (a load waits on it until aborted or timed out). A context manager; `port` is where."""
+
+    def __enter__(self) -> "SilentPeer":
+        import socket
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self._socket.listen(8)
+        self.port = self._socket.getsockname()[1]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._socket.close()

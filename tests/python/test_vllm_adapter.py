@@ -14,7 +14,7 @@ import kvferry
 import kvferry.vllm
 import kvferry.vllm_layout
 from kvferry.vllm_layout import CacheLayoutError
-from common import free_port
+from common import SilentPeer, free_port
 # Device tensors (host-buffer mode): bytes kvferry never sees, torch ops as strict as CUDA's.
 from fake_devices import FakeCudaTensor, FakeDeviceTensor
 
@@ -587,16 +587,12 @@ def test_finished_req_ids_abort_a_load_in_flight():
     """vLLM lists a request in finished_req_ids when it finishes it (client abort) while its load
     runs: the adapter cancels the native load at once, reports the request once in
     finished_recving, and reports none of its blocks as load errors (nothing to recompute)."""
-    import socket
-    silent = socket.socket()  # accepts TCP, never speaks ZMTP: the handshake cannot finish
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
-    try:
+    with SilentPeer() as silent:
         port = free_port()
         d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", port), "SCHEDULER")
         d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", port), "WORKER")
         d_work.register_kv_caches({"l0": fa_nhd()})
-        params = dict(GOOD, remote_port=silent.getsockname()[1], remote_block_ids=[1, 2])
+        params = dict(GOOD, remote_port=silent.port, remote_block_ids=[1, 2])
         dreq = request("d-7", params, 2 * BS)
         assert d_sched.get_num_new_matched_tokens(dreq, 0) == (2 * BS, True)
         d_sched.update_state_after_alloc(dreq, Blocks([3, 4]), 2 * BS)
@@ -626,8 +622,6 @@ def test_finished_req_ids_abort_a_load_in_flight():
         assert codes == [("d-7", "Cancelled")]
         assert d_work.get_block_ids_with_load_errors() == set()
         assert d_work.get_finished(set()) == (None, None)  # reported once
-    finally:
-        silent.close()
 
 
 # ------------------------------------------------ host-buffer mode (kv_buffer_device "cpu")

@@ -28,7 +28,7 @@ import pytest
 
 import kvferry
 import kvferry.vllm
-from common import free_port
+from common import SilentPeer, free_port
 from test_vllm_adapter import (BS, LAYERS, Blocks, block_view, config, fa_nhd, fill_blocks,
                                fill_random, poll, request)
 from vllm_harness import StatLoggers
@@ -267,16 +267,13 @@ def test_preempted_decode_load_is_stopped_and_reported(api):
     """handle_preemptions, in both of vLLM's signatures (main: the metadata every step; before:
     preempted_req_ids when some were): a load still running for a preempted request stops and is
     reported once in finished_recving, with no blocks to recompute (vLLM recomputes it)."""
-    silent = socket.socket()  # accepts TCP, never speaks ZMTP: the handshake cannot finish
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
-    try:
+    with SilentPeer() as silent:
         port = free_port()
         d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", port), "SCHEDULER")
         d_work = kvferry.vllm.KvferryConnector(config("kv_consumer", port), "WORKER")
         d_work.register_kv_caches({"l0": fa_nhd()})
         params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p",
-                  "remote_host": "127.0.0.1", "remote_port": silent.getsockname()[1],
+                  "remote_host": "127.0.0.1", "remote_port": silent.port,
                   "remote_tp_size": 1}
         dreq = request("d-7", params, 2 * BS)
         d_sched.get_num_new_matched_tokens(dreq, 0)
@@ -290,8 +287,6 @@ def test_preempted_decode_load_is_stopped_and_reported(api):
             seen = poll(lambda: worker_step(d_work, d_sched.build_connector_meta(None))[1],
                         "the preempted load's report")
         assert seen == {"d-7"} and invalid == set()
-    finally:
-        silent.close()
 
 
 def test_kv_both_instances_prefill_and_decode_for_each_other():

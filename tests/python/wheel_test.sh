@@ -85,11 +85,22 @@ if ! (cd "$WORK" && env PYTHONPATH="$SRC/tests/python" KVFERRY_CLI="$WORK/venv/b
 fi
 check_uninstall "$WORK/venv"
 
-say "pip install . in a second fresh venv"
+say "pip install . in a second fresh venv, with setup.py's own build directories"
 run_logged "$WORK/venv2.log" "$PY" -m venv --system-site-packages "$WORK/venv2"
+# Issue 28 item 12: pip install . leaves the source tree as it was (its build output goes to
+# KVFERRY_WHEEL_BUILD_DIR, by default under ~/.cache): no setup-extra.cfg here, so setup.py's
+# defaults are what is tested.
+tree_state() { git -C "$SRC" status --porcelain --ignored --untracked-files=all 2>/dev/null \
+  | grep -v -e '^!! build/' -e '__pycache__' | sort; }
+before=$(tree_state)
 t=$(date +%s)
-run_logged "$WORK/pip-install.log" env -C "$SRC" "$WORK/venv2/bin/pip" install --no-index .
+run_logged "$WORK/pip-install.log" env -C "$SRC" -u DIST_EXTRA_CONFIG \
+  KVFERRY_WHEEL_BUILD_DIR="$WORK/wheel-build" "$WORK/venv2/bin/pip" install --no-index .
 say "pip install . took $(( $(date +%s) - t )) s"
+after=$(tree_state)
+[ "$before" = "$after" ] || fail "pip install . left in the source tree: $(diff <(echo "$before") \
+  <(echo "$after") | grep '^>' | head -10)"
+[ -d "$WORK/wheel-build/setuptools" ] || fail "setuptools' build directory is not in KVFERRY_WHEEL_BUILD_DIR"
 check_install "$WORK/venv2"
 check_uninstall "$WORK/venv2"
 say "passed"
