@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <set>
 
+#include "common/checked_math.h"
 #include "common/clock.h"
 #include "common/log.h"
 #include "connector/load_runner.h"
@@ -69,8 +70,14 @@ Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_
                                    " fill only " + std::to_string(total) + " (" + sizes +
                                    "); expected at most as many");
   }
-  const std::int64_t first = (total - local) * local_tokens_per_block;
-  return TokenSpan{first, remote * remote_tokens_per_block - first};
+  const std::optional<std::int64_t> first = CheckedMul(total - local, local_tokens_per_block);
+  const std::optional<std::int64_t> end = CheckedMul(remote, remote_tokens_per_block);
+  if (!first || !end) {
+    return Status::InvalidArgument("request " + load.request_id + ": " + sizes + ", and its " +
+                                   std::to_string(remote) +
+                                   " prefill blocks hold more tokens than a load can count");
+  }
+  return TokenSpan{*first, *end - *first};
 }
 
 namespace {}  // namespace

@@ -1,7 +1,10 @@
 #include "layout/block_runs.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
+
+#include "common/checked_math.h"
 
 namespace kvferry {
 
@@ -191,11 +194,19 @@ Status CheckTokenBlocks(const char* side, const TokenBlocks& b, std::int64_t fir
                                    " tokens; expected a positive count");
   }
   const auto held = static_cast<std::int64_t>(b.ids.size());
-  if (b.first_token > first_token || b.first_token + held * b.tokens_per_block < end_token) {
+  // A peer's block size may be anything its cache's byte counts allow: no product may overflow.
+  const std::optional<std::int64_t> span = CheckedMul(held, b.tokens_per_block);
+  const std::optional<std::int64_t> end = span ? CheckedAdd(b.first_token, *span) : std::nullopt;
+  if (!end) {
+    return Status::InvalidArgument(
+        std::string(side) + " blocks of " + std::to_string(b.tokens_per_block) + " tokens, " +
+        std::to_string(held) + " of them, hold more tokens than a load can count");
+  }
+  if (b.first_token > first_token || *end < end_token) {
     return Status::InvalidArgument(
         std::string(side) + " blocks hold tokens [" + std::to_string(b.first_token) + ", " +
-        std::to_string(b.first_token + held * b.tokens_per_block) + ") (" + std::to_string(held) +
-        " blocks of " + std::to_string(b.tokens_per_block) + "), which do not cover tokens [" +
+        std::to_string(*end) + ") (" + std::to_string(held) + " blocks of " +
+        std::to_string(b.tokens_per_block) + "), which do not cover tokens [" +
         std::to_string(first_token) + ", " + std::to_string(end_token) + ") of the load");
   }
   for (std::size_t i = 0; i < b.ids.size(); ++i) {

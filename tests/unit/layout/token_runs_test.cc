@@ -49,6 +49,11 @@ TEST(PairTokenRunsTest, BadInputIsRefusedNamingTheValue) {
               HasSubstr("remote blocks hold tokens [0, 32)"));
   EXPECT_THAT(PairTokenRuns({remote, 16, 4, 0}, {remote, 8, 8, 8}, 0, 16).status().message(),
               HasSubstr("local blocks hold tokens [8, 24)"));
+  // A peer's block size is anything its byte counts allow: the token count must not overflow.
+  EXPECT_THAT(PairTokenRuns({remote, std::int64_t{1} << 62, 4, 0}, {remote, 8, 8, 0}, 0, 16)
+                  .status()
+                  .message(),
+              HasSubstr("hold more tokens than a load can count"));
   EXPECT_EQ(PairTokenRuns({remote, 0, 4, 0}, {remote, 8, 8, 0}, 0, 16).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(PairTokenRuns({remote, 16, 4, 0}, {remote, 8, 8, 0}, 0, -1).status().code(),
