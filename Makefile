@@ -25,8 +25,10 @@ all: build
 deps:
 	@bash scripts/deps.sh
 
+# The main build unity-builds the libraries and the CLI (KVFERRY_UNITY: about half the time of a
+# fresh build); the sanitizer, TSA and fuzz builds compile every source on its own.
 $(BUILD)/CMakeCache.txt: | deps
-	$(CMAKE_CONFIGURE) -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	$(CMAKE_CONFIGURE) -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_UNITY=ON
 
 configure: deps $(BUILD)/CMakeCache.txt
 

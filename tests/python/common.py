@@ -9,6 +9,12 @@ def expected_block(layer: int, part: int, block: int) -> np.ndarray:
     return (layer * 1_000_000 + part * 100_000 + block * 1000 + t * 100 + h * 10 + d).astype(np.int32)
 
 
+# Ports free_port handed out in this process. Two calls made before either port is taken (`pport,
+# dport = free_port(), free_port()`) could return the same one, and the second listener then
+# failed with "Address already in use" (seen once in a full run): never hand out one twice.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(count: int = 1) -> int:
     import socket
     import random
@@ -18,8 +24,8 @@ def free_port(count: int = 1) -> int:
         # ports at any moment: a port found free here is not then taken by another test's
         # listener or by a connection.
         base = random.randint(2000, 10000 - count)
-        ok = True
-        for i in range(count):
+        ok = not any(base + i in _HANDED_OUT for i in range(count))
+        for i in range(count if ok else 0):
             s = socket.socket()
             try:
                 s.bind(("127.0.0.1", base + i))
@@ -28,6 +34,7 @@ def free_port(count: int = 1) -> int:
             finally:
                 s.close()
         if ok:
+            _HANDED_OUT.update(range(base, base + count))
             return base
     raise RuntimeError("no free port")
 

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "common/clock.h"
+#include "common/hex.h"
 #include "common/log.h"
 #include "device/acl/acl_ipc.h"
 #include "device/acl/acl_permit.h"
@@ -72,12 +73,6 @@ namespace {
 constexpr std::uint64_t kAllocationGranule = std::uint64_t{2} << 20;  // a huge page
 constexpr std::int32_t kStreamDrainMs = 10000;  // what a stream's destructor waits for its copies
 constexpr auto kPermitWait = std::chrono::seconds(5);
-
-std::string Hex(std::uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
 
 // A device address as the runtime's void*: never dereferenced here.
 void* Ptr(DeviceAddress a) {

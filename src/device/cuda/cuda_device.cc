@@ -4,16 +4,11 @@
 #include <cstring>
 #include <thread>
 
+#include "common/hex.h"
 #include "common/log.h"
 
 namespace kvferry::device {
 namespace {
-
-std::string Hex(std::uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
 
 // The driver and context every object of one device needs to make calls.
 struct CudaCtx {

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "common/errno_text.h"
+#include "common/hex.h"
 #include "device/sim/sim_table.h"
 
 namespace kvferry::device {
@@ -18,12 +19,6 @@ namespace {
 std::uint64_t PageRound(std::uint64_t size) {
   const auto page = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
   return (size + page - 1) / page * page;
-}
-
-std::string Hex(std::uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
 }
 
 // What the sim puts in IpcHandle::opaque (native byte order, same host only).

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/errno_text.h"
+#include "common/hex.h"
 #include "transport/shm/shm_backend.h"
 
 namespace kvferry {
@@ -27,12 +28,6 @@ using Piece = HostRead;
 Status PeerGone(pid_t pid) {
   return Status::PeerDisconnected("peer process " + std::to_string(pid) +
                                   " exited; its reads cannot complete");
-}
-
-std::string Hex(std::uint64_t v) {
-  std::ostringstream out;
-  out << "0x" << std::hex << v;
-  return out.str();
 }
 
 // Reads every piece with as few process_vm_readv calls as possible, resuming after short reads.

@@ -6,11 +6,6 @@
 #include "common/clock.h"
 
 namespace kvferry::tcp {
-namespace {
-
-constexpr std::chrono::seconds kCopyWait(10);  // a staged copy that takes longer fails
-
-}  // namespace
 
 SendStage::~SendStage() { Reset(); }
 

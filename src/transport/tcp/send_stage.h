@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -15,6 +16,9 @@
 #include "kvferry/status.h"
 
 namespace kvferry::tcp {
+
+/// How long a staged device copy may take (sending or receiving); one that takes longer fails.
+inline constexpr std::chrono::seconds kCopyWait{10};
 
 /// A response's body as the stage sees it: entries of registered memory, each on a device or in
 /// host memory (null), and the response's serial number on its connection (never 0, never reused).

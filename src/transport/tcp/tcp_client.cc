@@ -13,6 +13,7 @@
 
 #include "common/clock.h"
 #include "transport/tcp/frames.h"
+#include "transport/tcp/send_stage.h"
 
 namespace kvferry::tcp {
 namespace {
@@ -22,7 +23,6 @@ constexpr int kMaxAttempts = 2;    // a request survives one broken connection
 constexpr std::string_view kAbandon = "connection dropped to abandon a stopped batch";
 
 constexpr std::uint64_t kStageBytes = std::uint64_t{2} << 20;  // per staging buffer
-constexpr std::chrono::seconds kCopyWait(10);  // a staged copy that takes longer fails the unit
 
 // True when the server closed (or reset) an idle connection: it has nothing to say otherwise.
 bool ClosedByPeer(int fd) {
