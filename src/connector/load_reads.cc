@@ -80,8 +80,6 @@ Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_
   return TokenSpan{*first, *end - *first};
 }
 
-namespace {}  // namespace
-
 std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
                                                      const std::vector<TpSource>& sources) const {
   std::set<int> ranks;
