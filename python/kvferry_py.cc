@@ -62,6 +62,8 @@ KvTransferParams ParamsFromDict(const py::dict& d) {
   if (opt("remote_pp_size")) p.remote_pp_size = d["remote_pp_size"].cast<int>();
   if (opt("remote_request_id")) p.remote_request_id = d["remote_request_id"].cast<std::string>();
   if (opt("transfer_id")) p.transfer_id = d["transfer_id"].cast<std::string>();
+  if (opt("remote_rank_hosts"))
+    p.remote_rank_hosts = d["remote_rank_hosts"].cast<std::vector<std::string>>();
   return p;
 }
 
@@ -77,6 +79,7 @@ py::dict ParamsToDict(const KvTransferParams& p) {
   if (p.remote_pp_size) d["remote_pp_size"] = *p.remote_pp_size;
   if (p.remote_request_id) d["remote_request_id"] = *p.remote_request_id;
   if (p.transfer_id) d["transfer_id"] = *p.transfer_id;
+  if (p.remote_rank_hosts) d["remote_rank_hosts"] = *p.remote_rank_hosts;
   return d;
 }
 
@@ -402,6 +405,14 @@ PYBIND11_MODULE(_kvferry, m) {
           py::arg("request_id"), py::arg("params"), py::arg("block_ids"),
           py::arg("num_computed_tokens"), py::arg("num_scheduled_tokens"),
           py::arg("num_prompt_tokens"))
+      .def(
+          "set_rank_hosts",
+          [](Scheduler& s, std::vector<std::string> hosts) {
+            ThrowIfError(s.SetRankHosts(std::move(hosts)));
+          },
+          py::arg("hosts"),
+          "Where each of this instance's PP x TP workers listens, stage-major; request_finished's "
+          "params then carry them as remote_rank_hosts. [] for every rank on `host`.")
       .def("build_connector_meta",
            [](Scheduler& s) {
              const std::vector<std::uint8_t> b = s.BuildConnectorMeta().Encode();

@@ -142,6 +142,7 @@ Json ParamsToJson(const KvTransferParams& p) {
   if (p.remote_pp_size) j["remote_pp_size"] = *p.remote_pp_size;
   if (p.remote_request_id) j["remote_request_id"] = *p.remote_request_id;
   if (p.transfer_id) j["transfer_id"] = *p.transfer_id;
+  if (p.remote_rank_hosts) j["remote_rank_hosts"] = *p.remote_rank_hosts;
   return j;
 }
 
@@ -196,6 +197,19 @@ Result<KvTransferParams> ParamsFromJson(const Json& j, std::string_view where) {
     KVFERRY_ASSIGN_OR_RETURN(std::int64_t pp,
                              Integer(*v, Field(where, "remote_pp_size"), 1, kMaxRemoteTpSize));
     p.remote_pp_size = static_cast<int>(pp);
+  }
+  if (const Json* v = Member(j, "remote_rank_hosts", true)) {
+    const std::string field = Field(where, "remote_rank_hosts");
+    const auto most = static_cast<std::size_t>(kMaxRemoteTpSize) * kMaxRemoteTpSize;
+    if (!v->is_array() || v->size() > most) {
+      return Wrong(field, "an array of at most " + std::to_string(most) + " hosts", *v);
+    }
+    std::vector<std::string> hosts;
+    for (std::size_t i = 0; i < v->size(); ++i) {
+      KVFERRY_ASSIGN_OR_RETURN(std::string h, Text((*v)[i], field + "[" + std::to_string(i) + "]"));
+      hosts.push_back(std::move(h));
+    }
+    p.remote_rank_hosts = std::move(hosts);
   }
   // TP rank q of stage s of the remote instance listens on remote_port + s * remote_tp_size + q.
   const int stages = p.remote_pp_size.value_or(1);

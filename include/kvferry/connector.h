@@ -45,6 +45,12 @@ struct KvTransferParams {
   std::optional<std::string> transfer_id;
   /// The remote instance's pipeline-parallel size (NixlConnector's pp_size); absent means 1.
   std::optional<int> remote_pp_size;
+  /// Where each rank of the remote instance listens when its ranks are on several hosts (a
+  /// pipeline stage or a TP group per host): remote_pp_size * remote_tp_size hosts, stage-major
+  /// (rank s * remote_tp_size + q is TP rank q of stage s); absent means every rank on
+  /// remote_host. The prefill side fills it from its workers' handshake metadata
+  /// (Scheduler::SetRankHosts).
+  std::optional<std::vector<std::string>> remote_rank_hosts;
 
   friend bool operator==(const KvTransferParams&, const KvTransferParams&) = default;
 };
@@ -86,6 +92,16 @@ struct LoadSpec {
   /// number of prefill blocks.
   std::int64_t first_token = -1;
   std::int64_t num_tokens = -1;
+  /// The host of each prefill rank when they are on several hosts (KvTransferParams::
+  /// remote_rank_hosts): as the scheduler queues it, remote_pp_size * remote_tp_size hosts,
+  /// stage-major; as the worker runs it, the remote_tp_size hosts of the stage it reads. Empty:
+  /// every rank on remote_host.
+  std::vector<std::string> remote_rank_hosts{};
+
+  /// The host of TP rank `q` of the stage this load reads.
+  const std::string& RankHost(int q) const {
+    return remote_rank_hosts.empty() ? remote_host : remote_rank_hosts[static_cast<std::size_t>(q)];
+  }
 
   friend bool operator==(const LoadSpec&, const LoadSpec&) = default;
 };
@@ -227,8 +243,17 @@ class Scheduler {
   FinishedResult RequestFinished(const std::string& request_id, const KvTransferParams& params,
                                  FinishReason reason, std::span<const std::int64_t> block_ids);
 
+  /// Prefill side, ranks on several hosts: where each of this instance's pp_size * tp_size
+  /// workers listens, stage-major (the engine learns it from its workers, as vLLM's
+  /// set_xfer_handshake_metadata). RequestFinished's params then carry it as
+  /// remote_rank_hosts, so that a decode stage reads the host of the prefill stage it reads.
+  /// A count other than pp_size * tp_size, or an empty or over-long host, is InvalidArgument and
+  /// changes nothing. An empty list: every rank on `host` again.
+  Status SetRankHosts(std::vector<std::string> hosts);
+
  private:
   SchedulerConfig config_;
+  std::vector<std::string> rank_hosts_;  // SetRankHosts; empty: every rank on config_.host
   ConnectorMetadata pending_;
   // Layer-wise requests scheduled and not finished: the prompt tokens computed so far.
   std::map<std::string, std::int64_t> layerwise_computed_;

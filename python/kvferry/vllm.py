@@ -56,6 +56,12 @@ try:  # pragma: no cover - depends on the environment
 except Exception:  # vLLM absent: standalone
     _Base = object
     _MetaBase = object
+try:  # pragma: no cover - depends on the vLLM version
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorHandshakeMetadata as _HandshakeBase,
+    )
+except Exception:
+    _HandshakeBase = object
 logger = logging.getLogger("kvferry.vllm")
 
 _MAX_ID_BYTES = 1024  # the wire format's bound on request, engine and host names
@@ -81,6 +87,52 @@ class KvferryConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
         self.saves = dict(saves or {})
         self.layerwise = dict(layerwise or {})
         self.preempted = tuple(preempted)
+
+
+class KvferryHandshakeMetadata(_HandshakeBase):  # type: ignore[misc, valid-type]
+    """What a worker tells its instance's scheduler at startup (vLLM's get_handshake_metadata,
+    gathered by EngineCore from every worker into set_xfer_handshake_metadata_pp_aware, or
+    set_xfer_handshake_metadata in older vLLM): where it listens and which rank it is. Picklable
+    (it crosses vLLM's executor)."""
+
+    def __init__(self, engine_id: str, host: str, port: int, pp_rank: int, tp_rank: int):
+        self.engine_id, self.host, self.port = engine_id, host, port
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+
+    def __repr__(self) -> str:
+        return (f"KvferryHandshakeMetadata({self.engine_id!r}, {self.host}:{self.port}, "
+                f"stage {self.pp_rank}, TP rank {self.tp_rank})")
+
+
+def rank_hosts(metadata: Any, engine_id: str, host: str, base_port: int, dp_rank: int,
+               pp_size: int, tp_size: int) -> list[str]:
+    """The host of each of an instance's pp_size x tp_size workers, stage-major, from the
+    handshake metadata vLLM gathered (a mapping keyed by (pp_rank, tp_rank) or by tp_rank, whose
+    kvferry values name their rank themselves); [] when every worker is on `host`. A worker that
+    reports another engine or a port other than rule 7's is a ValueError (vLLM stops at startup
+    with it); ranks without metadata (older vLLM keys it by TP rank alone, so its stages collide)
+    are taken to listen on `host`, logged once."""
+    hosts = [host] * (pp_size * tp_size)
+    seen: set[int] = set()
+    for md in (metadata or {}).values():
+        if not isinstance(md, KvferryHandshakeMetadata):
+            continue  # another connector's (vLLM's MultiConnector hands every child all of them)
+        rank = md.pp_rank * tp_size + md.tp_rank
+        port = base_port + (dp_rank * pp_size + md.pp_rank) * tp_size + md.tp_rank
+        if md.engine_id != engine_id or not 0 <= md.pp_rank < pp_size or not (
+                0 <= md.tp_rank < tp_size) or md.port != port:
+            raise ValueError(
+                f"kvferry: a worker of this instance reported {md!r}; expected engine "
+                f"{engine_id!r}, a stage below {pp_size}, a TP rank below {tp_size} and its "
+                f"port base_port + (dp_rank * pp_size + pp_rank) * tp_size + tp_rank = {port}; "
+                "check that every worker of the instance has the same kv_transfer_config")
+        hosts[rank] = md.host
+        seen.add(rank)
+    missing = [r for r in range(pp_size * tp_size) if r not in seen]
+    if missing and len(set(hosts)) > 1:
+        logger.warning("kvferry: no handshake metadata from ranks %s (this vLLM keys it by TP "
+                       "rank alone); taking them to listen on %s", missing, host)
+    return hosts if len(set(hosts)) > 1 else []
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -154,6 +206,14 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
             out["remote_pp_size"] = pp
     if port + (pp or 1) * out["remote_tp_size"] - 1 > 65535:
         return None, "remote_port + remote_pp_size * remote_tp_size - 1 is past port 65535"
+    hosts = params.get("remote_rank_hosts")
+    if hosts is not None:
+        ranks = (pp or 1) * out["remote_tp_size"]
+        if not isinstance(hosts, (list, tuple)) or len(hosts) != ranks or not all(
+                _name(h) for h in hosts):
+            return None, (f"remote_rank_hosts must be a list of {ranks} host names, one per "
+                          "remote rank (remote_pp_size x remote_tp_size, stage-major)")
+        out["remote_rank_hosts"] = list(hosts)
     rid = params.get("remote_request_id")
     if rid is not None:
         if not _name(rid):
@@ -645,6 +705,39 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
     def build_connector_worker_meta(self) -> None:
         """Nothing flows worker -> scheduler besides get_finished's sets and the stats."""
         return None
+
+    # Ranks on several hosts (a pipeline stage or a TP group per host). At startup EngineCore
+    # asks every worker for get_handshake_metadata (vllm/v1/worker/gpu_worker.py
+    # get_kv_connector_handshake_metadata, keyed by (pp_rank, tp_rank)) and hands them all to the
+    # scheduler's set_xfer_handshake_metadata_pp_aware (vllm/v1/engine/core.py EngineCore
+    # __init__; older vLLM: set_xfer_handshake_metadata, keyed by TP rank). The prefill
+    # scheduler then names each rank's host in kv_transfer_params (remote_rank_hosts), and a
+    # decode stage reads the host of the prefill stage that holds its layers.
+    def get_handshake_metadata(self) -> Optional[KvferryHandshakeMetadata]:
+        """Worker: where this worker listens, once its caches are registered; else None."""
+        if self._worker is None:
+            return None
+        s = self._settings
+        tp_size, tp_rank = s.worker_ranks()
+        pp_size, pp_rank = s.pipeline_ranks()
+        port = s.base_port + (s.dp_rank * pp_size + pp_rank) * tp_size + tp_rank
+        return KvferryHandshakeMetadata(s.engine_id, s.host, port, pp_rank, tp_rank)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: Any) -> None:
+        """Scheduler: every worker's KvferryHandshakeMetadata. kvferry's stages listen on their
+        own ports (rule 7), so pp_rank > 0 is served, not refused as vLLM's base class does."""
+        if self._scheduler is None:
+            return
+        s = self._settings
+        hosts = rank_hosts(metadata, s.engine_id, s.host, s.base_port, s.dp_rank, s.pp_size,
+                           s.tp_size)
+        self._scheduler.set_rank_hosts(hosts)
+        if hosts:
+            logger.info("kvferry: this instance's ranks listen on %s (stage-major)", hosts)
+
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
+        """Scheduler, older vLLM: the same, keyed by TP rank (stages collide; see rank_hosts)."""
+        self.set_xfer_handshake_metadata_pp_aware(metadata)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Takes vLLM's {layer name: tensor} (or vllm-ascend's {layer name: tuple of parts}) and

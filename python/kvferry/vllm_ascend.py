@@ -82,7 +82,21 @@ def listen_host(extra: Mapping[str, Any], environ: Mapping[str, str] = os.enviro
     host; for the LLM-DataDist config VLLM_ASCEND_LLMDD_RPC_IP, else 127.0.0.1; for a Mooncake
     connector's config this host's address as vLLM's get_ip() gives it (VLLM_HOST_IP, else the
     outbound interface), where the Mooncake connectors listen and which they advertise as
-    remote_host, else 127.0.0.1 (VLLM_ASCEND_LLMDD_RPC_IP refused)."""
+    remote_host, else 127.0.0.1 (VLLM_ASCEND_LLMDD_RPC_IP refused). KVFERRY_HOST in a worker's
+    environment overrides them all, and "host": "auto" is this host's address as vLLM's get_ip()
+    gives it: where an instance's ranks run on several hosts, each listens on its own
+    (the scheduler learns them from vLLM's handshake metadata, KvferryConnector.
+    set_xfer_handshake_metadata_pp_aware)."""
+    if environ.get("KVFERRY_HOST"):
+        return environ["KVFERRY_HOST"]
+    if str(extra.get("host", "")) == "auto":
+        ip = vllm_host_ip(environ)
+        if not ip:
+            raise _kvferry.InvalidArgumentError(
+                'kv_connector_extra_config "host": "auto" asks for this host\'s address as '
+                "vLLM's get_ip() gives it, but vLLM is not importable and VLLM_HOST_IP is not "
+                "set; set VLLM_HOST_IP or KVFERRY_HOST, or name the host")
+        return ip
     if extra.get("host") is not None:
         return str(extra["host"])
     if is_mooncake(extra):

@@ -65,7 +65,8 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
     // Sent only where they say something.
     const bool staged = l.remote_pp_size != 1;
     const bool tokens = l.num_tokens >= 0;
-    pk.pack_map(9 + (staged ? 1 : 0) + (tokens ? 2 : 0));
+    const bool hosts = !l.remote_rank_hosts.empty();
+    pk.pack_map(9 + (staged ? 1 : 0) + (tokens ? 2 : 0) + (hosts ? 1 : 0));
     PackStr(pk, "request_id");
     PackStr(pk, l.request_id);
     PackStr(pk, "local_block_ids");
@@ -93,6 +94,11 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
       pk.pack_int64(l.first_token);
       PackStr(pk, "num_tokens");
       pk.pack_int64(l.num_tokens);
+    }
+    if (hosts) {
+      PackStr(pk, "remote_rank_hosts");
+      pk.pack_array(static_cast<std::uint32_t>(l.remote_rank_hosts.size()));
+      for (const std::string& h : l.remote_rank_hosts) PackStr(pk, h);
     }
   }
   PackStr(pk, "holds");
@@ -182,6 +188,20 @@ Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t
       KVFERRY_ASSIGN_OR_RETURN(std::uint64_t count, lm.Uint("num_tokens", kMaxTokens));
       l.first_token = static_cast<std::int64_t>(first);
       l.num_tokens = static_cast<std::int64_t>(count);
+    }
+    if (lm.Find("remote_rank_hosts") != nullptr) {
+      KVFERRY_ASSIGN_OR_RETURN(
+          l.remote_rank_hosts,
+          lm.StrList("remote_rank_hosts", static_cast<std::size_t>(kMaxTpSize) * kMaxTpSize,
+                     wire::kMaxIdBytes));
+      const auto ranks =
+          static_cast<std::size_t>(l.remote_pp_size) * static_cast<std::size_t>(l.remote_tp_size);
+      if (l.remote_rank_hosts.size() != ranks) {
+        return Status::InvalidArgument(
+            "metadata.loads[" + std::to_string(i) + "].remote_rank_hosts names " +
+            std::to_string(l.remote_rank_hosts.size()) + " hosts; expected remote_pp_size x " +
+            "remote_tp_size = " + std::to_string(ranks));
+      }
     }
     md.loads.push_back(std::move(l));
   }

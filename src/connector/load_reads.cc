@@ -91,7 +91,7 @@ std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const
   }
   std::vector<std::string> out;
   out.reserve(ranks.size());
-  for (int q : ranks) out.push_back(SideChannelEndpoint(load.remote_host, load.remote_port + q));
+  for (int q : ranks) out.push_back(SideChannelEndpoint(load.RankHost(q), load.remote_port + q));
   return out;
 }
 
@@ -137,8 +137,8 @@ Result<std::vector<LoadRunner::SourceAgent>> LoadRunner::ResolveSources(const Lo
                                                                         const char* feature) {
   std::vector<SourceAgent> out;
   for (const TpSource& source : plan.sources) {
-    const std::string endpoint =
-        SideChannelEndpoint(load.remote_host, load.remote_port + source.prefill_rank);
+    const std::string endpoint = SideChannelEndpoint(load.RankHost(source.prefill_rank),
+                                                     load.remote_port + source.prefill_rank);
     const Deadline hs_deadline = std::min(deadline, DeadlineAfter(cfg_.handshake_timeout));
     KVFERRY_ASSIGN_OR_RETURN(
         std::shared_ptr<RemoteAgent> agent,

@@ -240,7 +240,7 @@ void LoadRunner::ReportLocked(const LoadSpec& load, const Status& s, bool recomp
 void LoadRunner::SendAborts(const LoadSpec& load, const std::string& reason) {
   // Every prefill rank of the request may hold it; tell them all, best effort.
   for (int q = 0; q < load.remote_tp_size; ++q) {
-    const std::string endpoint = SideChannelEndpoint(load.remote_host, load.remote_port + q);
+    const std::string endpoint = SideChannelEndpoint(load.RankHost(q), load.remote_port + q);
     PostBackground([this, endpoint, id = load.remote_request_id, reason] {
       Result<wire::Message> r = client_.Call(endpoint, wire::AbortNotice{self_, {id}, reason},
                                              DeadlineAfter(cfg_.notice_timeout));

@@ -24,6 +24,26 @@ const char* FinishReasonName(FinishReason reason) {
   return "unknown";
 }
 
+// A host per rank, stage-major: exactly pp * tp of them, each a name the wire carries.
+Status CheckRankHosts(const std::string& what, const std::vector<std::string>& hosts, int pp,
+                      int tp) {
+  const auto expected = static_cast<std::size_t>(pp) * static_cast<std::size_t>(tp);
+  if (hosts.size() != expected) {
+    return Status::InvalidArgument(what + " name " + std::to_string(hosts.size()) +
+                                   " hosts; expected one per rank, PP " + std::to_string(pp) +
+                                   " x TP " + std::to_string(tp) + " = " +
+                                   std::to_string(expected) + ", stage-major");
+  }
+  for (std::size_t r = 0; r < hosts.size(); ++r) {
+    if (hosts[r].empty() || hosts[r].size() > wire::kMaxIdBytes) {
+      return Status::InvalidArgument(what + ": rank " + std::to_string(r) + "'s host has " +
+                                     std::to_string(hosts[r].size()) + " bytes; expected 1 to " +
+                                     std::to_string(wire::kMaxIdBytes));
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::pair<std::int64_t, bool> Scheduler::GetNumNewMatchedTokens(
@@ -104,6 +124,11 @@ Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransfe
   load.remote_port = *params.remote_port;
   load.remote_tp_size = *params.remote_tp_size;
   load.remote_pp_size = pp;
+  if (params.remote_rank_hosts) {
+    KVFERRY_RETURN_IF_ERROR(CheckRankHosts("request " + request_id + "'s remote_rank_hosts",
+                                           *params.remote_rank_hosts, pp, *params.remote_tp_size));
+    load.remote_rank_hosts = *params.remote_rank_hosts;
+  }
   if (tokens_known) {
     load.first_token = num_prompt_tokens - num_external_tokens;
     load.num_tokens = num_external_tokens;
@@ -188,11 +213,21 @@ Scheduler::FinishedResult Scheduler::RequestFinished(const std::string& request_
   out.remote_port = config_.base_port + config_.dp_rank * config_.pp_size * config_.tp_size;
   out.remote_tp_size = config_.tp_size;
   if (config_.pp_size > 1) out.remote_pp_size = config_.pp_size;
+  if (!rank_hosts_.empty()) out.remote_rank_hosts = rank_hosts_;
   // A layer-wise hold is keyed by the transfer id: a proxy that falls back to forwarding these
   // params (whole-request) reaches the same hold.
   out.remote_request_id = layerwise ? *params.transfer_id : request_id;
   r.params = std::move(out);
   return r;
+}
+
+Status Scheduler::SetRankHosts(std::vector<std::string> hosts) {
+  if (!hosts.empty()) {
+    KVFERRY_RETURN_IF_ERROR(
+        CheckRankHosts("the rank hosts", hosts, config_.pp_size, config_.tp_size));
+  }
+  rank_hosts_ = std::move(hosts);
+  return Status::Ok();
 }
 
 }  // namespace kvferry

@@ -245,15 +245,17 @@ void WorkerImpl::StartLoadKv(const ConnectorMetadata& metadata) {
   }
   if (begin_queued) announcer_->Add(std::move(begin));
   if (!pushes.empty()) pusher_->Push(std::move(pushes));
-  if (cfg_.pp_rank == 0) {
-    loads_->Start(metadata.loads);
-    return;
-  }
   // A pipeline stage reads the same stage of the prefill instance: its ports follow stage 0's
-  // TP ranks (a PP size that differs fails the load in LoadRunner::Plan, naming both).
+  // TP ranks, its hosts are that stage's (a PP size that differs fails the load in
+  // LoadRunner::Plan, naming both).
   std::vector<LoadSpec> loads = metadata.loads;
   for (LoadSpec& l : loads) {
-    if (l.remote_pp_size == cfg_.pp_size) l.remote_port += cfg_.pp_rank * l.remote_tp_size;
+    if (l.remote_pp_size != cfg_.pp_size) continue;
+    l.remote_port += cfg_.pp_rank * l.remote_tp_size;
+    if (!l.remote_rank_hosts.empty()) {
+      const auto first = l.remote_rank_hosts.begin() + cfg_.pp_rank * l.remote_tp_size;
+      l.remote_rank_hosts = std::vector<std::string>(first, first + l.remote_tp_size);
+    }
   }
   loads_->Start(loads);
 }

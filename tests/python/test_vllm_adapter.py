@@ -12,6 +12,7 @@ import pytest
 
 import kvferry
 import kvferry.vllm
+import kvferry.vllm_ascend
 import kvferry.vllm_layout
 from kvferry.vllm_layout import CacheLayoutError
 from common import SilentPeer, free_port
@@ -89,6 +90,10 @@ HOSTILE = [
     dict(GOOD, remote_engine_id="x" * 5000),
     dict(GOOD, remote_request_id=7),
     {k: v for k, v in GOOD.items() if k != "remote_tp_size"},
+    dict(GOOD, remote_rank_hosts="10.0.0.1"),
+    dict(GOOD, remote_rank_hosts=["10.0.0.1", "10.0.0.2"]),  # 2 hosts for 1 rank
+    dict(GOOD, remote_pp_size=2, remote_rank_hosts=["10.0.0.1", ""]),
+    dict(GOOD, remote_rank_hosts=[7]),
 ]
 
 
@@ -101,6 +106,33 @@ def test_hostile_params_never_raise_and_mean_no_remote_prefill(params):
     assert req.kv_transfer_params["do_remote_prefill"] is False
     assert sched.build_connector_meta(None).awaited == ()
     assert sched.request_finished(req, []) == (False, None)
+
+
+def test_rank_hosts_come_from_every_workers_handshake_metadata():
+    """vllm/v1/engine/core.py EngineCore.__init__ hands the scheduler every worker's
+    get_handshake_metadata keyed by (pp_rank, tp_rank): kvferry serves pp_rank > 0 (vLLM's base
+    class refuses it), names each rank's host, and refuses a worker configured otherwise."""
+    md = kvferry.vllm.KvferryHandshakeMetadata
+    got = {(s, q): md("p", f"10.0.0.{s + 1}", 5557 + s * 2 + q, s, q)
+           for s in range(2) for q in range(2)}
+    hosts = kvferry.vllm.rank_hosts(got, "p", "10.0.0.1", 5557, 0, 2, 2)
+    assert hosts == ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
+    same = {k: md("p", "10.0.0.1", v.port, v.pp_rank, v.tp_rank) for k, v in got.items()}
+    assert kvferry.vllm.rank_hosts(same, "p", "10.0.0.1", 5557, 0, 2, 2) == []
+    assert kvferry.vllm.rank_hosts({0: object()}, "p", "h", 5557, 0, 1, 1) == []  # others'
+    for wrong in (md("q", "h", 5557, 0, 0), md("p", "h", 5558, 0, 0), md("p", "h", 5559, 2, 0)):
+        with pytest.raises(ValueError, match="expected engine 'p'"):
+            kvferry.vllm.rank_hosts({(0, 0): wrong}, "p", "h", 5557, 0, 2, 1)
+    sched = kvferry.vllm.KvferryConnector(
+        config("kv_producer", 5557, {"pp_size": 2, "tp_size": 2, "host": "10.0.0.1"}),
+        "SCHEDULER")
+    engine = sched._settings.engine_id
+    sched.set_xfer_handshake_metadata_pp_aware(
+        {k: md(engine, v.host, v.port, v.pp_rank, v.tp_rank) for k, v in got.items()})
+    _, params = sched.request_finished(
+        request("r", {"do_remote_decode": True}, 2 * BS, "FINISHED_LENGTH_CAPPED"), [1, 2])
+    assert params["remote_rank_hosts"] == hosts
+    assert kvferry.vllm.remote_prefill_params(params)[0]["remote_rank_hosts"] == hosts
 
 
 def test_nixl_shaped_params_are_accepted():
@@ -1029,3 +1061,15 @@ def test_layerwise_prefill_aborted_mid_layers_fails_the_decode_load_for_recomput
     p_work.start_load_kv(None)
     assert poll(lambda: d_work.get_finished(set())[1], "the failed load") == {"d-1"}
     assert d_work.get_block_ids_with_load_errors() == {1, 2}  # recomputed by vLLM's policy
+
+
+def test_a_worker_listens_on_its_own_hosts_address_where_ranks_span_hosts():
+    """One kv_transfer_config for every worker of an instance, which may run on several hosts:
+    KVFERRY_HOST in a worker's environment, or "host": "auto" (vLLM's get_ip(): VLLM_HOST_IP
+    here, vLLM not being importable), gives each its own address."""
+    listen = kvferry.vllm_ascend.listen_host
+    assert listen({"host": "10.0.0.9"}, {"KVFERRY_HOST": "10.0.0.5"}) == "10.0.0.5"
+    assert listen({"host": "auto"}, {"VLLM_HOST_IP": "10.1.1.1"}) == "10.1.1.1"
+    assert listen({"host": "10.0.0.9"}, {}) == "10.0.0.9"
+    with pytest.raises(kvferry.InvalidArgumentError, match="VLLM_HOST_IP or KVFERRY_HOST"):
+        listen({"host": "auto"}, {})

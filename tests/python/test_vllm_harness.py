@@ -118,6 +118,24 @@ def test_pipeline_parallel_stages_each_read_their_own_layers(ranks, backend):
     assert decode.load_errors == []
 
 
+def test_pipeline_stages_on_their_own_hosts_each_read_their_own_stages_host(ranks):
+    """PP 2 on both sides with every stage on a host of its own (127.0.0.1 and 127.0.0.2, two
+    loopback addresses standing for two nodes), as a multi-node deployment places them. The
+    prefill scheduler learns each stage's host from vLLM's handshake metadata
+    (vllm/v1/engine/core.py EngineCore.__init__ -> set_xfer_handshake_metadata_pp_aware) and
+    names them in kv_transfer_params; the decode stage 1 reads the prefill's stage 1 on its
+    host. Before, it dialled stage 1's port on remote_host, where nothing listens, so every load
+    of stage 1 failed (and its prefill hold was never read)."""
+    g = geometry("flash_attn_nhd", layers=4, heads=2)
+    hosts = ["127.0.0.1", "127.0.0.2"]
+    prefill = Instance(g, "kv_producer", free_port(2), ranks[:2], pp=2, stage_hosts=hosts)
+    decode = Instance(g, "kv_consumer", free_port(2), ranks[2:4], pp=2, stage_hosts=hosts)
+    pairs = disaggregated(prefill, decode)
+    assert prefill.responses["req-1"]["remote_rank_hosts"] == hosts, prefill.responses
+    check_every_byte(g, decode, pairs)
+    assert decode.load_errors == []
+
+
 def test_unequal_pipeline_parallel_sizes_are_refused_not_read(ranks):
     """Prefill PP 2 against decode PP 1: no prefill stage holds the decode worker's layers, so
     the load fails (recomputed by vLLM's policy) naming both PP sizes, and nothing is read."""

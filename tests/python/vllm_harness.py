@@ -547,6 +547,12 @@ def _rank_main(conn) -> None:  # pragma: no cover - runs in the child
                 state["errors"].clear()
                 conn.send(("ok", (set(sending or ()), set(recving or ()), set(invalid), reported,
                                   stats)))
+            elif cmd == "handshake":
+                # vllm/v1/worker/gpu_worker.py get_kv_connector_handshake_metadata: this
+                # worker's metadata keyed by (pp_rank, tp_rank), after the caches are registered.
+                c = state["connector"]
+                md = c.get_handshake_metadata()
+                conn.send(("ok", None if md is None else {(md.pp_rank, md.tp_rank): md}))
             elif cmd == "copies":
                 conn.send(("ok", list(state["copies"])))
             elif cmd == "registration":  # what the connector registered, and as which engine
@@ -672,22 +678,36 @@ class Instance:
     """One vLLM instance: its scheduler (here) and its TP ranks (worker processes)."""
 
     def __init__(self, g: dict, role: str, port: int, ranks: list[RankProcess],
-                 env: Optional[dict] = None, pp: int = 1):
+                 env: Optional[dict] = None, pp: int = 1, stage_hosts: Optional[list] = None):
         """`env`: environment variables the instance's processes start with (the reference's
         VLLM_ASCEND_LLMDD_RPC_PORT, DISAGGREGATED_PREFILL_RANK_TABLE_PATH, ...). `pp`: pipeline
-        stages; the ranks are stage-major (vLLM's DP x PP x TP rank order), TP = ranks / pp."""
+        stages; the ranks are stage-major (vLLM's DP x PP x TP rank order), TP = ranks / pp.
+        `stage_hosts`: each stage on a host of its own (its workers' KVFERRY_HOST), as a
+        multi-node deployment places them; the scheduler stays on the configured host."""
         import kvferry.vllm
 
         assert len(ranks) % pp == 0
         self.g, self.role, self.ranks, self.pp = g, role, ranks, pp
         self.tp = len(ranks) // pp
         for r, proc in enumerate(ranks):
-            proc.send("init", (g, role, port, self.tp, r % self.tp, env, pp, r // self.tp))
+            stage = r // self.tp
+            rank_env = dict(env or {})
+            if stage_hosts:
+                rank_env["KVFERRY_HOST"] = stage_hosts[stage]
+            proc.send("init", (g, role, port, self.tp, r % self.tp, rank_env or env, pp, stage))
         for proc in ranks:
             proc.recv()
         with environment(env):
             cfg = vllm_config(g, role, port, self.tp, pp=pp)
             self.connector = kvferry.vllm.KvferryConnector(cfg, KVConnectorRole.SCHEDULER)
+        # vllm/v1/engine/core.py EngineCore.__init__: after the caches are registered, every
+        # worker's handshake metadata, merged into one dict keyed by (pp_rank, tp_rank), goes to
+        # the scheduler's connector (set_xfer_handshake_metadata_pp_aware).
+        content: dict = {}
+        for proc in ranks:
+            content.update(proc.call("handshake") or {})
+        if content:
+            self.connector.set_xfer_handshake_metadata_pp_aware(content)
         self.stat_loggers = StatLoggers(type(self.connector), cfg)
         self.preempt_next: set[str] = set()  # running requests to preempt in the next schedule()
         self.bs = g["block_size"]

@@ -250,6 +250,53 @@ TEST(SchedulerPipelineTest, PrefillNamesItsStagesAndLoadsCarryThem) {
   EXPECT_EQ(decode.UpdateStateAfterAlloc("f", far, blocks).code(), StatusCode::kInvalidArgument);
 }
 
+// Ranks on several hosts: the prefill names each rank's host, the load carries them through the
+// metadata, and a list of the wrong size is refused on either side, changing nothing.
+TEST(SchedulerPipelineTest, RankHostsTravelFromThePrefillToTheLoad) {
+  SchedulerConfig pc{Role::kPrefill, "prefill-0", "10.0.0.1", 5557, 0, /*tp_size=*/2};
+  pc.pp_size = 2;
+  Scheduler prefill(pc);
+  const std::vector<std::string> hosts = {"10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"};
+  const Status short_list = prefill.SetRankHosts({"10.0.0.1", "10.0.0.2"});
+  EXPECT_EQ(short_list.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_list.message(), HasSubstr("PP 2 x TP 2 = 4"));
+  EXPECT_EQ(prefill.SetRankHosts({"a", "", "b", "c"}).code(), StatusCode::kInvalidArgument);
+  KvTransferParams serve;
+  serve.do_remote_decode = true;
+  const std::vector<std::int64_t> blocks = {1};
+  EXPECT_FALSE(prefill.RequestFinished("p0", serve, FinishReason::kLengthCapped, blocks)
+                   .params->remote_rank_hosts.has_value())
+      << "a refused list changed the params";
+  ASSERT_TRUE(prefill.SetRankHosts(hosts).ok());
+  Scheduler::FinishedResult r =
+      prefill.RequestFinished("p", serve, FinishReason::kLengthCapped, blocks);
+  ASSERT_TRUE(r.params.has_value());
+  EXPECT_EQ(r.params->remote_rank_hosts, hosts);
+
+  Scheduler decode = DecodeScheduler();
+  KvTransferParams p = *r.params;
+  ASSERT_TRUE(decode.UpdateStateAfterAlloc("d", p, blocks).ok());
+  ConnectorMetadata m = decode.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u);
+  EXPECT_EQ(m.loads[0].remote_rank_hosts, hosts);
+  EXPECT_EQ(m.loads[0].RankHost(1), "10.0.0.1");
+  Result<ConnectorMetadata> back = ConnectorMetadata::Decode(m.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, m);
+  ConnectorMetadata wrong = m;
+  wrong.loads[0].remote_rank_hosts.pop_back();
+  EXPECT_EQ(ConnectorMetadata::Decode(wrong.Encode()).status().code(),
+            StatusCode::kInvalidArgument);
+
+  KvTransferParams bad = *r.params;
+  bad.remote_rank_hosts->pop_back();
+  EXPECT_EQ(decode.UpdateStateAfterAlloc("b", bad, blocks).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(decode.BuildConnectorMeta().loads.empty());
+  ASSERT_TRUE(prefill.SetRankHosts({}).ok());
+  EXPECT_FALSE(prefill.RequestFinished("p2", serve, FinishReason::kLengthCapped, blocks)
+                   .params->remote_rank_hosts.has_value());
+}
+
 // kv_both (vLLM's KVTransferConfig): each request's params say which side it is.
 TEST(SchedulerBothRoles, ServesAndLoadsByEachRequestsParams) {
   Scheduler s({Role::kBoth, "both-0", "10.0.0.1", 5557, 0, 2});
