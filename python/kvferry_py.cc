@@ -268,7 +268,7 @@ PYBIND11_MODULE(_kvferry, m) {
              const std::string& layout, int tp_size, int tp_rank,
              const std::vector<std::int64_t>& fields,
              const std::vector<std::int64_t>& block_strides, int first_layer,
-             std::int64_t blocks_per_id) {
+             std::int64_t blocks_per_id, int model_layers) {
             CacheSpecOptions o;
             LayerSpec layer;
             layer.kind = Unwrap(ParseCacheKind(kind));
@@ -284,6 +284,7 @@ PYBIND11_MODULE(_kvferry, m) {
             o.block_strides = block_strides;
             o.first_layer = first_layer;
             o.blocks_per_id = blocks_per_id;
+            o.model_layers = model_layers;
             return MakeSpec(std::move(o));
           },
           "Any uniform cache: parts are (name, model-wide heads, head_dim); names enter the hash. "
@@ -292,14 +293,16 @@ PYBIND11_MODULE(_kvferry, m) {
           "to the next, one per part (empty: packed); parts interleaved block by block, as in "
           "vLLM's (num_blocks, 2, ...) tensors, have stride = the sum of all parts' block bytes. "
           "Not in the hash. first_layer: the model-wide index of layer 0 (a pipeline stage's first "
-          "layer); in the hash. blocks_per_id: blocks (the tensor's kernel blocks) one engine "
-          "block id names, where vLLM's block size is a multiple of the kernel's; not in the hash.",
+          "layer); not in the hash (loads read each layer from a stage holding it). "
+          "model_layers: the model's layer count, all stages (0: first_layer + layers); in the "
+          "hash. blocks_per_id: blocks (the tensor's kernel blocks) one engine block id names, "
+          "where vLLM's block size is a multiple of the kernel's; not in the hash.",
           py::arg("kind"), py::arg("layers"), py::arg("parts"), py::arg("num_blocks"),
           py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("layout") = "token_major",
           py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
           py::arg("fields") = std::vector<std::int64_t>{},
           py::arg("block_strides") = std::vector<std::int64_t>{}, py::arg("first_layer") = 0,
-          py::arg("blocks_per_id") = 1)
+          py::arg("blocks_per_id") = 1, py::arg("model_layers") = 0)
       .def_property_readonly("fields", &CacheSpec::fields)
       .def_property_readonly("kind", [](const CacheSpec& s) { return CacheKindName(s.kind()); })
       .def_property_readonly("num_layers", &CacheSpec::num_layers)
@@ -310,6 +313,7 @@ PYBIND11_MODULE(_kvferry, m) {
       .def_property_readonly("tp_size", &CacheSpec::tp_size)
       .def_property_readonly("tp_rank", &CacheSpec::tp_rank)
       .def_property_readonly("first_layer", &CacheSpec::first_layer)
+      .def_property_readonly("model_layers", &CacheSpec::model_layers)
       .def_property_readonly("blocks_per_id", &CacheSpec::blocks_per_id)
       .def_property_readonly("total_bytes", &CacheSpec::TotalBytes)
       .def("block_bytes", &CacheSpec::BlockBytes, py::arg("part"))

@@ -632,12 +632,13 @@ Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
 
 Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                    const std::vector<std::vector<std::int32_t>>& prompts) {
-  if (a.prefill_pp != a.decode_pp) {
+  if (a.layerwise && a.prefill_pp != a.decode_pp) {
     return Status::NotSupported(
         "--prefill-pp " + std::to_string(a.prefill_pp) + " and --decode-pp " +
         std::to_string(a.decode_pp) +
-        ": kvferry reads a decode stage's layers from the prefill stage holding the same ones, "
-        "so both need the same pipeline-parallel size (unequal sizes are not supported yet)");
+        " with --layerwise: layer-wise transfer reads a decode stage's layers from the prefill "
+        "stage of its own index, so it needs one pipeline-parallel size on both sides "
+        "(whole-request legs read unequal pipelines by layer ranges)");
   }
   if (a.layerwise && RoleModel(a, true).tokens_per_block != RoleModel(a, false).tokens_per_block) {
     return Status::InvalidArgument(

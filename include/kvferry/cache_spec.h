@@ -101,9 +101,15 @@ struct CacheSpecOptions {
   /// use different strides.
   std::vector<std::int64_t> block_strides;
   /// The model-wide index of this cache's layer 0: a pipeline-parallel stage holds the model's
-  /// layers [first_layer, first_layer + layers.size()). In the compatibility hash (when not 0),
-  /// so a stage never reads another stage's layers into its own.
+  /// layers [first_layer, first_layer + layers.size()). Not in the compatibility hash: a load
+  /// reads each of its layers from a prefill stage that holds it (LayersHeld), so stages of
+  /// unequal pipelines pair by layer ranges, and a stage never reads another stage's layers into
+  /// its own.
   int first_layer = 0;
+  /// The model's layer count, all stages together; 0 means first_layer + layers.size() (this
+  /// cache holds the model's last layer: every cache without pipeline stages). In the hash, so
+  /// caches of models with different depths never pair, whatever their stages.
+  int model_layers = 0;
   /// Consecutive blocks of this cache that one engine block id names: vLLM's logical block of
   /// `blocks_per_id` kernel blocks (the tensor's blocks, smaller than the block size vLLM's
   /// scheduler counts in). Id b is blocks [b * blocks_per_id, (b + 1) * blocks_per_id); num_blocks
@@ -160,6 +166,12 @@ class CacheSpec {
   int tp_size() const { return options_.tp_size; }
   int tp_rank() const { return options_.tp_rank; }
   int first_layer() const { return options_.first_layer; }
+  /// One past the model-wide index of this cache's last layer.
+  int end_layer() const { return options_.first_layer + num_layers(); }
+  /// CacheSpecOptions::model_layers, with 0 resolved.
+  int model_layers() const {
+    return options_.model_layers != 0 ? options_.model_layers : end_layer();
+  }
   std::int64_t blocks_per_id() const { return options_.blocks_per_id; }
   /// Tokens one engine block id holds: tokens_per_block * blocks_per_id.
   std::int64_t tokens_per_id() const { return options_.tokens_per_block * options_.blocks_per_id; }
@@ -182,11 +194,12 @@ class CacheSpec {
   /// Alignment every part's base address must have: the element size.
   std::int64_t RequiredAlignment() const { return DTypeSize(options_.dtype); }
 
-  /// Hash of the model-level geometry: kind, layers (and a stage's first layer), parts (names,
-  /// model-wide heads, dims), fused fields, dtype and layout. Block counts, tokens per block, block
-  /// strides and TP placement are not in it: two sides with different cache sizes, block sizes,
-  /// memory layouts of whole blocks or TP sizes can still exchange KV (token by token where the
-  /// block sizes differ).
+  /// Hash of the model-level geometry: kind, the model's layer count, parts (names, model-wide
+  /// heads, dims), fused fields, dtype and layout. Block counts, tokens per block, block strides,
+  /// TP placement and the pipeline stage's layer range are not in it: two sides with different
+  /// cache sizes, block sizes, memory layouts of whole blocks, TP or PP sizes can still exchange
+  /// KV (token by token where the block sizes differ; layer by layer from the stages holding
+  /// them where the PP sizes differ).
   CompatibilityHash Hash() const;
   /// The exact text that Hash() digests; also a readable one-line summary.
   std::string CanonicalText() const;
@@ -198,6 +211,7 @@ class CacheSpec {
            a.options_.dtype == b.options_.dtype && a.options_.layout == b.options_.layout &&
            a.options_.tp_size == b.options_.tp_size && a.options_.tp_rank == b.options_.tp_rank &&
            a.options_.first_layer == b.options_.first_layer &&
+           a.model_layers() == b.model_layers() &&
            a.options_.blocks_per_id == b.options_.blocks_per_id &&
            a.block_strides_ == b.block_strides_;
   }

@@ -19,7 +19,7 @@ class CacheSpec:
                tokens_per_block: int, dtype: str = ..., layout: str = ..., tp_size: int = ...,
                tp_rank: int = ..., fields: list[int] = ...,
                block_strides: list[int] = ..., first_layer: int = ...,
-               blocks_per_id: int = ...) -> CacheSpec: ...
+               blocks_per_id: int = ..., model_layers: int = ...) -> CacheSpec: ...
     @property
     def fields(self) -> list[int]: ...
     @staticmethod
@@ -40,6 +40,7 @@ class CacheSpec:
     tp_size: int
     tp_rank: int
     first_layer: int
+    model_layers: int
     blocks_per_id: int
     total_bytes: int
     hash: bytes

@@ -359,6 +359,10 @@ class _Settings:
         lora, rope = _get(hf, "kv_lora_rank"), _get(hf, "qk_rope_head_dim")
         if self.use_mla and isinstance(lora, int) and isinstance(rope, int):
             self.mla_split = (lora, rope)
+        # The model's depth, all pipeline stages (vLLM's get_pp_indices splits
+        # num_hidden_layers): in the compatibility hash, where a stage's own range is not.
+        depth = _get(hf, "num_hidden_layers")
+        self.model_layers = int(depth) if isinstance(depth, int) and depth > 0 else 0
 
     def pipeline_ranks(self) -> tuple[int, int]:
         """(pp_size, pp_rank) of this worker process: vLLM's pipeline group where it is
@@ -757,10 +761,14 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             host = host_mirrors(kv_caches)
         reg = read_caches(host, s.block_size, s.total_kv_heads, tp_size, prefer_heads_first,
                           s.mla_split)
+        first = first_layer(list(host), pp_size)
+        # Without stages the cache ends at the model's last layer (0); a stage names the depth,
+        # where its layers fit in it (else 0: a stage then pairs only with its own split).
+        depth = s.model_layers if pp_size > 1 and s.model_layers >= first + len(reg.bases) else 0
         spec = _kvferry.CacheSpec.create(reg.kind, len(reg.bases), reg.parts, reg.num_blocks,
                                          reg.tokens_per_block, reg.dtype, reg.layout, tp_size,
                                          tp_rank, list(reg.fields), list(reg.block_strides),
-                                         first_layer(list(host), pp_size), reg.blocks_per_id)
+                                         first, reg.blocks_per_id, depth)
         if reg.kind == "mha" and reg.local_heads != spec.local_heads(0):
             raise _kvferry.InvalidArgumentError(
                 f"the cache tensors hold {reg.local_heads} KV heads per rank, but "

@@ -21,7 +21,10 @@ void HoldTable::Hold(const std::string& request_id, std::chrono::milliseconds le
   if (early == early_.end()) return;
   const bool aborted = early->second.aborted;
   h.readers = std::move(early->second.readers);
-  if (early->second.reader_tp > 0) h.expected = expected_readers_(early->second.reader_tp);
+  if (early->second.reader_tp > 0) {
+    h.expected =
+        expected_readers_(early->second.reader_tp) * static_cast<int>(early->second.pp_readers);
+  }
   early_.erase(early);
   if (aborted) {
     Release(id, &by_abort_);
@@ -52,7 +55,8 @@ Status HoldTable::EarlyTableFull(const char* kind, std::size_t refused, std::siz
 }
 
 Result<std::uint32_t> HoldTable::Finished(const std::string& reader, std::uint32_t reader_tp,
-                                          std::span<const std::string> ids, Clock::time_point now) {
+                                          std::span<const std::string> ids, Clock::time_point now,
+                                          std::uint32_t pp_readers) {
   std::uint32_t applied = 0;
   std::size_t refused = 0;
   std::string stale;
@@ -60,7 +64,9 @@ Result<std::uint32_t> HoldTable::Finished(const std::string& reader, std::uint32
     auto it = holds_.find(id);
     if (it != holds_.end()) {
       it->second.readers.insert(reader);
-      if (it->second.expected < 0) it->second.expected = expected_readers_(reader_tp);
+      if (it->second.expected < 0) {
+        it->second.expected = expected_readers_(reader_tp) * static_cast<int>(pp_readers);
+      }
       TryComplete(id);
       ++applied;
       continue;
@@ -77,6 +83,7 @@ Result<std::uint32_t> HoldTable::Finished(const std::string& reader, std::uint32
     }
     e->readers.insert(reader);
     e->reader_tp = reader_tp;
+    e->pp_readers = pp_readers;
     ++applied;
   }
   if (!stale.empty()) {

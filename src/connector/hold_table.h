@@ -49,13 +49,16 @@ class HoldTable {
   /// for a hold ended by its lease, and early notices for it are dropped.
   void Invalidate(const std::string& key);
 
-  /// Reader `reader` (engine/dp/tp) of a decode instance with TP size `reader_tp` has read `ids`.
+  /// Reader `reader` (engine/dp/tp/pp) of a decode instance with TP size `reader_tp` has read
+  /// `ids`; `pp_readers` of that instance's stages report each (wire::FinishedNotice), so the hold
+  /// waits for expected_readers(reader_tp) * pp_readers readers.
   /// Returns how many ids were applied; ResourceExhausted (after applying the rest) when early
   /// notices for unknown ids did not fit under the cap; NotFound (after applying the rest) when
   /// the hold of one of them already ended by its lease or an abort: its blocks may have been
   /// reused while the reader read them, so the reader must not trust those bytes.
   Result<std::uint32_t> Finished(const std::string& reader, std::uint32_t reader_tp,
-                                 std::span<const std::string> ids, Clock::time_point now);
+                                 std::span<const std::string> ids, Clock::time_point now,
+                                 std::uint32_t pp_readers = 1);
   /// The decode side gave up on `ids`: their holds end now (or as soon as they are held).
   Result<std::uint32_t> Aborted(std::span<const std::string> ids, Clock::time_point now);
   /// Extends the holds of `ids` to now + min(lease, max_lease); unknown ids are skipped. Returns
@@ -88,6 +91,7 @@ class HoldTable {
     Clock::time_point expiry;
     std::set<std::string> readers;
     std::uint32_t reader_tp = 0;
+    std::uint32_t pp_readers = 1;
     bool aborted = false;
   };
   // The early entry for `id`, created if there is room; nullptr past the cap.

@@ -131,6 +131,20 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
           "--layerwise off)");
     }
   }
+  // Rule 17: announcements name the prefill stage's own layers, which must be this stage's.
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> layers, PlanStageReads(load, plan.spec, agents));
+  for (const StageRead& r : layers) {
+    if (r.layer_shift != 0 || r.first != 0 || r.end != plan.spec.num_layers()) {
+      const CacheSpec& theirs = r.from->agent->metadata->cache;
+      return Status::NotSupported(
+          "request " + load.request_id + ": the prefill worker at " + r.from->endpoint +
+          " holds the model's layers [" + std::to_string(theirs.first_layer()) + ", " +
+          std::to_string(theirs.end_layer()) + ") and this decode stage [" +
+          std::to_string(plan.spec.first_layer()) + ", " + std::to_string(plan.spec.end_layer()) +
+          "); layer-wise transfer needs stages of the same layers on both sides (whole-request "
+          "legs read any split)");
+    }
+  }
   {
     MutexLock w(watch->mu);
     for (const SourceAgent& a : agents) {
@@ -246,9 +260,9 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
       batches.push_back({&a, {}, 0, 0});
       for (const LayerGroupRead& g : groups) {
         // Engine block ids, each per_id cache blocks on both sides (checked above).
-        KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, CacheBlocksOfIds(g.remote_ids, per_id),
-                                         CacheBlocksOfIds(g.local_ids, per_id), g.first_layer,
-                                         g.end_layer, batches.back()));
+        KVFERRY_RETURN_IF_ERROR(AddReads(plan, {&a, g.first_layer, g.end_layer, 0},
+                                         CacheBlocksOfIds(g.remote_ids, per_id),
+                                         CacheBlocksOfIds(g.local_ids, per_id), batches.back()));
       }
     }
     KVFERRY_RETURN_IF_ERROR(RunBatches(load, batches, deadline, moved));

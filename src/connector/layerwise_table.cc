@@ -5,7 +5,8 @@
 namespace kvferry {
 
 std::string ReaderKey(const wire::PeerRef& p) {
-  return p.engine_id + "/" + std::to_string(p.dp_rank) + "/" + std::to_string(p.tp_rank);
+  return p.engine_id + "/" + std::to_string(p.dp_rank) + "/" + std::to_string(p.tp_rank) +
+         (p.pp_rank != 0 ? "/pp" + std::to_string(p.pp_rank) : std::string());
 }
 
 LayerwiseTable::LayerwiseTable(LayerwiseLimits limits, wire::PeerRef self)

@@ -80,6 +80,25 @@ Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_
   return TokenSpan{*first, *end - *first};
 }
 
+std::vector<LoadSpec> LoadRunner::Stages(const LoadSpec& load) const {
+  // Equal PP sizes: the worker aimed the load at the prefill stage of this stage's index.
+  if (load.remote_pp_size == cfg_.pp_size) return {load};
+  std::vector<LoadSpec> out;
+  for (int s = 0; s < load.remote_pp_size; ++s) {
+    LoadSpec& stage = out.emplace_back(load);
+    stage.remote_port += s * load.remote_tp_size;
+    if (!load.remote_rank_hosts.empty()) {
+      const auto first = load.remote_rank_hosts.begin() + s * load.remote_tp_size;
+      stage.remote_rank_hosts.assign(first, first + load.remote_tp_size);
+    }
+  }
+  return out;
+}
+
+std::uint32_t LoadRunner::PpReaders(const LoadSpec& load) const {
+  return load.remote_pp_size == cfg_.pp_size ? 1 : static_cast<std::uint32_t>(cfg_.pp_size);
+}
+
 std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const CacheSpec& spec,
                                                      const std::vector<TpSource>& sources) const {
   std::set<int> ranks;
@@ -89,9 +108,46 @@ std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const
     Result<int> readers = ExpectedReaders(spec, load.remote_tp_size, cfg_.tp_size, q);
     if (readers.ok() && *readers == 0 && q % cfg_.tp_size == cfg_.tp_rank) ranks.insert(q);
   }
+  // Unequal PP sizes: every stage tells every prefill stage (FinishedNotice::pp_readers), also
+  // those holding none of its layers, so each prefill rank counts the same readers.
   std::vector<std::string> out;
-  out.reserve(ranks.size());
-  for (int q : ranks) out.push_back(SideChannelEndpoint(load.RankHost(q), load.remote_port + q));
+  for (const LoadSpec& stage : Stages(load)) {
+    for (int q : ranks) {
+      out.push_back(SideChannelEndpoint(stage.RankHost(q), stage.remote_port + q));
+    }
+  }
+  return out;
+}
+
+Result<std::vector<LoadRunner::StageRead>> LoadRunner::PlanStageReads(
+    const LoadSpec& load, const CacheSpec& local, std::span<const SourceAgent> agents) {
+  std::vector<StageRead> out;
+  std::string held;  // the prefill layer ranges, for the message
+  std::vector<bool> covered(static_cast<std::size_t>(local.num_layers()), false);
+  for (const SourceAgent& a : agents) {
+    const CacheSpec& remote = a.agent->metadata->cache;
+    const int first = std::max(local.first_layer(), remote.first_layer());
+    const int end = std::min(local.end_layer(), remote.end_layer());
+    const std::string range = "[" + std::to_string(remote.first_layer()) + ", " +
+                              std::to_string(remote.end_layer()) + ")";
+    if (held.find(range) == std::string::npos) held += (held.empty() ? "" : ", ") + range;
+    StageRead r{&a, first - local.first_layer(), end - local.first_layer(),
+                local.first_layer() - remote.first_layer()};
+    for (int l = std::max(r.first, 0); l < r.end; ++l) covered[static_cast<std::size_t>(l)] = true;
+    if (r.first < r.end) out.push_back(r);
+  }
+  // Rule 17: every layer of this stage from a prefill stage that holds it, or no byte moves.
+  for (std::size_t l = 0; l < covered.size(); ++l) {
+    if (covered[l]) continue;
+    return Status::NotSupported(
+        "request " + load.request_id + ": this decode stage holds the model's layers [" +
+        std::to_string(local.first_layer()) + ", " + std::to_string(local.end_layer()) +
+        "), but model layer " + std::to_string(local.first_layer() + static_cast<int>(l)) +
+        " is in no prefill stage it reached (they hold " + held +
+        "); a decode stage reads its layers from the prefill stages holding them, so check "
+        "remote_port and remote_pp_size, and that both instances split the model's layers as "
+        "vLLM's get_pp_indices does");
+  }
   return out;
 }
 
@@ -108,15 +164,15 @@ Result<LoadRunner::LoadPlan> LoadRunner::Plan(const LoadSpec& load) {
     return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
   }
   KVFERRY_RETURN_IF_ERROR(CheckRemoteRanks(load.remote_tp_size, load.remote_port));
-  if (load.remote_pp_size != cfg_.pp_size) {
-    // Rule 17: a stage reads only a stage holding exactly its layers; with other PP sizes no
-    // stage of the prefill instance does (refused before any byte moves).
+  if (load.remote_pp_size != cfg_.pp_size && !load.transfer_id.empty()) {
+    // Rule 17: whole-request loads read unequal pipelines by layer ranges; layer-wise ones
+    // follow one prefill stage's announcements (refused before any byte moves).
     return Status::NotSupported(
         "request " + load.request_id + ": the prefill instance has pipeline-parallel size " +
         std::to_string(load.remote_pp_size) + " and this decode instance " +
         std::to_string(cfg_.pp_size) +
-        "; kvferry reads a stage's layers from the prefill stage that holds the same layers, so "
-        "both instances need the same PP size");
+        "; layer-wise transfer reads a stage's layers from the prefill stage of its own index, "
+        "so it needs the same PP size on both (whole-request legs read unequal pipelines)");
   }
   // Rule 8: which prefill ranks, which bytes.
   KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
@@ -164,24 +220,25 @@ Result<std::vector<LoadRunner::SourceAgent>> LoadRunner::ResolveSources(const Lo
   return out;
 }
 
-Status LoadRunner::AddReads(const LoadPlan& plan, const SourceAgent& s,
+Status LoadRunner::AddReads(const LoadPlan& plan, const StageRead& r,
                             std::span<const std::int64_t> remote_ids,
-                            std::span<const std::int64_t> local_ids, int first_layer, int end_layer,
-                            PlannedBatch& batch) const {
+                            std::span<const std::int64_t> local_ids, PlannedBatch& batch) const {
+  const SourceAgent& s = *r.from;
   const CacheSpec& remote = s.agent->metadata->cache;
   KVFERRY_ASSIGN_OR_RETURN(
       std::vector<BlockRun> runs,
       MergeBlockRuns(remote_ids, local_ids, remote.num_blocks(), plan.spec.num_blocks()));
   AppendReadOps(
       plan, s,
-      RunByteRanges(runs, first_layer, end_layer, PartBlockGeometryOf(remote, plan.spec), s.source),
-      batch);
+      RunByteRanges(runs, r.first, r.end, PartBlockGeometryOf(remote, plan.spec), s.source),
+      r.layer_shift, batch);
   batch.runs += runs.size();
   return Status::Ok();
 }
 
-Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const SourceAgent& s,
+Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r,
                                  PlannedBatch& batch) const {
+  const SourceAgent& s = *r.from;
   const CacheSpec& remote = s.agent->metadata->cache;
   // Engine block ids hold tokens_per_id tokens; the caches' own blocks, tokens_per_block.
   KVFERRY_ASSIGN_OR_RETURN(TokenSpan tokens,
@@ -195,18 +252,18 @@ Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, con
       PairTokenRuns({remote_ids, remote.tokens_per_block(), remote.num_blocks(), 0},
                     {local_ids, plan.spec.tokens_per_block(), plan.spec.num_blocks(), tokens.first},
                     tokens.first, tokens.count));
-  AppendReadOps(plan, s,
-                TokenRunByteRanges(runs, 0, plan.spec.num_layers(), remote, plan.spec, s.source),
-                batch);
+  AppendReadOps(plan, s, TokenRunByteRanges(runs, r.first, r.end, remote, plan.spec, s.source),
+                r.layer_shift, batch);
   batch.runs += runs.size();
   return Status::Ok();
 }
 
 void LoadRunner::AppendReadOps(const LoadPlan& plan, const SourceAgent& s,
-                               std::span<const ByteRange> ranges, PlannedBatch& batch) const {
+                               std::span<const ByteRange> ranges, int layer_shift,
+                               PlannedBatch& batch) const {
   const CacheSpec& remote = s.agent->metadata->cache;
   for (const ByteRange& r : ranges) {
-    const PartRegion region = RegionOfPart(remote, r.layer, r.part);
+    const PartRegion region = RegionOfPart(remote, r.layer + layer_shift, r.part);
     batch.ops.push_back(
         {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
              plan.addresses.Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
@@ -300,21 +357,30 @@ Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
   }
   std::set<std::string> read_from;
   if (!load.local_block_ids.empty()) {
-    KVFERRY_ASSIGN_OR_RETURN(std::vector<SourceAgent> agents,
-                             ResolveSources(load, plan, deadline, nullptr));
+    // Every prefill stage the load reaches (one where the PP sizes are equal), handshaken.
+    const bool unequal = PpReaders(load) != 1;
+    std::vector<SourceAgent> agents;
+    for (const LoadSpec& stage : Stages(load)) {
+      KVFERRY_ASSIGN_OR_RETURN(
+          std::vector<SourceAgent> more,
+          ResolveSources(stage, plan, deadline, unequal ? wire::kFeaturePpReaders : nullptr));
+      for (SourceAgent& a : more) agents.push_back(std::move(a));
+    }
+    KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> reads, PlanStageReads(load, plan.spec, agents));
     std::vector<PlannedBatch> batches;
-    for (const SourceAgent& a : agents) {
+    for (const StageRead& r : reads) {
+      const SourceAgent& a = *r.from;
       batches.push_back({&a, {}, 0, 0});
       const CacheSpec& remote = a.agent->metadata->cache;
       if (remote.tokens_per_block() != plan.spec.tokens_per_block() ||
           remote.blocks_per_id() != 1 || plan.spec.blocks_per_id() != 1) {
-        KVFERRY_RETURN_IF_ERROR(AddTokenReads(load, plan, a, batches.back()));
+        KVFERRY_RETURN_IF_ERROR(AddTokenReads(load, plan, r, batches.back()));
       } else {
         // The tail rule for decode-side prefix hits.
         KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
                                  TailOfRemote(load.remote_block_ids, load.local_block_ids));
-        KVFERRY_RETURN_IF_ERROR(AddReads(plan, a, remote_ids, load.local_block_ids, 0,
-                                         plan.spec.num_layers(), batches.back()));
+        KVFERRY_RETURN_IF_ERROR(
+            AddReads(plan, r, remote_ids, load.local_block_ids, batches.back()));
       }
       read_from.insert(a.endpoint);
     }
@@ -332,13 +398,16 @@ Status LoadRunner::Confirm(const LoadSpec& load, const std::vector<std::string>&
   // other ranks' notices are batched.
   for (const std::string& endpoint : endpoints) {
     if (read_from.count(endpoint) == 0) {
-      notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout));
+      notifier_->Finished(endpoint, load.remote_request_id, DeadlineAfter(cfg_.notice_timeout),
+                          PpReaders(load));
       continue;
     }
     Result<wire::Message> reply =
         client_.Call(endpoint,
-                     wire::FinishedNotice{
-                         self_, {load.remote_request_id}, static_cast<std::uint32_t>(cfg_.tp_size)},
+                     wire::FinishedNotice{self_,
+                                          {load.remote_request_id},
+                                          static_cast<std::uint32_t>(cfg_.tp_size),
+                                          PpReaders(load)},
                      DeadlineAfter(cfg_.notice_timeout));
     // An error reply arrives as an error status (NotFound: the hold had ended), as does no
     // reply: either way the bytes are not confirmed, and the load fails.

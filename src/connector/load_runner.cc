@@ -238,16 +238,19 @@ void LoadRunner::ReportLocked(const LoadSpec& load, const Status& s, bool recomp
 }
 
 void LoadRunner::SendAborts(const LoadSpec& load, const std::string& reason) {
-  // Every prefill rank of the request may hold it; tell them all, best effort.
-  for (int q = 0; q < load.remote_tp_size; ++q) {
-    const std::string endpoint = SideChannelEndpoint(load.RankHost(q), load.remote_port + q);
-    PostBackground([this, endpoint, id = load.remote_request_id, reason] {
-      Result<wire::Message> r = client_.Call(endpoint, wire::AbortNotice{self_, {id}, reason},
-                                             DeadlineAfter(cfg_.notice_timeout));
-      if (!r.ok()) {
-        Log().info("abort notice for {} to {} failed: {}", id, endpoint, r.status().ToString());
-      }
-    });
+  // Every prefill rank of the request may hold it (of every stage it reads); tell them all, best
+  // effort.
+  for (const LoadSpec& stage : Stages(load)) {
+    for (int q = 0; q < stage.remote_tp_size; ++q) {
+      const std::string endpoint = SideChannelEndpoint(stage.RankHost(q), stage.remote_port + q);
+      PostBackground([this, endpoint, id = load.remote_request_id, reason] {
+        Result<wire::Message> r = client_.Call(endpoint, wire::AbortNotice{self_, {id}, reason},
+                                               DeadlineAfter(cfg_.notice_timeout));
+        if (!r.ok()) {
+          Log().info("abort notice for {} to {} failed: {}", id, endpoint, r.status().ToString());
+        }
+      });
+    }
   }
 }
 

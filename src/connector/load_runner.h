@@ -148,17 +148,35 @@ class LoadRunner {
   Result<std::vector<SourceAgent>> ResolveSources(const LoadSpec& load, const LoadPlan& plan,
                                                   Deadline deadline, const char* feature)
       EXCLUDES(mu_);
-  // The reads of blocks `remote_ids` into `local_ids`, layers [first_layer, end_layer), from `s`.
-  Status AddReads(const LoadPlan& plan, const SourceAgent& s,
+  // The layers one prefill rank gives a load: this cache's layers [first, end), which are its
+  // own layers [first + layer_shift, end + layer_shift) (pipeline stages hold different ranges).
+  struct StageRead {
+    const SourceAgent* from = nullptr;
+    int first = 0;
+    int end = 0;
+    int layer_shift = 0;
+  };
+  // The prefill stages a load reads, each as a load aimed at that stage's ranks: the load itself
+  // where the PP sizes are equal (the worker aimed it), every stage where they differ.
+  std::vector<LoadSpec> Stages(const LoadSpec& load) const;
+  // FinishedNotice::pp_readers of a load's notices: 1, or this instance's PP size for unequal
+  // pipelines (every stage tells every prefill stage).
+  std::uint32_t PpReaders(const LoadSpec& load) const;
+  // Rule 17: which layers each handshaken rank of `agents` gives (those holding none of ours are
+  // left out); NotSupported, before any byte moves, when a layer of `local` is in none.
+  static Result<std::vector<StageRead>> PlanStageReads(const LoadSpec& load, const CacheSpec& local,
+                                                       std::span<const SourceAgent> agents);
+  // The reads of blocks `remote_ids` into `local_ids`, the layers `r` gives.
+  Status AddReads(const LoadPlan& plan, const StageRead& r,
                   std::span<const std::int64_t> remote_ids, std::span<const std::int64_t> local_ids,
-                  int first_layer, int end_layer, PlannedBatch& batch) const;
+                  PlannedBatch& batch) const;
   // The same for blocks of another token count than ours: the reads of the load's tokens, token
-  // run by token run, every layer.
-  Status AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const SourceAgent& s,
+  // run by token run, the layers `r` gives.
+  Status AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r,
                        PlannedBatch& batch) const;
-  // `ranges` from `s` as read ops into `batch`.
+  // `ranges` (by this cache's layers; `s`'s own are layer_shift further) as read ops into `batch`.
   void AppendReadOps(const LoadPlan& plan, const SourceAgent& s, std::span<const ByteRange> ranges,
-                     PlannedBatch& batch) const;
+                     int layer_shift, PlannedBatch& batch) const;
   // Submits the batches (each registered with the load, so an abort cancels it), waits for all,
   // releases them and counts what they moved; the first failure (or the engine's abort) wins.
   Status RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& batches, Deadline deadline,

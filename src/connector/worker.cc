@@ -89,7 +89,7 @@ Status WorkerImpl::Init() {
                                    "0 <= stage < size");
   }
   self_ = {cfg_.engine_id, static_cast<std::uint32_t>(cfg_.dp_rank),
-           static_cast<std::uint32_t>(cfg_.tp_rank)};
+           static_cast<std::uint32_t>(cfg_.tp_rank), static_cast<std::uint32_t>(cfg_.pp_rank)};
   identity_.peer = self_;
   identity_.tp_size = static_cast<std::uint32_t>(cfg_.tp_size);
   identity_.server_id = cfg_.server_id.empty() ? cfg_.host : cfg_.server_id;
@@ -194,7 +194,7 @@ Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
   memory_ = memory;
   metadata_ = wire::AgentMetadata{
       identity_, listener_->endpoint(), {{kTransportKind, std::move(descriptor)}},
-      spec,      spec.Hash(),           {wire::kFeatureLayerwise}};
+      spec,      spec.Hash(),           {wire::kFeatureLayerwise, wire::kFeaturePpReaders}};
   LayerwiseLimits limits;
   limits.num_layers = spec.num_layers();
   limits.layers_per_notice = std::max(1, cfg_.layerwise_layers_per_notice);

@@ -59,7 +59,7 @@ wire::Message WorkerImpl::HandleLocked(const wire::Message& request,
   }
   Result<std::uint32_t> count = std::uint32_t{0};
   if (const auto* f = std::get_if<wire::FinishedNotice>(&request)) {
-    count = holds_.Finished(ReaderKey(f->from), f->tp_size, f->request_ids, now);
+    count = holds_.Finished(ReaderKey(f->from), f->tp_size, f->request_ids, now, f->pp_readers);
   } else if (const auto* a = std::get_if<wire::AbortNotice>(&request)) {
     Log().info("abort notice from {} for {} request(s), first {}: {}", ReaderKey(a->from),
                a->request_ids.size(), a->request_ids.empty() ? "-" : a->request_ids.front(),

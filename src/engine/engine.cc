@@ -86,6 +86,7 @@ Status Instance::Init() {
     CacheSpecOptions o = c.model;
     o.layers.resize(static_cast<std::size_t>(end_layer - first_layer));
     o.first_layer = first_layer;
+    o.model_layers = model_layers;
     o.tp_size = c.tp_size;
     o.tp_rank = r;
     KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));

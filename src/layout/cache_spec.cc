@@ -249,6 +249,16 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
                                    " is invalid: expected the model-wide index of this "
                                    "pipeline stage's first layer, 0 to 2^20 less its layers");
   }
+  if (options.model_layers != 0 &&
+      (options.model_layers < options.first_layer + static_cast<std::int64_t>(layers.size()) ||
+       options.model_layers > (1 << 20))) {
+    return Status::InvalidArgument(
+        "model_layers " + std::to_string(options.model_layers) + " with layers [" +
+        std::to_string(options.first_layer) + ", " +
+        std::to_string(options.first_layer + static_cast<std::int64_t>(layers.size())) +
+        ") is invalid: expected the model's layer count (all pipeline stages), at least the end "
+        "of this cache's layers and at most 2^20, or 0");
+  }
   const LayerSpec& first = layers.front();
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const LayerSpec& layer = layers[l];
@@ -392,9 +402,11 @@ std::int64_t CacheSpec::FirstLocalHead(int part) const {
 std::string CacheSpec::CanonicalText() const {
   // v2: tokens per block left the hash (whole-request loads pair blocks of any sizes by token;
   // layer-wise ones check the sizes at the handshake), so a v1 peer differs in the first word.
-  std::string out = "kvferry-cache-v2 kind=";
+  // v3: a pipeline stage's layer range left it too (loads read each layer from a stage holding
+  // it); the model's layer count stays.
+  std::string out = "kvferry-cache-v3 kind=";
   out += CacheKindName(kind());
-  out += " layers=" + std::to_string(num_layers());
+  out += " layers=" + std::to_string(model_layers());
   out += " dtype=";
   out += DTypeName(dtype());
   out += " layout=";
@@ -410,8 +422,6 @@ std::string CacheSpec::CanonicalText() const {
     out += " fields=";
     out += JoinFields(fields());
   }
-  // Likewise only a pipeline stage after the first names where its layers start.
-  if (first_layer() != 0) out += " first_layer=" + std::to_string(first_layer());
   return out;
 }
 

@@ -30,11 +30,12 @@ FinishedNotifier::~FinishedNotifier() {
 }
 
 void FinishedNotifier::Finished(const std::string& endpoint, std::string request_id,
-                                Deadline deadline) {
+                                Deadline deadline, std::uint32_t pp_readers) {
   {
     MutexLock lock(mu_);
     Pending& p = pending_[endpoint];
     if (p.ids.empty()) p.first = Clock::now();
+    p.pp_readers = pp_readers;
     p.ids.push_back(std::move(request_id));
     p.deadline = std::min(p.deadline, deadline);
   }
@@ -86,8 +87,8 @@ void FinishedNotifier::SendAll(std::map<std::string, Pending>&& batch) {
         const std::size_t end = std::min(p.ids.size(), start + options_.max_batch);
         std::vector<std::string> ids(p.ids.begin() + static_cast<std::ptrdiff_t>(start),
                                      p.ids.begin() + static_cast<std::ptrdiff_t>(end));
-        Result<wire::Message> reply =
-            client_->Call(endpoint, wire::FinishedNotice{self_, ids, tp_size_}, p.deadline);
+        Result<wire::Message> reply = client_->Call(
+            endpoint, wire::FinishedNotice{self_, ids, tp_size_, p.pp_readers}, p.deadline);
         Status s = reply.status();
         if (s.ok() && !std::holds_alternative<wire::Ack>(*reply)) {
           s = Status::Internal("peer " + endpoint + " answered a finished notice with '" +

@@ -40,9 +40,11 @@ class FinishedNotifier {
   FinishedNotifier(const FinishedNotifier&) = delete;
   FinishedNotifier& operator=(const FinishedNotifier&) = delete;
 
-  /// Queues a notice that this worker finished reading `request_id` from `endpoint`.
-  void Finished(const std::string& endpoint, std::string request_id, Deadline deadline)
-      EXCLUDES(mu_);
+  /// Queues a notice that this worker finished reading `request_id` from `endpoint`;
+  /// `pp_readers` as wire::FinishedNotice's (one value per endpoint: a prefill instance's stages
+  /// are read one way).
+  void Finished(const std::string& endpoint, std::string request_id, Deadline deadline,
+                std::uint32_t pp_readers = 1) EXCLUDES(mu_);
   /// Sends everything queued now and returns once all of it has been answered or has failed.
   void Flush() EXCLUDES(mu_);
 
@@ -51,6 +53,7 @@ class FinishedNotifier {
  private:
   struct Pending {
     std::vector<std::string> ids;
+    std::uint32_t pp_readers = 1;
     Deadline deadline = Deadline::max();
     Clock::time_point first = Clock::now();
   };

@@ -20,13 +20,17 @@ namespace {
 void PackKey(Packer& pk, const char* key) { PackStr(pk, key); }
 
 void PackPeer(Packer& pk, const PeerRef& peer) {
-  pk.pack_map(3);
+  pk.pack_map(peer.pp_rank != 0 ? 4 : 3);
   PackKey(pk, "engine_id");
   PackStr(pk, peer.engine_id);
   PackKey(pk, "dp_rank");
   pk.pack_uint32(peer.dp_rank);
   PackKey(pk, "tp_rank");
   pk.pack_uint32(peer.tp_rank);
+  if (peer.pp_rank != 0) {
+    PackKey(pk, "pp_rank");
+    pk.pack_uint32(peer.pp_rank);
+  }
 }
 
 void PackStrList(Packer& pk, const std::vector<std::string>& items) {
@@ -44,9 +48,9 @@ void PackCache(Packer& pk, const CacheSpec& spec) {
   // they always did.
   const bool strided = !spec.options().block_strides.empty();
   const bool fused = !spec.fields().empty();
-  const bool staged = spec.first_layer() != 0;
+  const bool staged = spec.first_layer() != 0 || spec.options().model_layers != 0;
   const bool grouped = spec.blocks_per_id() != 1;
-  pk.pack_map(9 + (strided ? 1 : 0) + (fused ? 1 : 0) + (staged ? 1 : 0) + (grouped ? 1 : 0));
+  pk.pack_map(9 + (strided ? 1 : 0) + (fused ? 1 : 0) + (staged ? 2 : 0) + (grouped ? 1 : 0));
   PackKey(pk, "kind");
   PackStr(pk, CacheKindName(spec.kind()));
   PackKey(pk, "layers");
@@ -85,6 +89,8 @@ void PackCache(Packer& pk, const CacheSpec& spec) {
   if (staged) {
     PackKey(pk, "first_layer");
     pk.pack_int32(spec.first_layer());
+    PackKey(pk, "model_layers");
+    pk.pack_int32(spec.model_layers());
   }
   if (grouped) {
     PackKey(pk, "blocks_per_id");
@@ -159,13 +165,17 @@ struct EncodeVisitor {
     }
   }
   void operator()(const FinishedNotice& m) const {
-    PackHeader(pk, "finished", 3);
+    PackHeader(pk, "finished", m.pp_readers != 1 ? 4 : 3);
     PackKey(pk, "from");
     PackPeer(pk, m.from);
     PackKey(pk, "request_ids");
     PackStrList(pk, m.request_ids);
     PackKey(pk, "tp_size");
     pk.pack_uint32(m.tp_size);
+    if (m.pp_readers != 1) {
+      PackKey(pk, "pp_readers");
+      pk.pack_uint32(m.pp_readers);
+    }
   }
   void operator()(const AbortNotice& m) const {
     PackHeader(pk, "abort", 3);
@@ -251,6 +261,10 @@ Result<PeerRef> DecodePeer(const MapView& parent, const char* key) {
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp, m.Uint("tp_rank", kMaxU32));
   peer.dp_rank = static_cast<std::uint32_t>(dp);
   peer.tp_rank = static_cast<std::uint32_t>(tp);
+  if (m.Find("pp_rank") != nullptr) {
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t pp, m.Uint("pp_rank", kMaxTpSize - 1));
+    peer.pp_rank = static_cast<std::uint32_t>(pp);
+  }
   return peer;
 }
 
@@ -319,6 +333,8 @@ Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
   if (m.Find("first_layer") != nullptr) {  // a pipeline stage after the first
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t first, m.Uint("first_layer", 1 << 20));
     options.first_layer = static_cast<int>(first);
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t model, m.Uint("model_layers", 1 << 20));
+    options.model_layers = static_cast<int>(model);
   }
   if (m.Find("blocks_per_id") != nullptr) {  // kernel blocks smaller than the engine's
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t per_id,
@@ -457,8 +473,17 @@ Result<Message> DecodeBody(const MapView& m, std::string_view type) {
                                        std::to_string(from.tp_rank) + " < tp_size, found " +
                                        std::to_string(tp_size));
       }
-      return Message{
-          FinishedNotice{std::move(from), std::move(ids), static_cast<std::uint32_t>(tp_size)}};
+      std::uint64_t pp_readers = 1;
+      if (m.Find("pp_readers") != nullptr) {
+        KVFERRY_ASSIGN_OR_RETURN(pp_readers, m.Uint("pp_readers", kMaxTpSize));
+        if (pp_readers == 0) {
+          return Status::InvalidArgument(m.At("pp_readers") +
+                                         ": expected the stages that notify each rank, at least 1");
+        }
+      }
+      return Message{FinishedNotice{std::move(from), std::move(ids),
+                                    static_cast<std::uint32_t>(tp_size),
+                                    static_cast<std::uint32_t>(pp_readers)}};
     }
     if (type == "abort") {
       KVFERRY_ASSIGN_OR_RETURN(std::string reason, m.Str("reason", kMaxTextBytes));

@@ -38,12 +38,17 @@ inline constexpr std::size_t kMaxProgressBlocks = 65536;
 /// Features a worker offers in its AgentMetadata (docs/protocol.md, "Features"). A peer uses a
 /// feature's messages only with workers that offer it.
 inline constexpr const char* kFeatureLayerwise = "layerwise";
+/// The receiver counts finished notices from every stage of a decode instance whose pipeline has
+/// another size (FinishedNotice::pp_readers, PeerRef::pp_rank): it can be read by layer ranges.
+inline constexpr const char* kFeaturePpReaders = "pp_readers";
 
 /// Who sent a message: an engine instance and the worker's place in it.
 struct PeerRef {
   std::string engine_id;
   std::uint32_t dp_rank = 0;
   std::uint32_t tp_rank = 0;
+  /// The sender's pipeline stage; sent only when not 0 (a reader of each stage is its own reader).
+  std::uint32_t pp_rank = 0;
 
   friend bool operator==(const PeerRef&, const PeerRef&) = default;
 };
@@ -100,6 +105,11 @@ struct FinishedNotice {
   std::vector<std::string> request_ids;
   /// The sender's TP size: with the receiver's own, it decides how many readers to wait for.
   std::uint32_t tp_size = 1;
+  /// How many pipeline stages of the sender's instance notify each prefill rank: 1 where each
+  /// decode stage reads the prefill stage of its own index (equal PP sizes), the decode's PP size
+  /// where every decode stage tells every prefill stage (unequal sizes, read by layer ranges).
+  /// The receiver waits for this many times the readers the TP sizes give. Sent only when not 1.
+  std::uint32_t pp_readers = 1;
 
   friend bool operator==(const FinishedNotice&, const FinishedNotice&) = default;
 };

@@ -136,21 +136,38 @@ def test_pipeline_stages_on_their_own_hosts_each_read_their_own_stages_host(rank
     assert decode.load_errors == []
 
 
-def test_unequal_pipeline_parallel_sizes_are_refused_not_read(ranks):
-    """Prefill PP 2 against decode PP 1: no prefill stage holds the decode worker's layers, so
-    the load fails (recomputed by vLLM's policy) naming both PP sizes, and nothing is read."""
+@pytest.mark.parametrize("p_pp,d_pp", [(2, 1), (1, 2), (1, 3), (3, 1)])
+def test_unequal_pipeline_parallel_sizes_read_by_layer_ranges(ranks, p_pp, d_pp):
+    """Prefill and decode with different PP sizes (which NixlConnector does not do): each decode
+    stage reads each of its layers from the prefill stage holding it (vLLM's get_pp_indices
+    splits differ), every byte verified by model-wide layer, and every prefill stage's hold is
+    released by its readers: every decode stage tells every prefill stage, so each counts the
+    same readers (KVOutputAggregator on the prefill side waits for all PP x TP reports). Before,
+    such loads were refused NotSupported and recomputed."""
+    g = geometry("flash_attn_nhd", layers=4, heads=2)
+    prefill = Instance(g, "kv_producer", free_port(p_pp), ranks[:p_pp], pp=p_pp)
+    decode = Instance(g, "kv_consumer", free_port(d_pp), ranks[p_pp:p_pp + d_pp], pp=d_pp)
+    pairs = disaggregated(prefill, decode)
+    assert prefill.responses["req-1"].get("remote_pp_size", 1) == p_pp
+    check_every_byte(g, decode, pairs)
+    assert decode.load_errors == []
+
+
+def test_a_model_of_another_depth_is_refused_whatever_the_stages(ranks):
+    """The model's depth is in the compatibility hash where a stage's range is not: a decode
+    instance of a 6-layer model never reads a 4-layer model's stages, whose layers 0..3 it would
+    otherwise find (refused at the handshake, recomputed, nothing read)."""
     g = geometry("flash_attn_nhd", layers=4, heads=2)
     prefill = Instance(g, "kv_producer", free_port(2), ranks[:2], pp=2)
-    decode = Instance(g, "kv_consumer", free_port(1), ranks[2:3])
-    params = proxy_hop(prefill, "pp-1", PROMPT)
-    assert params["remote_pp_size"] == 2
-    req = decode_request("pp-1", PROMPT, params)
+    decode = Instance(dict(g, layers=6), "kv_consumer", free_port(2), ranks[2:4], pp=2)
+    params = proxy_hop(prefill, "depth-1", PROMPT)
+    req = decode_request("depth-1", PROMPT, params)
     decode.add_request(req)
     run_until([prefill, decode], lambda: req.status == RequestStatus.RUNNING,
               "the refused load to be recomputed")
-    assert [code for _, code, _ in decode.load_errors] == ["NotSupported"], decode.load_errors
-    assert "pipeline-parallel size 2" in decode.load_errors[0][2]
-    check_every_byte(g, decode, [])  # not a byte read
+    assert {code for _, code, _ in decode.load_errors} == {"NotSupported"}, decode.load_errors
+    assert all("layers=4" in m and "layers=6" in m for _, _, m in decode.load_errors)
+    check_every_byte(dict(g, layers=6), decode, [])  # not a byte read
 
 
 HOSTILE = [

@@ -367,17 +367,25 @@ def test_layout_modules_import_in_one_direction():
 def test_a_decode_stage_pointed_at_another_stages_layers_is_refused_not_read():
     """The pipeline-parallel corruption of issue 28: a decode stage that reaches a prefill stage
     holding other layers (stage 1, layers 2-3, at the port of stage 0, layers 0-1, as a proxy
-    or host layout can make happen) read them into its own layers with no error. The layer
-    range is in the compatibility hash now: the handshake refuses it and not a byte moves."""
+    or host layout can make happen) read them into its own layers with no error. Each layer is
+    now read only from a prefill stage that holds it (the model's depth, 4 here, is in the
+    compatibility hash; the stage's range is checked against the layers asked for): the load is
+    refused after the handshake and not a byte moves."""
     pport, dport = free_port(), free_port(2)
+
+    def staged(role, port, extra):
+        cfg = config(role, port, extra)
+        cfg.model_config.hf_text_config = SimpleNamespace(num_hidden_layers=4)
+        return cfg
+
     p_sched = kvferry.vllm.KvferryConnector(
-        config("kv_producer", pport, {"pp_size": 2, "pp_rank": 0}), "SCHEDULER")
+        staged("kv_producer", pport, {"pp_size": 2, "pp_rank": 0}), "SCHEDULER")
     p_work = kvferry.vllm.KvferryConnector(
-        config("kv_producer", pport, {"pp_size": 2, "pp_rank": 0}), "WORKER")
+        staged("kv_producer", pport, {"pp_size": 2, "pp_rank": 0}), "WORKER")
     d_sched = kvferry.vllm.KvferryConnector(
-        config("kv_consumer", dport, {"pp_size": 2, "pp_rank": 1}), "SCHEDULER")
+        staged("kv_consumer", dport, {"pp_size": 2, "pp_rank": 1}), "SCHEDULER")
     d_work = kvferry.vllm.KvferryConnector(
-        config("kv_consumer", dport, {"pp_size": 2, "pp_rank": 1, "transfer_timeout_ms": 5000}),
+        staged("kv_consumer", dport, {"pp_size": 2, "pp_rank": 1, "transfer_timeout_ms": 5000}),
         "WORKER")
     p_caches = {f"model.layers.{i}.self_attn.attn": fa_nhd() for i in (0, 1)}
     d_caches = {f"model.layers.{i}.self_attn.attn": fa_nhd() for i in (2, 3)}
@@ -398,8 +406,10 @@ def test_a_decode_stage_pointed_at_another_stages_layers_is_refused_not_read():
     got = poll(lambda: worker_step(d_work, mds.pop() if mds else
                                    d_sched.build_connector_meta(None))[1], "the refused load")
     assert got == {"d-1"}
-    assert errors and "layouts differ" in errors[0]["message"], errors
-    assert "first_layer=2" in errors[0]["message"], errors[0]["message"]
+    assert p_work._spec.model_layers == d_work._spec.model_layers == 4
+    assert errors and errors[0]["code"] == "NotSupported", errors
+    assert "layers [2, 4)" in errors[0]["message"], errors[0]["message"]
+    assert "they hold [0, 2)" in errors[0]["message"], errors[0]["message"]
     assert all(not c.any() for c in d_caches.values()), "a byte of another stage was read"
 
 

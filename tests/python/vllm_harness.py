@@ -413,12 +413,14 @@ def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = 
     g["seed_config"] the kv_transfer_config is SEED_KV_TRANSFER_CONFIG (kv_buffer_device
     g["seed_config"]) and nothing else: no extra config."""
     heads = g.get("heads", 1)
-    model = types.SimpleNamespace(use_mla=is_latent(g), get_total_num_kv_heads=lambda: heads)
+    model = types.SimpleNamespace(use_mla=is_latent(g), get_total_num_kv_heads=lambda: heads,
+                                  hf_text_config=types.SimpleNamespace(
+                                      num_hidden_layers=g["layers"]))
     if is_latent(g):
         widths = part_widths(g)
         rope = widths[1] if len(widths) > 1 else g["width"] - g["lora"]
-        model.hf_text_config = types.SimpleNamespace(kv_lora_rank=g["lora"],
-                                                     qk_rope_head_dim=rope)
+        model.hf_text_config.kv_lora_rank = g["lora"]
+        model.hf_text_config.qk_rope_head_dim = rope
     parallel = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                      data_parallel_rank=0)
     cache = types.SimpleNamespace(block_size=g["block_size"])

@@ -47,6 +47,28 @@ TEST(HoldTableTest, HeldRequestIsReleasedWhenEveryExpectedReaderReported) {
   EXPECT_EQ(t.expired(), 0u);
 }
 
+// Unequal pipeline sizes (issue 28): every stage of the decode instance tells every prefill
+// stage, so a hold waits for pp_readers times the TP readers, each stage's reader its own, and an
+// early notice keeps the count for the hold it precedes.
+TEST(HoldTableTest, EveryDecodeStageIsAReaderWherePipelinesDiffer) {
+  HoldTable t = MakeTable();
+  t.Hold("a", 60s, kT0);
+  const auto a = Ids({"a"});
+  for (const char* reader : {"d/0/0", "d/0/0/pp1", "d/0/1"}) {
+    ASSERT_TRUE(t.Finished(reader, 2, a, kT0 + 1s, 2).ok());
+    EXPECT_THAT(t.TakeReleased(), IsEmpty()) << reader;
+  }
+  ASSERT_TRUE(t.Finished("d/0/1/pp1", 2, a, kT0 + 2s, 2).ok());
+  EXPECT_THAT(t.TakeReleased(), ElementsAre("a"));
+  const auto b = Ids({"b"});
+  ASSERT_TRUE(t.Finished("d/0/0", 1, b, kT0 + 3s, 3).ok());  // before its hold
+  t.Hold("b", 60s, kT0 + 4s);
+  ASSERT_TRUE(t.Finished("d/0/0/pp1", 1, b, kT0 + 5s, 3).ok());
+  EXPECT_THAT(t.TakeReleased(), IsEmpty()) << "2 of 3 stages";
+  ASSERT_TRUE(t.Finished("d/0/0/pp2", 1, b, kT0 + 6s, 3).ok());
+  EXPECT_THAT(t.TakeReleased(), ElementsAre("b"));
+}
+
 // A reader that reports after the hold ended by lease or abort read blocks that may have been
 // reused meanwhile: its notice is refused with NotFound, so it does not trust those bytes (found
 // by the two-host test: a 3 s link outage outlived a 4 s lease with TCP's backoff, and the decode

@@ -121,22 +121,30 @@ TEST(CacheSpecTest, Rejects64BitOverflow) {
   EXPECT_THAT(total.status().message(), HasSubstr("total cache bytes"));
 }
 
-// Issue 28: a pipeline stage's layer range is in the hash, so a decode stage never reads another
-// stage's layers into its own (it did, silently, with PP across hosts); stage 0 keeps the hash
-// it had before PP.
-TEST(CacheSpecTest, HashCoversAPipelineStagesLayerRange) {
-  auto stage = [](int first_layer) {
+// Issue 28: the model's depth is in the hash, a pipeline stage's layer range is not (loads read
+// each layer from a stage holding it, LayersHeld, so unequal pipelines pair); a cache without
+// stages keeps its layer count in the hash as before.
+TEST(CacheSpecTest, HashCoversTheModelsDepthNotAStagesRange) {
+  auto stage = [](int first_layer, int model_layers) {
     CacheSpecOptions o = CacheSpec::Mha(2, 8, 128, 10, 16, DType::kBFloat16)->options();
     o.first_layer = first_layer;
+    o.model_layers = model_layers;
     return *CacheSpec::Create(o);
   };
-  EXPECT_EQ(stage(0).Hash(), CacheSpec::Mha(2, 8, 128, 10, 16, DType::kBFloat16)->Hash());
-  EXPECT_NE(stage(0).Hash(), stage(2).Hash());
-  EXPECT_THAT(stage(2).CanonicalText(), HasSubstr(" first_layer=2"));
-  EXPECT_FALSE(stage(0) == stage(2));
-  CacheSpecOptions bad = stage(0).options();
+  const CacheSpec whole = *CacheSpec::Mha(4, 8, 128, 10, 16, DType::kBFloat16);
+  EXPECT_EQ(stage(0, 4).Hash(), stage(2, 4).Hash());
+  EXPECT_EQ(stage(0, 4).Hash(), whole.Hash()) << "PP 2 pairs with PP 1";
+  EXPECT_EQ(stage(2, 0).Hash(), whole.Hash()) << "the last stage's 0 is its end layer";
+  EXPECT_NE(stage(0, 4).Hash(), stage(0, 6).Hash()) << "a 6-layer model's stage";
+  EXPECT_EQ(stage(2, 4).end_layer(), 4);
+  EXPECT_THAT(stage(2, 4).CanonicalText(), HasSubstr(" layers=4 "));
+  EXPECT_FALSE(stage(0, 4) == stage(2, 4));
+  CacheSpecOptions bad = stage(0, 4).options();
   bad.first_layer = -1;
   EXPECT_THAT(CacheSpec::Create(bad).status().message(), HasSubstr("first_layer -1"));
+  bad = stage(2, 4).options();
+  bad.model_layers = 3;
+  EXPECT_THAT(CacheSpec::Create(bad).status().message(), HasSubstr("model_layers 3"));
 }
 
 TEST(CacheSpecTest, HashCoversModelShapeButNotPlacement) {

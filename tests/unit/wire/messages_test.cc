@@ -37,6 +37,7 @@ std::vector<Message> SampleMessages() {
   return {MetadataRequest{{"decode-0", 1, 3}},
           SampleMetadata(),
           FinishedNotice{{"decode-0", 0, 2}, {"req-1", "req-2", ""}, 4},
+          FinishedNotice{{"decode-0", 1, 2, 3}, {"req-1"}, 4, 5},  // a stage of unequal PP
           AbortNotice{{"decode-0", 0, 0}, {"req-9"}, "client went away"},
           LeaseRenewal{{"decode-0", 0, 0}, {"a", "b"}, 30000},
           Ack{7},
