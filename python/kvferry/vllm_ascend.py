@@ -250,21 +250,14 @@ def mooncake_placement(extra: Mapping[str, Any]) -> Optional[MooncakePlacement]:
     """Both roles' entries of a Mooncake connector's extra config, checked; None for any other
     config. Refused, saying what to change: an entry missing or not an object, dp_size or
     tp_size missing, sizes that are not positive integers, keys the Mooncake connectors do not
-    read, and unequal pipeline sizes (Mooncake's decode, pp_size 1, reads every stage of a
-    pipelined prefill; kvferry reads a stage only from the same stage of an equal pipeline).
-    pp_layer_partition is ignored: kvferry reads each stage's layers from vLLM's layer names,
-    and a stage holding other layers is refused at the handshake."""
+    read. Pipeline sizes may differ (Mooncake's decode, pp_size 1, reads every stage of a
+    pipelined prefill; kvferry reads each decode stage's layers from the prefill stages holding
+    them, whatever the two sizes). pp_layer_partition is ignored: kvferry reads each stage's
+    layers from vLLM's layer names, and a layer no prefill stage holds fails the load before any
+    byte moves."""
     if not is_mooncake(extra):
         return None
-    placement = MooncakePlacement(_side(extra, "prefill"), _side(extra, "decode"))
-    if placement.prefill.pp_size != placement.decode.pp_size:
-        raise _kvferry.InvalidArgumentError(
-            f"kv_connector_extra_config: prefill pp_size {placement.prefill.pp_size}, decode "
-            f"pp_size {placement.decode.pp_size}. The Mooncake connectors let a decode instance "
-            "of pp_size 1 read every stage of a pipelined prefill; kvferry reads each stage only "
-            "from the same stage of an equal pipeline. Run both instances with one "
-            "pipeline-parallel size (1 on both, or the same size on both)")
-    return placement
+    return MooncakePlacement(_side(extra, "prefill"), _side(extra, "decode"))
 
 
 def check_mooncake_placement(placement: MooncakePlacement, native_role: str, tp_size: int,

@@ -258,6 +258,16 @@ def test_equal_pipelines_on_both_roles_are_accepted(mooncake_env):
     assert settings(mooncake_config(ktc, pp=2)).pp_size == 2
 
 
+def test_unequal_pipelines_are_accepted_as_mooncake_reads_them(mooncake_env):
+    # Mooncake's decode (pp_size 1) reads every stage of a pipelined prefill; kvferry reads each
+    # decode stage's layers from the prefill stages holding them (test_vllm_harness:
+    # test_unequal_pipeline_parallel_sizes_read_by_layer_ranges moves the bytes).
+    extra = {"prefill": {"dp_size": 1, "tp_size": 1, "pp_size": 2},
+             "decode": {"dp_size": 1, "tp_size": 1, "pp_size": 1}}
+    ktc = dict(TUTORIALS["single_node_v1"][0], kv_connector_extra_config=extra)
+    assert settings(mooncake_config(ktc, pp=2)).pp_size == 2
+
+
 def test_kv_port_absent_is_vllms_default(mooncake_env):
     # KVTransferConfig.kv_port defaults to 14579; the Mooncake connectors add to it.
     ktc = dict(TUTORIALS["single_node_v1"][0])
@@ -296,9 +306,6 @@ def _set(path, value):
     (with_extra(_set(("decode", "pp_size"), True)), {}, ["decode.pp_size", "found True"]),
     (with_extra(_set(("prefill", "cp_size"), 2)), {},
      ["prefill has 'cp_size'", "read dp_size, tp_size, pp_size, pp_layer_partition"]),
-    (with_extra(_set(("prefill", "pp_size"), 2)), {"pp": 2},
-     ["prefill pp_size 2, decode pp_size 1", "same stage of an equal pipeline",
-      "one pipeline-parallel size"]),
     (with_extra(_set(("prefill", "tp_size"), 2)), {},
      ["prefill.tp_size is 2", "tensor-parallel size 1", "Set it to 1"]),
     (with_extra(_set(("prefill", "dp_size"), 2)), {},
@@ -309,7 +316,7 @@ def _set(path, value):
      ["decode.tp_size is 2", "this decode instance runs tensor-parallel size 1"]),
     (dict(with_extra(lambda e: None), kv_port="3O000"), {}, ["kv_port", "found '3O000'"]),
 ], ids=["an_entry_missing", "tp_size_missing", "tp_size_a_string", "dp_size_zero",
-        "pp_size_a_bool", "a_key_mooncake_does_not_read", "unequal_pipelines",
+        "pp_size_a_bool", "a_key_mooncake_does_not_read",
         "tp_not_this_instances", "dp_not_this_instances", "context_parallel",
         "kv_both_checks_both_entries", "kv_port_not_a_number"])
 def test_bad_values_are_refused_saying_what_was_expected_and_found(mooncake_env, ktc, parallel,
