@@ -229,6 +229,38 @@ TEST(WireDecodeTest, UnknownVersionAndType) {
   EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("message type 'launch_missiles' is unknown"));
 }
 
+// A finished notice's pp_readers multiplies the readers a hold waits for: 0 is refused, as is a
+// stage past the PP bound (issue 28, unequal PP).
+TEST(WireDecodeTest, PipelineReadersAndStagesAreBounded) {
+  auto finished = [](std::uint64_t pp_readers, std::uint64_t pp_rank) {
+    return Envelope(1, "finished", 4, [=](Packer& pk) {
+      Str(pk, "from");
+      pk.pack_map(4);
+      Str(pk, "engine_id");
+      Str(pk, "d");
+      Str(pk, "dp_rank");
+      pk.pack(0);
+      Str(pk, "tp_rank");
+      pk.pack(0);
+      Str(pk, "pp_rank");
+      pk.pack(pp_rank);
+      Str(pk, "request_ids");
+      pk.pack_array(1);
+      Str(pk, "r");
+      Str(pk, "tp_size");
+      pk.pack(1);
+      Str(pk, "pp_readers");
+      pk.pack(pp_readers);
+    });
+  };
+  Result<Message> ok = Decode(finished(3, 2));
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(std::get<FinishedNotice>(*ok).pp_readers, 3u);
+  EXPECT_EQ(std::get<FinishedNotice>(*ok).from.pp_rank, 2u);
+  EXPECT_THAT(DecodeError(finished(0, 0)).message(), HasSubstr("pp_readers"));
+  EXPECT_THAT(DecodeError(finished(1, 300)).message(), HasSubstr("pp_rank"));
+}
+
 TEST(WireDecodeTest, TrailingAndTruncatedBytes) {
   std::vector<std::uint8_t> bytes = Encode(Ack{1});
   bytes.push_back(0xc0);
