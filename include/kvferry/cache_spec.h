@@ -115,6 +115,11 @@ struct CacheSpecOptions {
   /// scheduler counts in). Id b is blocks [b * blocks_per_id, (b + 1) * blocks_per_id); num_blocks
   /// must be a multiple. A property of this side's memory, like block_strides: not in the hash.
   std::int64_t blocks_per_id = 1;
+  /// Sliding-window attention (vLLM's SlidingWindowSpec): each token attends to the last
+  /// `sliding_window` tokens, so a load reads only the blocks holding the prompt's last
+  /// `sliding_window` tokens (the decode side computes from there); the engine may have freed
+  /// the others on either side. 0: full attention, every prompt token. In the hash.
+  std::int64_t sliding_window = 0;
 };
 
 /// The largest CacheSpecOptions::blocks_per_id kvferry accepts, local or from a peer.
@@ -173,6 +178,8 @@ class CacheSpec {
     return options_.model_layers != 0 ? options_.model_layers : end_layer();
   }
   std::int64_t blocks_per_id() const { return options_.blocks_per_id; }
+  /// CacheSpecOptions::sliding_window: 0 for full attention.
+  std::int64_t sliding_window() const { return options_.sliding_window; }
   /// Tokens one engine block id holds: tokens_per_block * blocks_per_id.
   std::int64_t tokens_per_id() const { return options_.tokens_per_block * options_.blocks_per_id; }
 
@@ -195,11 +202,11 @@ class CacheSpec {
   std::int64_t RequiredAlignment() const { return DTypeSize(options_.dtype); }
 
   /// Hash of the model-level geometry: kind, the model's layer count, parts (names, model-wide
-  /// heads, dims), fused fields, dtype and layout. Block counts, tokens per block, block strides,
-  /// TP placement and the pipeline stage's layer range are not in it: two sides with different
-  /// cache sizes, block sizes, memory layouts of whole blocks, TP or PP sizes can still exchange
-  /// KV (token by token where the block sizes differ; layer by layer from the stages holding
-  /// them where the PP sizes differ).
+  /// heads, dims), fused fields, sliding window, dtype and layout. Block counts, tokens per block,
+  /// block strides, TP placement and the pipeline stage's layer range are not in it: two sides with
+  /// different cache sizes, block sizes, memory layouts of whole blocks, TP or PP sizes can still
+  /// exchange KV (token by token where the block sizes differ; layer by layer from the stages
+  /// holding them where the PP sizes differ).
   CompatibilityHash Hash() const;
   /// The exact text that Hash() digests; also a readable one-line summary.
   std::string CanonicalText() const;
@@ -213,6 +220,7 @@ class CacheSpec {
            a.options_.first_layer == b.options_.first_layer &&
            a.model_layers() == b.model_layers() &&
            a.options_.blocks_per_id == b.options_.blocks_per_id &&
+           a.options_.sliding_window == b.options_.sliding_window &&
            a.block_strides_ == b.block_strides_;
   }
 
@@ -229,6 +237,46 @@ class CacheSpec {
 /// The largest TP size kvferry accepts anywhere, local or claimed by a peer: every loop over a
 /// peer's ranks is bounded by it.
 inline constexpr int kMaxTpSize = 256;
+
+/// The most KV cache groups one worker's cache may have, local or claimed by a peer (vLLM's
+/// hybrid models have two to four).
+inline constexpr int kMaxCacheGroups = 16;
+
+/// A block id that names no block: where the engine freed a block of a group, or never gave
+/// one (vLLM's null block in a sliding-window group's table, outside the window). A load reads
+/// nothing into or out of it.
+inline constexpr std::int64_t kNoBlock = -1;
+
+/// One worker's whole KV cache, as vLLM's KVCacheConfig has it: one or more KV cache groups,
+/// each a CacheSpec of its own (kind, parts, sliding window, layers, block count and size) with a
+/// block table of its own (a request has block ids per group). A uniform model is one group, and
+/// a CacheSpec converts to it, so every API that takes a CacheSpec keeps its meaning. Groups are
+/// ordered as the engine's (vLLM's kv_cache_groups); every group has this worker's TP rank and
+/// size. Immutable value type.
+class CacheGroups {
+ public:
+  /// Validates: 1 to kMaxCacheGroups groups, one TP rank and size.
+  static Result<CacheGroups> Create(std::vector<CacheSpec> groups);
+  CacheGroups(CacheSpec one);  // NOLINT(google-explicit-constructor): a uniform model
+
+  int size() const { return static_cast<int>(groups_.size()); }
+  const CacheSpec& operator[](int group) const { return groups_[static_cast<std::size_t>(group)]; }
+  const std::vector<CacheSpec>& specs() const { return groups_; }
+  /// One group: that group's CacheSpec::Hash, so a uniform cache hashes as it always did; several:
+  /// the digest of CanonicalText. Covers every group's geometry and their order.
+  CompatibilityHash Hash() const;
+  /// One group: its CacheSpec::CanonicalText; several: "kvferry-groups-v1 n=<groups>" followed
+  /// by " | " and each group's text, in order.
+  std::string CanonicalText() const;
+  /// Bytes of every group together.
+  std::int64_t TotalBytes() const;
+
+  friend bool operator==(const CacheGroups&, const CacheGroups&) = default;
+
+ private:
+  explicit CacheGroups(std::vector<CacheSpec> groups) : groups_(std::move(groups)) {}
+  std::vector<CacheSpec> groups_;
+};
 
 /// Heads held by TP rank `rank` of `tp_size` for a part of `model_heads` heads that is split
 /// across TP (MHA): the count and the first model-wide index. With fewer heads than ranks each

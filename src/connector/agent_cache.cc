@@ -148,7 +148,7 @@ Status AgentCache::Handshake(RemoteAgent& agent, const AgentKey& key, Deadline d
   if (md->cache_hash != ours) {
     return Status::NotSupported(
         "the KV cache layouts differ, so no byte may move: this worker has " + our_text +
-        ", peer " + key.endpoint + " has " + md->cache.CanonicalText());
+        ", peer " + key.endpoint + " has " + md->caches.CanonicalText());
   }
   const wire::TransportDescriptor* desc = nullptr;
   for (const auto& t : md->transports) {

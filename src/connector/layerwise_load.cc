@@ -116,7 +116,7 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
                            ResolveSources(load, plan, deadline, wire::kFeatureLayerwise));
   for (const SourceAgent& a : agents) {
     // Announcements name blocks of the prefill side's size, read into ours one for one.
-    const CacheSpec& theirs = a.agent->metadata->cache;
+    const CacheSpec& theirs = a.agent->metadata->caches[0];
     if (theirs.tokens_per_block() != plan.spec.tokens_per_block() ||
         theirs.blocks_per_id() != plan.spec.blocks_per_id()) {
       auto blocks = [](const CacheSpec& c) {
@@ -135,7 +135,7 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
   KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> layers, PlanStageReads(load, plan.spec, agents));
   for (const StageRead& r : layers) {
     if (r.layer_shift != 0 || r.first != 0 || r.end != plan.spec.num_layers()) {
-      const CacheSpec& theirs = r.from->agent->metadata->cache;
+      const CacheSpec& theirs = r.from->agent->metadata->caches[0];
       return Status::NotSupported(
           "request " + load.request_id + ": the prefill worker at " + r.from->endpoint +
           " holds the model's layers [" + std::to_string(theirs.first_layer()) + ", " +
@@ -150,7 +150,7 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
     for (const SourceAgent& a : agents) {
       // In engine block ids, as announcements name them.
       watch->remote_blocks[a.source.prefill_rank] =
-          a.agent->metadata->cache.num_blocks() / a.agent->metadata->cache.blocks_per_id();
+          a.agent->metadata->caches[0].num_blocks() / a.agent->metadata->caches[0].blocks_per_id();
     }
   }
   const Deadline start_deadline = std::min(deadline, start + cfg_.layerwise_start_timeout);
@@ -256,7 +256,7 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
       KVFERRY_ASSIGN_OR_RETURN(
           std::vector<LayerGroupRead> groups,
           PlanLayerwiseReads(p, load.local_block_ids, plan.spec.tokens_per_id(), num_layers,
-                             a.agent->metadata->cache.num_blocks() / per_id, cursors[rank]));
+                             a.agent->metadata->caches[0].num_blocks() / per_id, cursors[rank]));
       batches.push_back({&a, {}, 0, 0});
       for (const LayerGroupRead& g : groups) {
         // Engine block ids, each per_id cache blocks on both sides (checked above).

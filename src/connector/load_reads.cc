@@ -125,7 +125,7 @@ Result<std::vector<LoadRunner::StageRead>> LoadRunner::PlanStageReads(
   std::string held;  // the prefill layer ranges, for the message
   std::vector<bool> covered(static_cast<std::size_t>(local.num_layers()), false);
   for (const SourceAgent& a : agents) {
-    const CacheSpec& remote = a.agent->metadata->cache;
+    const CacheSpec& remote = a.agent->metadata->caches[0];
     const int first = std::max(local.first_layer(), remote.first_layer());
     const int end = std::min(local.end_layer(), remote.end_layer());
     const std::string range = "[" + std::to_string(remote.first_layer()) + ", " +
@@ -208,7 +208,7 @@ Result<std::vector<LoadRunner::SourceAgent>> LoadRunner::ResolveSources(const Lo
                                  load.request_id + " was held by engine " + load.remote_engine_id +
                                  ", which is gone");
     }
-    KVFERRY_RETURN_IF_ERROR(CheckRegionLayout(agent->metadata->cache));
+    KVFERRY_RETURN_IF_ERROR(CheckRegionLayout(agent->metadata->caches[0]));
     if (feature != nullptr && !agent->metadata->Offers(feature)) {
       return Status::NotSupported("the prefill worker at " + endpoint + " (engine " +
                                   load.remote_engine_id + ") does not speak " + feature +
@@ -224,7 +224,7 @@ Status LoadRunner::AddReads(const LoadPlan& plan, const StageRead& r,
                             std::span<const std::int64_t> remote_ids,
                             std::span<const std::int64_t> local_ids, PlannedBatch& batch) const {
   const SourceAgent& s = *r.from;
-  const CacheSpec& remote = s.agent->metadata->cache;
+  const CacheSpec& remote = s.agent->metadata->caches[0];
   KVFERRY_ASSIGN_OR_RETURN(
       std::vector<BlockRun> runs,
       MergeBlockRuns(remote_ids, local_ids, remote.num_blocks(), plan.spec.num_blocks()));
@@ -239,7 +239,7 @@ Status LoadRunner::AddReads(const LoadPlan& plan, const StageRead& r,
 Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r,
                                  PlannedBatch& batch) const {
   const SourceAgent& s = *r.from;
-  const CacheSpec& remote = s.agent->metadata->cache;
+  const CacheSpec& remote = s.agent->metadata->caches[0];
   // Engine block ids hold tokens_per_id tokens; the caches' own blocks, tokens_per_block.
   KVFERRY_ASSIGN_OR_RETURN(TokenSpan tokens,
                            TokensOfLoad(load, remote.tokens_per_id(), plan.spec.tokens_per_id()));
@@ -261,7 +261,7 @@ Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, con
 void LoadRunner::AppendReadOps(const LoadPlan& plan, const SourceAgent& s,
                                std::span<const ByteRange> ranges, int layer_shift,
                                PlannedBatch& batch) const {
-  const CacheSpec& remote = s.agent->metadata->cache;
+  const CacheSpec& remote = s.agent->metadata->caches[0];
   for (const ByteRange& r : ranges) {
     const PartRegion region = RegionOfPart(remote, r.layer + layer_shift, r.part);
     batch.ops.push_back(
@@ -371,7 +371,7 @@ Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
     for (const StageRead& r : reads) {
       const SourceAgent& a = *r.from;
       batches.push_back({&a, {}, 0, 0});
-      const CacheSpec& remote = a.agent->metadata->cache;
+      const CacheSpec& remote = a.agent->metadata->caches[0];
       if (remote.tokens_per_block() != plan.spec.tokens_per_block() ||
           remote.blocks_per_id() != 1 || plan.spec.blocks_per_id() != 1) {
         KVFERRY_RETURN_IF_ERROR(AddTokenReads(load, plan, r, batches.back()));

@@ -249,6 +249,11 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
                                    " is invalid: expected the model-wide index of this "
                                    "pipeline stage's first layer, 0 to 2^20 less its layers");
   }
+  if (options.sliding_window < 0 || options.sliding_window > (std::int64_t{1} << 40)) {
+    return Status::InvalidArgument("sliding_window " + std::to_string(options.sliding_window) +
+                                   " is invalid: expected the window in tokens (0 for full "
+                                   "attention), at most 2^40");
+  }
   if (options.model_layers != 0 &&
       (options.model_layers < options.first_layer + static_cast<std::int64_t>(layers.size()) ||
        options.model_layers > (1 << 20))) {
@@ -422,6 +427,8 @@ std::string CacheSpec::CanonicalText() const {
     out += " fields=";
     out += JoinFields(fields());
   }
+  // Likewise only sliding-window layers name their window.
+  if (sliding_window() != 0) out += " window=" + std::to_string(sliding_window());
   return out;
 }
 

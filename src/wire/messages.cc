@@ -8,6 +8,7 @@
 #include <string_view>
 #include <utility>
 
+#include "wire/cache_codec.h"
 #include "wire/msgpack_reader.h"
 #include "wire/msgpack_writer.h"
 
@@ -43,61 +44,6 @@ void PackInts(Packer& pk, const std::vector<std::int64_t>& items) {
   for (std::int64_t v : items) pk.pack_int64(v);
 }
 
-void PackCache(Packer& pk, const CacheSpec& spec) {
-  // Optional keys are sent only when they carry something, so packed unfused caches encode as
-  // they always did.
-  const bool strided = !spec.options().block_strides.empty();
-  const bool fused = !spec.fields().empty();
-  const bool staged = spec.first_layer() != 0 || spec.options().model_layers != 0;
-  const bool grouped = spec.blocks_per_id() != 1;
-  pk.pack_map(9 + (strided ? 1 : 0) + (fused ? 1 : 0) + (staged ? 2 : 0) + (grouped ? 1 : 0));
-  PackKey(pk, "kind");
-  PackStr(pk, CacheKindName(spec.kind()));
-  PackKey(pk, "layers");
-  pk.pack_uint32(static_cast<std::uint32_t>(spec.num_layers()));
-  PackKey(pk, "parts");
-  pk.pack_array(static_cast<std::uint32_t>(spec.num_parts()));
-  for (const PartSpec& p : spec.parts()) {
-    pk.pack_map(3);
-    PackKey(pk, "name");
-    PackStr(pk, p.name);
-    PackKey(pk, "heads");
-    pk.pack_int64(p.num_heads);
-    PackKey(pk, "dim");
-    pk.pack_int64(p.head_dim);
-  }
-  PackKey(pk, "num_blocks");
-  pk.pack_int64(spec.num_blocks());
-  PackKey(pk, "tokens_per_block");
-  pk.pack_int64(spec.tokens_per_block());
-  PackKey(pk, "dtype");
-  PackStr(pk, DTypeName(spec.dtype()));
-  PackKey(pk, "layout");
-  PackStr(pk, BlockLayoutName(spec.layout()));
-  PackKey(pk, "tp_size");
-  pk.pack_int32(spec.tp_size());
-  PackKey(pk, "tp_rank");
-  pk.pack_int32(spec.tp_rank());
-  if (strided) {
-    PackKey(pk, "block_strides");
-    PackInts(pk, spec.options().block_strides);
-  }
-  if (fused) {
-    PackKey(pk, "fields");
-    PackInts(pk, spec.fields());
-  }
-  if (staged) {
-    PackKey(pk, "first_layer");
-    pk.pack_int32(spec.first_layer());
-    PackKey(pk, "model_layers");
-    pk.pack_int32(spec.model_layers());
-  }
-  if (grouped) {
-    PackKey(pk, "blocks_per_id");
-    pk.pack_int64(spec.blocks_per_id());
-  }
-}
-
 // Writes the envelope's "v" and "t" and the map header for `fields` more keys.
 void PackHeader(Packer& pk, const char* type, std::uint32_t fields) {
   pk.pack_map(2 + fields);
@@ -117,7 +63,7 @@ struct EncodeVisitor {
   }
   void operator()(const AgentMetadata& m) const {
     const AgentIdentity& a = m.agent;
-    PackHeader(pk, "agent_metadata", 5 + (m.features.empty() ? 0 : 1));
+    PackHeader(pk, "agent_metadata", 4 + CacheGroupsKeys(m.caches) + (m.features.empty() ? 0 : 1));
     PackKey(pk, "agent");
     pk.pack_map(6 + (a.super_pod_id ? 1 : 0) + (a.super_device_id ? 1 : 0));
     PackKey(pk, "peer");
@@ -153,8 +99,7 @@ struct EncodeVisitor {
       pk.pack_bin_body(reinterpret_cast<const char*>(t.blob.data()),
                        static_cast<std::uint32_t>(t.blob.size()));
     }
-    PackKey(pk, "cache");
-    PackCache(pk, m.cache);
+    PackCacheGroups(pk, m.caches);
     PackKey(pk, "cache_hash");
     pk.pack_bin(static_cast<std::uint32_t>(m.cache_hash.size()));
     pk.pack_bin_body(reinterpret_cast<const char*>(m.cache_hash.data()),
@@ -249,8 +194,6 @@ struct EncodeVisitor {
 // Decoding
 
 constexpr std::uint64_t kMaxU32 = std::numeric_limits<std::uint32_t>::max();
-constexpr std::uint64_t kMaxI32 = std::numeric_limits<std::int32_t>::max();
-constexpr std::uint64_t kMaxI64 = std::numeric_limits<std::int64_t>::max();
 
 Result<PeerRef> DecodePeer(const MapView& parent, const char* key) {
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, parent.Require(key));
@@ -266,84 +209,6 @@ Result<PeerRef> DecodePeer(const MapView& parent, const char* key) {
     peer.pp_rank = static_cast<std::uint32_t>(pp);
   }
   return peer;
-}
-
-// An optional array of at most `max_items` non-negative int64 values; empty when absent.
-Result<std::vector<std::int64_t>> OptionalInts(const MapView& m, const char* key,
-                                               std::uint32_t max_items) {
-  std::vector<std::int64_t> out;
-  const msgpack::object* v = m.Find(key);
-  if (v == nullptr) return out;
-  if (v->type != msgpack::type::ARRAY || v->via.array.size > max_items) {
-    return Status::InvalidArgument(m.At(key) + ": expected an array of at most " +
-                                   std::to_string(max_items) + " integers");
-  }
-  for (std::uint32_t i = 0; i < v->via.array.size; ++i) {
-    const msgpack::object& item = v->via.array.ptr[i];
-    if (item.type != msgpack::type::POSITIVE_INTEGER || item.via.u64 > kMaxI64) {
-      return Status::InvalidArgument(m.At(key) + "[" + std::to_string(i) +
-                                     "]: expected a non-negative int64, found " +
-                                     ObjectTypeName(item));
-    }
-    out.push_back(static_cast<std::int64_t>(item.via.u64));
-  }
-  return out;
-}
-
-Result<CacheSpec> DecodeCache(const MapView& parent, const char* key) {
-  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, parent.Require(key));
-  KVFERRY_ASSIGN_OR_RETURN(MapView m, MapView::Of(*v, parent.At(key)));
-  KVFERRY_ASSIGN_OR_RETURN(std::string kind_name, m.Str("kind", kMaxIdBytes));
-  KVFERRY_ASSIGN_OR_RETURN(CacheKind kind, ParseCacheKind(kind_name));
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t layers, m.Uint("layers", kMaxLayers));
-  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* parts_obj, m.Require("parts"));
-  if (parts_obj->type != msgpack::type::ARRAY || parts_obj->via.array.size > 8) {
-    return Status::InvalidArgument(m.At("parts") + ": expected an array of at most 8 parts");
-  }
-  LayerSpec layer;
-  layer.kind = kind;
-  KVFERRY_ASSIGN_OR_RETURN(layer.fields, OptionalInts(m, "fields", 8));
-  for (std::uint32_t i = 0; i < parts_obj->via.array.size; ++i) {
-    KVFERRY_ASSIGN_OR_RETURN(
-        MapView pm,
-        MapView::Of(parts_obj->via.array.ptr[i], m.At("parts") + "[" + std::to_string(i) + "]"));
-    PartSpec part;
-    KVFERRY_ASSIGN_OR_RETURN(part.name, pm.Str("name", kMaxIdBytes));
-    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t heads, pm.Uint("heads", kMaxI64));
-    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t dim, pm.Uint("dim", kMaxI64));
-    part.num_heads = static_cast<std::int64_t>(heads);
-    part.head_dim = static_cast<std::int64_t>(dim);
-    layer.parts.push_back(std::move(part));
-  }
-  CacheSpecOptions options;
-  options.layers.assign(static_cast<std::size_t>(layers), layer);
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t blocks, m.Uint("num_blocks", kMaxI64));
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tpb, m.Uint("tokens_per_block", kMaxI64));
-  options.num_blocks = static_cast<std::int64_t>(blocks);
-  options.tokens_per_block = static_cast<std::int64_t>(tpb);
-  KVFERRY_ASSIGN_OR_RETURN(std::string dtype, m.Str("dtype", kMaxIdBytes));
-  KVFERRY_ASSIGN_OR_RETURN(options.dtype, ParseDType(dtype));
-  KVFERRY_ASSIGN_OR_RETURN(std::string layout, m.Str("layout", kMaxIdBytes));
-  KVFERRY_ASSIGN_OR_RETURN(options.layout, ParseBlockLayout(layout));
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", kMaxTpSize));
-  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_rank, m.Uint("tp_rank", kMaxI32));
-  options.tp_size = static_cast<int>(tp_size);
-  options.tp_rank = static_cast<int>(tp_rank);
-  KVFERRY_ASSIGN_OR_RETURN(options.block_strides, OptionalInts(m, "block_strides", 8));
-  if (m.Find("first_layer") != nullptr) {  // a pipeline stage after the first
-    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t first, m.Uint("first_layer", 1 << 20));
-    options.first_layer = static_cast<int>(first);
-    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t model, m.Uint("model_layers", 1 << 20));
-    options.model_layers = static_cast<int>(model);
-  }
-  if (m.Find("blocks_per_id") != nullptr) {  // kernel blocks smaller than the engine's
-    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t per_id,
-                             m.Uint("blocks_per_id", static_cast<std::uint64_t>(kMaxBlocksPerId)));
-    options.blocks_per_id = static_cast<std::int64_t>(per_id);
-  }
-  Result<CacheSpec> spec = CacheSpec::Create(std::move(options));
-  if (!spec.ok()) return spec.status().WithContext(m.path());
-  return spec;
 }
 
 Result<Message> DecodeAgentMetadata(const MapView& m) {
@@ -392,7 +257,7 @@ Result<Message> DecodeAgentMetadata(const MapView& m) {
     KVFERRY_ASSIGN_OR_RETURN(t.blob, tm.Bin("desc", kMaxDescriptorBytes));
     transports.push_back(std::move(t));
   }
-  KVFERRY_ASSIGN_OR_RETURN(CacheSpec cache, DecodeCache(m, "cache"));
+  KVFERRY_ASSIGN_OR_RETURN(CacheGroups caches, DecodeCacheGroups(m));
   KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> hash, m.Bin("cache_hash", 32));
   CompatibilityHash cache_hash{};
   if (hash.size() != cache_hash.size()) {
@@ -400,17 +265,17 @@ Result<Message> DecodeAgentMetadata(const MapView& m) {
                                    std::to_string(hash.size()));
   }
   std::copy(hash.begin(), hash.end(), cache_hash.begin());
-  if (cache_hash != cache.Hash()) {
+  if (cache_hash != caches.Hash()) {
     return Status::InvalidArgument(m.At("cache_hash") +
                                    ": does not match the cache spec it came with (" +
-                                   cache.CanonicalText() + ")");
+                                   caches.CanonicalText() + ")");
   }
   std::vector<std::string> features;
   if (m.Find("features") != nullptr) {
     KVFERRY_ASSIGN_OR_RETURN(features, m.StrList("features", kMaxFeatures, kMaxIdBytes));
   }
   return Message{AgentMetadata{std::move(agent), std::move(endpoint), std::move(transports),
-                               std::move(cache), cache_hash, std::move(features)}};
+                               std::move(caches), cache_hash, std::move(features)}};
 }
 
 Result<Message> DecodeSubscribe(const MapView& m) {

@@ -89,7 +89,8 @@ struct AgentMetadata {
   AgentIdentity agent;
   std::string listener_endpoint;  ///< e.g. "tcp://10.0.0.1:30000"
   std::vector<TransportDescriptor> transports;
-  CacheSpec cache;
+  /// The sender's KV cache groups (one for a uniform model); cache_hash is their Hash().
+  CacheGroups caches;
   CompatibilityHash cache_hash{};
   /// What the sender speaks beyond the messages every version-1 peer does (kFeatureLayerwise).
   /// Optional on the wire: absent, as from an older peer, is none.

@@ -106,4 +106,26 @@ Result<msgpack::object_handle> SafeUnpack(std::span<const std::uint8_t> bytes,
   }
 }
 
+// An optional array of at most `max_items` non-negative int64 values; empty when absent.
+Result<std::vector<std::int64_t>> OptionalInts(const MapView& m, const char* key,
+                                               std::uint32_t max_items) {
+  std::vector<std::int64_t> out;
+  const msgpack::object* v = m.Find(key);
+  if (v == nullptr) return out;
+  if (v->type != msgpack::type::ARRAY || v->via.array.size > max_items) {
+    return Status::InvalidArgument(m.At(key) + ": expected an array of at most " +
+                                   std::to_string(max_items) + " integers");
+  }
+  for (std::uint32_t i = 0; i < v->via.array.size; ++i) {
+    const msgpack::object& item = v->via.array.ptr[i];
+    if (item.type != msgpack::type::POSITIVE_INTEGER || item.via.u64 > kMaxI64) {
+      return Status::InvalidArgument(m.At(key) + "[" + std::to_string(i) +
+                                     "]: expected a non-negative int64, found " +
+                                     ObjectTypeName(item));
+    }
+    out.push_back(static_cast<std::int64_t>(item.via.u64));
+  }
+  return out;
+}
+
 }  // namespace kvferry::wire

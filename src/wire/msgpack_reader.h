@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <msgpack.hpp>
 #include <optional>
 #include <span>
@@ -149,5 +150,14 @@ class MapView {
   const msgpack::object_map* map_;
   std::string path_;
 };
+
+/// The largest values of signed types, as bounds of unsigned msgpack integers.
+inline constexpr std::uint64_t kMaxI32 = std::numeric_limits<std::int32_t>::max();
+inline constexpr std::uint64_t kMaxI64 = std::numeric_limits<std::int64_t>::max();
+
+/// The optional array under `key` of at most `max_items` non-negative int64 values; empty when
+/// absent.
+Result<std::vector<std::int64_t>> OptionalInts(const MapView& m, const char* key,
+                                               std::uint32_t max_items);
 
 }  // namespace kvferry::wire

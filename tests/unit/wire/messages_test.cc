@@ -68,13 +68,13 @@ TEST(WireTest, MetadataWithoutOptionalFieldsRoundTrips) {
 
 TEST(WireTest, APipelineStagesCacheSpecRoundTripsWithItsFirstLayer) {
   AgentMetadata m = SampleMetadata();
-  CacheSpecOptions o = m.cache.options();
+  CacheSpecOptions o = m.caches[0].options();
   o.first_layer = 30;
-  m.cache = *CacheSpec::Create(o);
-  m.cache_hash = m.cache.Hash();
+  m.caches = *CacheSpec::Create(o);
+  m.cache_hash = m.caches.Hash();
   Result<Message> back = Decode(Encode(m));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(std::get<AgentMetadata>(*back).cache.first_layer(), 30);
+  EXPECT_EQ(std::get<AgentMetadata>(*back).caches[0].first_layer(), 30);
   EXPECT_EQ(std::get<AgentMetadata>(*back), m);
 }
 
@@ -84,16 +84,16 @@ TEST(WireTest, StridedAndFusedCacheSpecsRoundTrip) {
   o.block_strides = {2 * 16 * 8 * 128 * 2, 2 * 16 * 8 * 128 * 2};
   for (const CacheSpec& cache :
        {*CacheSpec::Create(o), *CacheSpec::MlaFused(61, 512, 64, 100, 16, DType::kBFloat16)}) {
-    m.cache = cache;
+    m.caches = cache;
     m.cache_hash = cache.Hash();
     Result<Message> back = Decode(Encode(m));
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     const AgentMetadata& got = std::get<AgentMetadata>(*back);
     EXPECT_EQ(got, m);
     for (int p = 0; p < cache.num_parts(); ++p) {
-      EXPECT_EQ(got.cache.BlockStride(p), cache.BlockStride(p));
+      EXPECT_EQ(got.caches[0].BlockStride(p), cache.BlockStride(p));
     }
-    EXPECT_EQ(got.cache.fields(), cache.fields());
+    EXPECT_EQ(got.caches[0].fields(), cache.fields());
   }
 }
 
@@ -353,13 +353,13 @@ TEST(WireDecodeTest, ErrorReplyCannotCarryOk) {
 // Re-encodes the sample metadata with one change to its cache map.
 std::vector<std::uint8_t> MetadataWithCache(const CacheSpec& cache, const CompatibilityHash& hash) {
   AgentMetadata m = SampleMetadata();
-  m.cache = cache;
+  m.caches = cache;
   m.cache_hash = hash;
   return Encode(m);
 }
 
 TEST(WireDecodeTest, MetadataCacheSpecIsRevalidatedAndHashChecked) {
-  const CacheSpec good = SampleMetadata().cache;
+  const CacheSpec good = SampleMetadata().caches[0];
   CompatibilityHash wrong = good.Hash();
   wrong[0] ^= 0xff;
   EXPECT_THAT(DecodeError(MetadataWithCache(good, wrong)).message(),
@@ -404,6 +404,35 @@ TEST(WireDecodeTest, RandomMutationsNeverCrash) {
     }
   }
   EXPECT_GT(errors, 0);
+}
+
+// Issue 29: a hybrid model's groups (full attention and a sliding window) travel as group 0 under
+// "cache" and the rest under "more_groups"; the hash covers every group, so a peer that reads
+// only "cache" (before groups) finds the hash does not match and refuses the metadata.
+TEST(WireTest, CacheGroupsRoundTripAndAnOlderPeerRefusesThem) {
+  AgentMetadata m = SampleMetadata();
+  CacheSpecOptions swa = m.caches[0].options();
+  swa.sliding_window = 128;
+  const CacheSpec window = *CacheSpec::Create(swa);
+  m.caches = *CacheGroups::Create({m.caches[0], window});
+  m.cache_hash = m.caches.Hash();
+  EXPECT_NE(m.cache_hash, m.caches[0].Hash());
+  EXPECT_THAT(m.caches.CanonicalText(), HasSubstr("kvferry-groups-v1 n=2"));
+  EXPECT_THAT(m.caches.CanonicalText(), HasSubstr(" window=128"));
+  Result<Message> back = Decode(Encode(m));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(std::get<AgentMetadata>(*back), m);
+  EXPECT_EQ(std::get<AgentMetadata>(*back).caches[1].sliding_window(), 128);
+  // What a peer before groups decodes: group 0 with the groups' hash.
+  AgentMetadata old = m;
+  old.caches = m.caches[0];
+  EXPECT_THAT(DecodeError(Encode(old)).message(), HasSubstr("does not match the cache spec"));
+  EXPECT_EQ(CacheGroups::Create({}).status().code(), StatusCode::kInvalidArgument);
+  CacheSpecOptions other_rank = m.caches[0].options();
+  other_rank.tp_size = 2;
+  other_rank.tp_rank = 1;
+  EXPECT_THAT(CacheGroups::Create({m.caches[0], *CacheSpec::Create(other_rank)}).status().message(),
+              HasSubstr("every group of a worker's cache is its rank's"));
 }
 
 }  // namespace
