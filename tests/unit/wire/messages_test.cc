@@ -429,8 +429,8 @@ TEST(WireTest, CacheGroupsRoundTripAndAnOlderPeerRefusesThem) {
   EXPECT_THAT(DecodeError(Encode(old)).message(), HasSubstr("does not match the cache spec"));
   EXPECT_EQ(CacheGroups::Create({}).status().code(), StatusCode::kInvalidArgument);
   CacheSpecOptions other_rank = m.caches[0].options();
-  other_rank.tp_size = 2;
-  other_rank.tp_rank = 1;
+  other_rank.tp_size = 8;
+  other_rank.tp_rank = 7;
   EXPECT_THAT(CacheGroups::Create({m.caches[0], *CacheSpec::Create(other_rank)}).status().message(),
               HasSubstr("every group of a worker's cache is its rank's"));
 }
