@@ -45,6 +45,10 @@ struct KvTransferParams {
   std::optional<std::string> transfer_id;
   /// The remote instance's pipeline-parallel size (NixlConnector's pp_size); absent means 1.
   std::optional<int> remote_pp_size;
+  /// Hybrid caches (CacheGroups): the block ids of KV cache groups 1, 2, ..., in the caches'
+  /// group order (remote_block_ids is group 0's); kNoBlock where the prefill side holds no block
+  /// (a sliding window's freed blocks). Absent for a one-group cache.
+  std::optional<std::vector<std::vector<std::int64_t>>> remote_group_block_ids;
   /// Where each rank of the remote instance listens when its ranks are on several hosts (a
   /// pipeline stage or a TP group per host): remote_pp_size * remote_tp_size hosts, stage-major
   /// (rank s * remote_tp_size + q is TP rank q of stage s); absent means every rank on
@@ -65,6 +69,14 @@ enum class FinishReason : std::uint8_t {
   /// recomputed; a layer-wise prefill leg's transfer ends at once (its readers fail), and no
   /// hold is made.
   kPreempted = 4,
+};
+
+/// One KV cache group's blocks of a load after group 0 (LoadSpec::more_groups).
+struct GroupBlockIds {
+  std::vector<std::int64_t> local;
+  std::vector<std::int64_t> remote;
+
+  friend bool operator==(const GroupBlockIds&, const GroupBlockIds&) = default;
 };
 
 /// One load the decode side's worker must perform: remote blocks into local ones.
@@ -97,6 +109,21 @@ struct LoadSpec {
   /// stage-major; as the worker runs it, the remote_tp_size hosts of the stage it reads. Empty:
   /// every rank on remote_host.
   std::vector<std::string> remote_rank_hosts{};
+  /// Hybrid caches (CacheGroups): the blocks of groups 1, 2, ... (local_block_ids and
+  /// remote_block_ids are group 0's), positioned as group 0's are: local ids from first_token,
+  /// remote ids from token 0, kNoBlock where a side holds no block. A sliding-window group reads
+  /// only the blocks of the prompt's last `sliding_window` tokens. Empty for one group.
+  std::vector<GroupBlockIds> more_groups{};
+
+  /// The number of KV cache groups this load names blocks of.
+  int num_groups() const { return 1 + static_cast<int>(more_groups.size()); }
+  /// Group `g`'s local and remote block ids.
+  const std::vector<std::int64_t>& LocalIds(int g) const {
+    return g == 0 ? local_block_ids : more_groups[static_cast<std::size_t>(g - 1)].local;
+  }
+  const std::vector<std::int64_t>& RemoteIds(int g) const {
+    return g == 0 ? remote_block_ids : more_groups[static_cast<std::size_t>(g - 1)].remote;
+  }
 
   /// The host of TP rank `q` of the stage this load reads.
   const std::string& RankHost(int q) const {
@@ -210,6 +237,14 @@ class Scheduler {
   Status UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
                                std::span<const std::int64_t> new_block_ids,
                                std::int64_t num_external_tokens, std::int64_t num_prompt_tokens);
+  /// The same for a cache of several KV cache groups: `group_block_ids[g]` are group g's blocks
+  /// from the first token the load brings on (kNoBlock where the engine allocated none, as
+  /// vLLM's null block outside a sliding window). The params must name as many groups
+  /// (remote_block_ids and remote_group_block_ids), else InvalidArgument, nothing queued.
+  Status UpdateStateAfterAllocAllGroups(const std::string& request_id, KvTransferParams& params,
+                                        std::span<const std::vector<std::int64_t>> group_block_ids,
+                                        std::int64_t num_external_tokens,
+                                        std::int64_t num_prompt_tokens);
 
   /// Prefill side, layer-wise (rule 16): the engine scheduled `num_scheduled_tokens` tokens of
   /// a request that has `num_computed_tokens` computed, `num_prompt_tokens` in its prompt and
@@ -242,6 +277,13 @@ class Scheduler {
   /// hold at once; no delay_free. The scheduler keeps no reference to the span (rule 4).
   FinishedResult RequestFinished(const std::string& request_id, const KvTransferParams& params,
                                  FinishReason reason, std::span<const std::int64_t> block_ids);
+  /// The same for a cache of several KV cache groups (vLLM's request_finished_all_groups):
+  /// `group_block_ids[g]` are group g's blocks in prompt order (kNoBlock where the engine freed
+  /// one); the params name group 0's as remote_block_ids and the others as
+  /// remote_group_block_ids. delay_free when any group holds a block.
+  FinishedResult RequestFinishedAllGroups(
+      const std::string& request_id, const KvTransferParams& params, FinishReason reason,
+      std::span<const std::vector<std::int64_t>> group_block_ids);
 
   /// Prefill side, ranks on several hosts: where each of this instance's pp_size * tp_size
   /// workers listens, stage-major (the engine learns it from its workers, as vLLM's
@@ -434,6 +476,14 @@ class Worker {
   /// The same with bare base addresses, `bases[layer][part]`, each spec.PartBytes(part) long,
   /// all in `memory`.
   Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
+                          MemoryKind memory = MemoryKind::Host());
+  /// A cache of several KV cache groups (a hybrid model: full attention and sliding-window
+  /// layers): `bases[group][layer][part]`, each group's parts as RegisterKvCaches above checks
+  /// them (docs/connector.md, "KV cache groups"). Every group's memory is in `memory`. Groups'
+  /// tensors may not overlap each other's (vLLM's shared KV cache tensors are not registered
+  /// yet). Layer-wise transfer takes one group.
+  Status RegisterKvCaches(const CacheGroups& caches,
+                          std::vector<std::vector<std::vector<std::uint64_t>>> bases,
                           MemoryKind memory = MemoryKind::Host());
 
   /// Registers the step's holds (prefill: each request's blocks stay allocated until every

@@ -12,10 +12,10 @@ std::string SideChannelEndpoint(const std::string& host, int port) {
   return "tcp://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
-void AgentCache::SetLocalCache(const CacheSpec& spec) {
+void AgentCache::SetLocalCache(const CacheGroups& caches) {
   MutexLock lock(mu_);
-  local_hash_ = spec.Hash();
-  local_text_ = spec.CanonicalText();
+  local_hash_ = caches.Hash();
+  local_text_ = caches.CanonicalText();
 }
 
 AgentCacheStats AgentCache::Stats() const {

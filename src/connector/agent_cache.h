@@ -68,7 +68,7 @@ class AgentCache {
   AgentCache& operator=(const AgentCache&) = delete;
 
   /// The local caches' layout, which a peer's must equal (rule 9). Set once, before Get.
-  void SetLocalCache(const CacheSpec& spec) EXCLUDES(mu_);
+  void SetLocalCache(const CacheGroups& caches) EXCLUDES(mu_);
 
   /// The agent for `key`, handshaking first when none is cached: the peer must be the engine,
   /// rank and TP size the key names and have this layout (InvalidArgument or NotSupported

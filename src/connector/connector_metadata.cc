@@ -23,10 +23,14 @@ Result<std::vector<std::int64_t>> DecodeIds(const wire::MapView& m, const char* 
   out.reserve(v->via.array.size);
   for (std::uint32_t i = 0; i < v->via.array.size; ++i) {
     const msgpack::object& e = v->via.array.ptr[i];
+    if (e.type == msgpack::type::NEGATIVE_INTEGER && e.via.i64 == kNoBlock) {
+      out.push_back(kNoBlock);  // a group's position without a block (a sliding window's)
+      continue;
+    }
     if (e.type != msgpack::type::POSITIVE_INTEGER ||
         e.via.u64 > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
       return Status::InvalidArgument(m.At(key) + "[" + std::to_string(i) +
-                                     "]: expected a non-negative block id");
+                                     "]: expected a non-negative block id or -1 (no block)");
     }
     out.push_back(static_cast<std::int64_t>(e.via.u64));
   }
@@ -66,7 +70,8 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
     const bool staged = l.remote_pp_size != 1;
     const bool tokens = l.num_tokens >= 0;
     const bool hosts = !l.remote_rank_hosts.empty();
-    pk.pack_map(9 + (staged ? 1 : 0) + (tokens ? 2 : 0) + (hosts ? 1 : 0));
+    const bool grouped = !l.more_groups.empty();
+    pk.pack_map(9 + (staged ? 1 : 0) + (tokens ? 2 : 0) + (hosts ? 1 : 0) + (grouped ? 1 : 0));
     PackStr(pk, "request_id");
     PackStr(pk, l.request_id);
     PackStr(pk, "local_block_ids");
@@ -99,6 +104,17 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
       PackStr(pk, "remote_rank_hosts");
       pk.pack_array(static_cast<std::uint32_t>(l.remote_rank_hosts.size()));
       for (const std::string& h : l.remote_rank_hosts) PackStr(pk, h);
+    }
+    if (grouped) {
+      PackStr(pk, "more_groups");
+      pk.pack_array(static_cast<std::uint32_t>(l.more_groups.size()));
+      for (const GroupBlockIds& g : l.more_groups) {
+        pk.pack_map(2);
+        PackStr(pk, "local_block_ids");
+        PackIds(pk, g.local);
+        PackStr(pk, "remote_block_ids");
+        PackIds(pk, g.remote);
+      }
     }
   }
   PackStr(pk, "holds");
@@ -188,6 +204,22 @@ Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t
       KVFERRY_ASSIGN_OR_RETURN(std::uint64_t count, lm.Uint("num_tokens", kMaxTokens));
       l.first_token = static_cast<std::int64_t>(first);
       l.num_tokens = static_cast<std::int64_t>(count);
+    }
+    if (const msgpack::object* more = lm.Find("more_groups")) {
+      if (more->type != msgpack::type::ARRAY ||
+          more->via.array.size > static_cast<std::uint32_t>(kMaxCacheGroups - 1)) {
+        return Status::InvalidArgument(lm.At("more_groups") + ": expected an array of at most " +
+                                       std::to_string(kMaxCacheGroups - 1) + " groups");
+      }
+      for (std::uint32_t g = 0; g < more->via.array.size; ++g) {
+        KVFERRY_ASSIGN_OR_RETURN(wire::MapView gm, wire::MapView::Of(more->via.array.ptr[g],
+                                                                     lm.At("more_groups") + "[" +
+                                                                         std::to_string(g) + "]"));
+        GroupBlockIds ids;
+        KVFERRY_ASSIGN_OR_RETURN(ids.local, DecodeIds(gm, "local_block_ids"));
+        KVFERRY_ASSIGN_OR_RETURN(ids.remote, DecodeIds(gm, "remote_block_ids"));
+        l.more_groups.push_back(std::move(ids));
+      }
     }
     if (lm.Find("remote_rank_hosts") != nullptr) {
       KVFERRY_ASSIGN_OR_RETURN(

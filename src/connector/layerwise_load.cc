@@ -45,15 +45,15 @@ wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
   {
     MutexLock lock(mu_);
     auto it = watches_.find(p.transfer_id);
-    if (it == watches_.end() || !spec_) {
+    if (it == watches_.end() || !caches_) {
       return wire::ErrorReply{StatusCode::kNotFound,
                               "no layer-wise load of transfer " + p.transfer_id +
                                   " runs on this decode worker (it ended, or never started); "
                                   "stop sending its progress"};
     }
     watch = it->second;
-    num_layers = spec_->num_layers();
-    tokens_per_block = spec_->tokens_per_id();  // announcements name engine block ids
+    num_layers = (*caches_)[0].num_layers();
+    tokens_per_block = (*caches_)[0].tokens_per_id();  // announcements name engine block ids
   }
   MutexLock lock(watch->mu);
   auto source = watch->latest.find(static_cast<int>(p.from.tp_rank));
@@ -117,30 +117,32 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
   for (const SourceAgent& a : agents) {
     // Announcements name blocks of the prefill side's size, read into ours one for one.
     const CacheSpec& theirs = a.agent->metadata->caches[0];
-    if (theirs.tokens_per_block() != plan.spec.tokens_per_block() ||
-        theirs.blocks_per_id() != plan.spec.blocks_per_id()) {
+    if (theirs.tokens_per_block() != plan.spec().tokens_per_block() ||
+        theirs.blocks_per_id() != plan.spec().blocks_per_id()) {
       auto blocks = [](const CacheSpec& c) {
         return std::to_string(c.tokens_per_id()) + " tokens (" + std::to_string(c.blocks_per_id()) +
                " kernel blocks of " + std::to_string(c.tokens_per_block()) + ")";
       };
       return Status::NotSupported(
           "request " + load.request_id + ": the prefill worker at " + a.endpoint +
-          " has blocks of " + blocks(theirs) + " and this decode worker of " + blocks(plan.spec) +
+          " has blocks of " + blocks(theirs) + " and this decode worker of " + blocks(plan.spec()) +
           "; layer-wise transfer needs one block size on both sides (whole-request loads take "
           "any): give both instances one block size, or send whole-request legs (the proxy's "
           "--layerwise off)");
     }
   }
   // Rule 17: announcements name the prefill stage's own layers, which must be this stage's.
-  KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> layers, PlanStageReads(load, plan.spec, agents));
+  KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> layers,
+                           PlanStageReads(load, plan.spec(), agents, 0));
   for (const StageRead& r : layers) {
-    if (r.layer_shift != 0 || r.first != 0 || r.end != plan.spec.num_layers()) {
+    if (r.layer_shift != 0 || r.first != 0 || r.end != plan.spec().num_layers()) {
       const CacheSpec& theirs = r.from->agent->metadata->caches[0];
       return Status::NotSupported(
           "request " + load.request_id + ": the prefill worker at " + r.from->endpoint +
           " holds the model's layers [" + std::to_string(theirs.first_layer()) + ", " +
           std::to_string(theirs.end_layer()) + ") and this decode stage [" +
-          std::to_string(plan.spec.first_layer()) + ", " + std::to_string(plan.spec.end_layer()) +
+          std::to_string(plan.spec().first_layer()) + ", " +
+          std::to_string(plan.spec().end_layer()) +
           "); layer-wise transfer needs stages of the same layers on both sides (whole-request "
           "legs read any split)");
     }
@@ -191,8 +193,8 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
   std::map<int, LayerwiseCursor> cursors;
   std::map<int, std::uint64_t> taken;  // by rank, the seq of the announcement last read
   Deadline progress_deadline = Deadline::max();
-  const int num_layers = plan.spec.num_layers();
-  const std::int64_t per_id = plan.spec.blocks_per_id();
+  const int num_layers = plan.spec().num_layers();
+  const std::int64_t per_id = plan.spec().blocks_per_id();
   for (;;) {
     std::map<int, wire::Progress> fresh;
     bool waiting = false;
@@ -255,12 +257,12 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
           [&, wanted = rank](const SourceAgent& s) { return s.source.prefill_rank == wanted; });
       KVFERRY_ASSIGN_OR_RETURN(
           std::vector<LayerGroupRead> groups,
-          PlanLayerwiseReads(p, load.local_block_ids, plan.spec.tokens_per_id(), num_layers,
+          PlanLayerwiseReads(p, load.local_block_ids, plan.spec().tokens_per_id(), num_layers,
                              a.agent->metadata->caches[0].num_blocks() / per_id, cursors[rank]));
       batches.push_back({&a, {}, 0, 0});
       for (const LayerGroupRead& g : groups) {
         // Engine block ids, each per_id cache blocks on both sides (checked above).
-        KVFERRY_RETURN_IF_ERROR(AddReads(plan, {&a, g.first_layer, g.end_layer, 0},
+        KVFERRY_RETURN_IF_ERROR(AddReads(plan, {&a, g.first_layer, g.end_layer, 0}, 0,
                                          CacheBlocksOfIds(g.remote_ids, per_id),
                                          CacheBlocksOfIds(g.local_ids, per_id), batches.back()));
       }

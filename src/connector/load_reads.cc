@@ -38,6 +38,14 @@ bool PeerFault(const Status& s) {
 
 Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_per_block,
                                std::int64_t local_tokens_per_block) {
+  return TokensOfLoad(load, load.remote_block_ids, load.local_block_ids, remote_tokens_per_block,
+                      local_tokens_per_block);
+}
+
+Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::span<const std::int64_t> remote_ids,
+                               std::span<const std::int64_t> local_ids,
+                               std::int64_t remote_tokens_per_block,
+                               std::int64_t local_tokens_per_block) {
   const std::string sizes = "the prefill side's blocks hold " +
                             std::to_string(remote_tokens_per_block) + " tokens and this side's " +
                             std::to_string(local_tokens_per_block);
@@ -61,8 +69,8 @@ Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_
         "block size");
   }
   const std::int64_t m = local_tokens_per_block / remote_tokens_per_block;
-  const auto remote = static_cast<std::int64_t>(load.remote_block_ids.size());
-  const auto local = static_cast<std::int64_t>(load.local_block_ids.size());
+  const auto remote = static_cast<std::int64_t>(remote_ids.size());
+  const auto local = static_cast<std::int64_t>(local_ids.size());
   const std::int64_t total = (remote + m - 1) / m;
   if (local > total) {
     return Status::InvalidArgument("the decode side allocated " + std::to_string(local) +
@@ -120,12 +128,12 @@ std::vector<std::string> LoadRunner::NoticeEndpoints(const LoadSpec& load, const
 }
 
 Result<std::vector<LoadRunner::StageRead>> LoadRunner::PlanStageReads(
-    const LoadSpec& load, const CacheSpec& local, std::span<const SourceAgent> agents) {
+    const LoadSpec& load, const CacheSpec& local, std::span<const SourceAgent> agents, int group) {
   std::vector<StageRead> out;
   std::string held;  // the prefill layer ranges, for the message
   std::vector<bool> covered(static_cast<std::size_t>(local.num_layers()), false);
   for (const SourceAgent& a : agents) {
-    const CacheSpec& remote = a.agent->metadata->caches[0];
+    const CacheSpec& remote = a.agent->metadata->caches[group];
     const int first = std::max(local.first_layer(), remote.first_layer());
     const int end = std::min(local.end_layer(), remote.end_layer());
     const std::string range = "[" + std::to_string(remote.first_layer()) + ", " +
@@ -152,15 +160,15 @@ Result<std::vector<LoadRunner::StageRead>> LoadRunner::PlanStageReads(
 }
 
 Result<LoadRunner::LoadPlan> LoadRunner::Plan(const LoadSpec& load) {
-  std::optional<CacheSpec> spec;
-  std::optional<CacheAddresses> addresses;
+  std::optional<CacheGroups> caches;
+  std::vector<CacheAddresses> addresses;
   {
     MutexLock lock(mu_);
     if (stopping_) return Status::Cancelled("the worker is shutting down");
-    spec = spec_;
+    caches = caches_;
     addresses = addresses_;
   }
-  if (!spec) {
+  if (!caches) {
     return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
   }
   KVFERRY_RETURN_IF_ERROR(CheckRemoteRanks(load.remote_tp_size, load.remote_port));
@@ -174,17 +182,49 @@ Result<LoadRunner::LoadPlan> LoadRunner::Plan(const LoadSpec& load) {
         "; layer-wise transfer reads a stage's layers from the prefill stage of its own index, "
         "so it needs the same PP size on both (whole-request legs read unequal pipelines)");
   }
-  // Rule 8: which prefill ranks, which bytes.
-  KVFERRY_ASSIGN_OR_RETURN(std::vector<TpSource> sources,
-                           PlanTpSources(*spec, load.remote_tp_size, cfg_.tp_size, cfg_.tp_rank));
-  std::vector<std::string> endpoints = NoticeEndpoints(load, *spec, sources);
+  if (!load.transfer_id.empty() && caches->size() > 1) {
+    return Status::NotSupported(
+        "request " + load.request_id + ": this decode worker's cache has " +
+        std::to_string(caches->size()) +
+        " KV cache groups, and layer-wise transfer reads one; send hybrid models whole-request "
+        "legs (the proxy's --layerwise off)");
+  }
+  if (load.transfer_id.empty() && load.num_groups() != caches->size()) {
+    return Status::InvalidArgument(
+        "request " + load.request_id + " names blocks of " + std::to_string(load.num_groups()) +
+        " KV cache groups, but this decode worker's cache has " + std::to_string(caches->size()) +
+        "; expected the engine's block ids of every group");
+  }
+  // Rule 8: which prefill ranks, which bytes, group by group; every group reads the same ranks.
+  std::vector<std::vector<TpSource>> group_sources;
+  for (int g = 0; g < caches->size(); ++g) {
+    KVFERRY_ASSIGN_OR_RETURN(
+        std::vector<TpSource> sources,
+        PlanTpSources((*caches)[g], load.remote_tp_size, cfg_.tp_size, cfg_.tp_rank));
+    const bool same_ranks =
+        g == 0 || std::equal(sources.begin(), sources.end(), group_sources[0].begin(),
+                             group_sources[0].end(), [](const TpSource& a, const TpSource& b) {
+                               return a.prefill_rank == b.prefill_rank;
+                             });
+    if (!same_ranks) {
+      return Status::NotSupported(
+          "request " + load.request_id + ": KV cache group " + std::to_string(g) + " (" +
+          (*caches)[g].CanonicalText() + ") is read from other prefill TP ranks than group 0 " +
+          "at these TP sizes (" + std::to_string(load.remote_tp_size) + " -> " +
+          std::to_string(cfg_.tp_size) + "); kvferry reads every group from the same ranks");
+    }
+    group_sources.push_back(std::move(sources));
+  }
+  std::vector<std::string> endpoints = NoticeEndpoints(load, (*caches)[0], group_sources[0]);
   {
     MutexLock lock(mu_);
     KVFERRY_RETURN_IF_ERROR(AbortedLocked(load.request_id));  // aborted while queued
     auto it = loads_.find(load.request_id);
     if (it != loads_.end()) it->second.endpoints = endpoints;
   }
-  return LoadPlan{*spec, *addresses, std::move(sources), std::move(endpoints)};
+  std::vector<TpSource> sources = group_sources[0];
+  return LoadPlan{*std::move(caches), std::move(addresses), std::move(sources),
+                  std::move(group_sources), std::move(endpoints)};
 }
 
 Result<std::vector<LoadRunner::SourceAgent>> LoadRunner::ResolveSources(const LoadSpec& load,
@@ -208,7 +248,16 @@ Result<std::vector<LoadRunner::SourceAgent>> LoadRunner::ResolveSources(const Lo
                                  load.request_id + " was held by engine " + load.remote_engine_id +
                                  ", which is gone");
     }
-    KVFERRY_RETURN_IF_ERROR(CheckRegionLayout(agent->metadata->caches[0]));
+    // Equal hashes mean the same groups; a peer of another release may still send fewer.
+    if (agent->metadata->caches.size() != plan.caches.size()) {
+      return Status::NotSupported("the prefill worker at " + endpoint + " has " +
+                                  std::to_string(agent->metadata->caches.size()) +
+                                  " KV cache groups and this decode worker " +
+                                  std::to_string(plan.caches.size()));
+    }
+    for (const CacheSpec& group : agent->metadata->caches.specs()) {
+      KVFERRY_RETURN_IF_ERROR(CheckRegionLayout(group));
+    }
     if (feature != nullptr && !agent->metadata->Offers(feature)) {
       return Status::NotSupported("the prefill worker at " + endpoint + " (engine " +
                                   load.remote_engine_id + ") does not speak " + feature +
@@ -220,53 +269,93 @@ Result<std::vector<LoadRunner::SourceAgent>> LoadRunner::ResolveSources(const Lo
   return out;
 }
 
-Status LoadRunner::AddReads(const LoadPlan& plan, const StageRead& r,
+const TpSource& LoadRunner::GroupSource(const LoadPlan& plan, const SourceAgent& s, int group) {
+  // Plan checked that every group's sources name group 0's ranks, in order.
+  const auto at = std::find_if(plan.sources.begin(), plan.sources.end(), [&](const TpSource& t) {
+    return t.prefill_rank == s.source.prefill_rank;
+  });
+  return plan.group_sources[static_cast<std::size_t>(group)]
+                           [static_cast<std::size_t>(at - plan.sources.begin())];
+}
+
+Status LoadRunner::AddGroupReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r,
+                                 int group, PlannedBatch& batch) const {
+  const CacheSpec& local = plan.caches[group];
+  const CacheSpec& remote = r.from->agent->metadata->caches[group];
+  const std::vector<std::int64_t>& local_ids = load.LocalIds(group);
+  const std::vector<std::int64_t>& remote_ids = load.RemoteIds(group);
+  if (local.sliding_window() == 0 && remote.tokens_per_block() == local.tokens_per_block() &&
+      remote.blocks_per_id() == 1 && local.blocks_per_id() == 1) {
+    // The tail rule for decode-side prefix hits.
+    KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> tail,
+                             TailOfRemote(remote_ids, local_ids));
+    return AddReads(plan, r, group, tail, local_ids, batch);
+  }
+  // Engine block ids hold tokens_per_id tokens; the caches' own blocks, tokens_per_block.
+  KVFERRY_ASSIGN_OR_RETURN(
+      TokenSpan tokens,
+      TokensOfLoad(load, remote_ids, local_ids, remote.tokens_per_id(), local.tokens_per_id()));
+  if (local.sliding_window() > 0) {
+    // Rule 17: a sliding window reads the prompt's last `sliding_window` tokens, from where the
+    // decode side computes on (vLLM's SlidingWindowManager skips the tokens before).
+    const std::int64_t end = tokens.first + tokens.count;
+    const std::int64_t first = std::max(tokens.first, end - local.sliding_window());
+    tokens = {first, end - first};
+  }
+  return AddTokenReads(load, plan, r, group, tokens, batch);
+}
+
+Status LoadRunner::AddReads(const LoadPlan& plan, const StageRead& r, int group,
                             std::span<const std::int64_t> remote_ids,
                             std::span<const std::int64_t> local_ids, PlannedBatch& batch) const {
   const SourceAgent& s = *r.from;
-  const CacheSpec& remote = s.agent->metadata->caches[0];
+  const CacheSpec& local = plan.caches[group];
+  const CacheSpec& remote = s.agent->metadata->caches[group];
   KVFERRY_ASSIGN_OR_RETURN(
       std::vector<BlockRun> runs,
-      MergeBlockRuns(remote_ids, local_ids, remote.num_blocks(), plan.spec.num_blocks()));
-  AppendReadOps(
-      plan, s,
-      RunByteRanges(runs, r.first, r.end, PartBlockGeometryOf(remote, plan.spec), s.source),
-      r.layer_shift, batch);
-  batch.runs += runs.size();
-  return Status::Ok();
-}
-
-Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r,
-                                 PlannedBatch& batch) const {
-  const SourceAgent& s = *r.from;
-  const CacheSpec& remote = s.agent->metadata->caches[0];
-  // Engine block ids hold tokens_per_id tokens; the caches' own blocks, tokens_per_block.
-  KVFERRY_ASSIGN_OR_RETURN(TokenSpan tokens,
-                           TokensOfLoad(load, remote.tokens_per_id(), plan.spec.tokens_per_id()));
-  const std::vector<std::int64_t> remote_ids =
-      CacheBlocksOfIds(load.remote_block_ids, remote.blocks_per_id());
-  const std::vector<std::int64_t> local_ids =
-      CacheBlocksOfIds(load.local_block_ids, plan.spec.blocks_per_id());
-  KVFERRY_ASSIGN_OR_RETURN(
-      std::vector<TokenRun> runs,
-      PairTokenRuns({remote_ids, remote.tokens_per_block(), remote.num_blocks(), 0},
-                    {local_ids, plan.spec.tokens_per_block(), plan.spec.num_blocks(), tokens.first},
-                    tokens.first, tokens.count));
-  AppendReadOps(plan, s, TokenRunByteRanges(runs, r.first, r.end, remote, plan.spec, s.source),
+      MergeBlockRuns(remote_ids, local_ids, remote.num_blocks(), local.num_blocks()));
+  AppendReadOps(plan, s, group,
+                RunByteRanges(runs, r.first, r.end, PartBlockGeometryOf(remote, local),
+                              GroupSource(plan, s, group)),
                 r.layer_shift, batch);
   batch.runs += runs.size();
   return Status::Ok();
 }
 
-void LoadRunner::AppendReadOps(const LoadPlan& plan, const SourceAgent& s,
+Status LoadRunner::AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r,
+                                 int group, TokenSpan tokens, PlannedBatch& batch) const {
+  const SourceAgent& s = *r.from;
+  const CacheSpec& local = plan.caches[group];
+  const CacheSpec& remote = s.agent->metadata->caches[group];
+  const std::vector<std::int64_t> remote_ids =
+      CacheBlocksOfIds(load.RemoteIds(group), remote.blocks_per_id());
+  const std::vector<std::int64_t> local_ids =
+      CacheBlocksOfIds(load.LocalIds(group), local.blocks_per_id());
+  // Local ids hold the load's tokens from its first one on, remote ones the prompt's from 0.
+  const std::int64_t local_first = load.first_token >= 0 ? load.first_token : tokens.first;
+  KVFERRY_ASSIGN_OR_RETURN(
+      std::vector<TokenRun> runs,
+      PairTokenRuns({remote_ids, remote.tokens_per_block(), remote.num_blocks(), 0},
+                    {local_ids, local.tokens_per_block(), local.num_blocks(), local_first},
+                    tokens.first, tokens.count));
+  AppendReadOps(
+      plan, s, group,
+      TokenRunByteRanges(runs, r.first, r.end, remote, local, GroupSource(plan, s, group)),
+      r.layer_shift, batch);
+  batch.runs += runs.size();
+  return Status::Ok();
+}
+
+void LoadRunner::AppendReadOps(const LoadPlan& plan, const SourceAgent& s, int group,
                                std::span<const ByteRange> ranges, int layer_shift,
                                PlannedBatch& batch) const {
-  const CacheSpec& remote = s.agent->metadata->caches[0];
+  const CacheGroups& remote = s.agent->metadata->caches;
+  const CacheAddresses& local = plan.addresses[static_cast<std::size_t>(group)];
   for (const ByteRange& r : ranges) {
-    const PartRegion region = RegionOfPart(remote, r.layer + layer_shift, r.part);
+    const PartRegion region = RegionOfPart(remote, group, r.layer + layer_shift, r.part);
     batch.ops.push_back(
         {reinterpret_cast<std::byte*>(  // NOLINT(performance-no-int-to-ptr)
-             plan.addresses.Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
+             local.Base(r.layer, r.part) + static_cast<std::uint64_t>(r.local_offset)),
          static_cast<RegionId>(region.id),
          static_cast<std::uint64_t>(region.offset + r.remote_offset),
          static_cast<std::uint64_t>(r.length), static_cast<std::uint64_t>(r.count),
@@ -366,23 +455,17 @@ Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
           ResolveSources(stage, plan, deadline, unequal ? wire::kFeaturePpReaders : nullptr));
       for (SourceAgent& a : more) agents.push_back(std::move(a));
     }
-    KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> reads, PlanStageReads(load, plan.spec, agents));
+    // One batch per prefill rank, with every group's reads from it.
     std::vector<PlannedBatch> batches;
-    for (const StageRead& r : reads) {
-      const SourceAgent& a = *r.from;
-      batches.push_back({&a, {}, 0, 0});
-      const CacheSpec& remote = a.agent->metadata->caches[0];
-      if (remote.tokens_per_block() != plan.spec.tokens_per_block() ||
-          remote.blocks_per_id() != 1 || plan.spec.blocks_per_id() != 1) {
-        KVFERRY_RETURN_IF_ERROR(AddTokenReads(load, plan, r, batches.back()));
-      } else {
-        // The tail rule for decode-side prefix hits.
-        KVFERRY_ASSIGN_OR_RETURN(std::span<const std::int64_t> remote_ids,
-                                 TailOfRemote(load.remote_block_ids, load.local_block_ids));
-        KVFERRY_RETURN_IF_ERROR(
-            AddReads(plan, r, remote_ids, load.local_block_ids, batches.back()));
+    for (const SourceAgent& a : agents) batches.push_back({&a, {}, 0, 0});
+    for (int g = 0; g < plan.caches.size(); ++g) {
+      KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> reads,
+                               PlanStageReads(load, plan.caches[g], agents, g));
+      for (const StageRead& r : reads) {
+        PlannedBatch& batch = batches[static_cast<std::size_t>(r.from - agents.data())];
+        KVFERRY_RETURN_IF_ERROR(AddGroupReads(load, plan, r, g, batch));
+        read_from.insert(r.from->endpoint);
       }
-      read_from.insert(a.endpoint);
     }
     KVFERRY_RETURN_IF_ERROR(RunBatches(load, batches, deadline, moved));
   }

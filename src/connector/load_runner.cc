@@ -61,10 +61,10 @@ void LoadRunner::Stop() {
   if (lease_thread_.joinable()) lease_thread_.join();
 }
 
-void LoadRunner::SetCaches(const CacheSpec& spec, const CacheAddresses& addresses,
+void LoadRunner::SetCaches(const CacheGroups& caches, const std::vector<CacheAddresses>& addresses,
                            const std::string& listener_endpoint) {
   MutexLock lock(mu_);
-  spec_ = spec;
+  caches_ = caches;
   addresses_ = addresses;
   listener_endpoint_ = listener_endpoint;
 }

@@ -45,6 +45,11 @@ struct TokenSpan {
 /// placed without the token counts), or for a first token that is not at a local block.
 Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::int64_t remote_tokens_per_block,
                                std::int64_t local_tokens_per_block);
+/// The same for one KV cache group's block ids (LoadSpec::LocalIds, RemoteIds).
+Result<TokenSpan> TokensOfLoad(const LoadSpec& load, std::span<const std::int64_t> remote_ids,
+                               std::span<const std::int64_t> local_ids,
+                               std::int64_t remote_tokens_per_block,
+                               std::int64_t local_tokens_per_block);
 
 /// What a LoadRunner shares with its worker; everything outlives the runner.
 struct LoadRunnerContext {
@@ -67,7 +72,7 @@ class LoadRunner {
 
   /// The local caches (RegisterKvCaches) and the worker's listener, where layer-wise progress is
   /// pushed; before the first load runs.
-  void SetCaches(const CacheSpec& spec, const CacheAddresses& addresses,
+  void SetCaches(const CacheGroups& caches, const std::vector<CacheAddresses>& addresses,
                  const std::string& listener_endpoint) EXCLUDES(mu_);
 
   /// Queues each load not already running. A load that cannot be queued (max_queued_loads)
@@ -129,10 +134,14 @@ class LoadRunner {
   };
   // What a load needs before it reads: the caches, the plan, the ranks to notify.
   struct LoadPlan {
-    CacheSpec spec;
-    CacheAddresses addresses;
+    CacheGroups caches;
+    std::vector<CacheAddresses> addresses;  // by group
+    // Group 0's TP sources: the prefill ranks the load reads (every group's name the same).
     std::vector<TpSource> sources;
+    // Every group's, by group, in the order of `sources`.
+    std::vector<std::vector<TpSource>> group_sources;
     std::vector<std::string> endpoints;
+    const CacheSpec& spec() const { return caches[0]; }
   };
 
   // A load's whole life on a transfer thread. Network and batch waits: never under mu_.
@@ -165,18 +174,26 @@ class LoadRunner {
   // Rule 17: which layers each handshaken rank of `agents` gives (those holding none of ours are
   // left out); NotSupported, before any byte moves, when a layer of `local` is in none.
   static Result<std::vector<StageRead>> PlanStageReads(const LoadSpec& load, const CacheSpec& local,
-                                                       std::span<const SourceAgent> agents);
-  // The reads of blocks `remote_ids` into `local_ids`, the layers `r` gives.
-  Status AddReads(const LoadPlan& plan, const StageRead& r,
+                                                       std::span<const SourceAgent> agents,
+                                                       int group);
+  // Group `group`'s reads of the load from the rank `r` names: its blocks, the layers `r`
+  // gives, a sliding window's tokens only.
+  Status AddGroupReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r, int group,
+                       PlannedBatch& batch) const;
+  // The reads of blocks `remote_ids` into `local_ids` of group `group`, the layers `r` gives.
+  Status AddReads(const LoadPlan& plan, const StageRead& r, int group,
                   std::span<const std::int64_t> remote_ids, std::span<const std::int64_t> local_ids,
                   PlannedBatch& batch) const;
-  // The same for blocks of another token count than ours: the reads of the load's tokens, token
-  // run by token run, the layers `r` gives.
-  Status AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r,
-                       PlannedBatch& batch) const;
-  // `ranges` (by this cache's layers; `s`'s own are layer_shift further) as read ops into `batch`.
-  void AppendReadOps(const LoadPlan& plan, const SourceAgent& s, std::span<const ByteRange> ranges,
-                     int layer_shift, PlannedBatch& batch) const;
+  // The same token run by token run (blocks of another token count than ours, or a sliding
+  // window): prompt tokens `tokens` of group `group`.
+  Status AddTokenReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r, int group,
+                       TokenSpan tokens, PlannedBatch& batch) const;
+  // `ranges` of group `group` (by this cache's layers; `s`'s own are layer_shift further) as
+  // read ops into `batch`.
+  void AppendReadOps(const LoadPlan& plan, const SourceAgent& s, int group,
+                     std::span<const ByteRange> ranges, int layer_shift, PlannedBatch& batch) const;
+  // The TP source of group `group` for the prefill rank `s` reads.
+  static const TpSource& GroupSource(const LoadPlan& plan, const SourceAgent& s, int group);
   // Submits the batches (each registered with the load, so an abort cancels it), waits for all,
   // releases them and counts what they moved; the first failure (or the engine's abort) wins.
   Status RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& batches, Deadline deadline,
@@ -215,8 +232,8 @@ class LoadRunner {
   mutable Mutex mu_;
   CondVar stop_cv_;
   bool stopping_ GUARDED_BY(mu_) = false;
-  std::optional<CacheSpec> spec_ GUARDED_BY(mu_);
-  std::optional<CacheAddresses> addresses_ GUARDED_BY(mu_);
+  std::optional<CacheGroups> caches_ GUARDED_BY(mu_);
+  std::vector<CacheAddresses> addresses_ GUARDED_BY(mu_);
   std::string listener_endpoint_ GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<ProgressWatch>> watches_ GUARDED_BY(mu_);  // by transfer
   std::map<std::string, LoadState> loads_ GUARDED_BY(mu_);

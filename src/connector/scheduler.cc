@@ -64,6 +64,16 @@ Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransfe
                                         std::int64_t num_external_tokens,
                                         std::int64_t num_prompt_tokens) {
   if (!params.do_remote_prefill) return Status::Ok();
+  const std::vector<std::vector<std::int64_t>> one = {{new_block_ids.begin(), new_block_ids.end()}};
+  return UpdateStateAfterAllocAllGroups(request_id, params, one, num_external_tokens,
+                                        num_prompt_tokens);
+}
+
+Status Scheduler::UpdateStateAfterAllocAllGroups(
+    const std::string& request_id, KvTransferParams& params,
+    std::span<const std::vector<std::int64_t>> group_block_ids, std::int64_t num_external_tokens,
+    std::int64_t num_prompt_tokens) {
+  if (!params.do_remote_prefill) return Status::Ok();
   // Cleared first, whatever happens next, so the request is never loaded twice.
   params.do_remote_prefill = false;
   const bool tokens_known = num_external_tokens >= 0 || num_prompt_tokens >= 0;
@@ -108,7 +118,23 @@ Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransfe
   }
   LoadSpec load;
   load.request_id = request_id;
-  load.local_block_ids.assign(new_block_ids.begin(), new_block_ids.end());
+  const std::size_t groups =
+      params.remote_group_block_ids ? params.remote_group_block_ids->size() + 1 : 1;
+  if (group_block_ids.empty() ||
+      group_block_ids.size() > static_cast<std::size_t>(kMaxCacheGroups) ||
+      (!layerwise && group_block_ids.size() != groups)) {
+    return Status::InvalidArgument(
+        "request " + request_id + " has blocks of " + std::to_string(group_block_ids.size()) +
+        " KV cache groups here, but its kv_transfer_params name " + std::to_string(groups) +
+        " (remote_block_ids and remote_group_block_ids); expected one list per group, 1 to " +
+        std::to_string(kMaxCacheGroups) + ", on both instances");
+  }
+  load.local_block_ids = group_block_ids[0];
+  for (std::size_t g = 1; g < group_block_ids.size(); ++g) {
+    load.more_groups.push_back({group_block_ids[g], layerwise
+                                                        ? std::vector<std::int64_t>{}
+                                                        : (*params.remote_group_block_ids)[g - 1]});
+  }
   if (layerwise) {
     if (params.transfer_id->empty() || params.transfer_id->size() > wire::kMaxIdBytes) {
       return Status::InvalidArgument("request " + request_id + " has a transfer_id of " +
@@ -179,19 +205,30 @@ Scheduler::FinishedResult Scheduler::RequestFinished(const std::string& request_
                                                      const KvTransferParams& params,
                                                      FinishReason reason,
                                                      std::span<const std::int64_t> block_ids) {
+  const std::vector<std::vector<std::int64_t>> one = {{block_ids.begin(), block_ids.end()}};
+  return RequestFinishedAllGroups(request_id, params, reason, one);
+}
+
+Scheduler::FinishedResult Scheduler::RequestFinishedAllGroups(
+    const std::string& request_id, const KvTransferParams& params, FinishReason reason,
+    std::span<const std::vector<std::int64_t>> group_block_ids) {
+  const bool any_block = std::any_of(group_block_ids.begin(), group_block_ids.end(),
+                                     [](const std::vector<std::int64_t>& g) { return !g.empty(); });
   if (ReadsKv(config_.role) && params.do_remote_prefill) {
     // Ended before UpdateStateAfterAlloc (aborted while it waited): a load of no blocks still
     // sends its finished notices, so the prefill side frees now instead of at its lease.
     // Incomplete params have no one to tell.
     KvTransferParams unscheduled = params;
-    (void)UpdateStateAfterAlloc(request_id, unscheduled, {});
+    const std::vector<std::vector<std::int64_t>> none(
+        params.remote_group_block_ids ? params.remote_group_block_ids->size() + 1 : 1);
+    (void)UpdateStateAfterAllocAllGroups(request_id, unscheduled, none, -1, -1);
     return {};
   }
   if (!ServesKv(config_.role)) return {};
   const bool layerwise =
       params.do_remote_decode && params.transfer_id.has_value() && !params.transfer_id->empty();
   if (layerwise) layerwise_computed_.erase(request_id);
-  if (!params.do_remote_decode || reason != FinishReason::kLengthCapped || block_ids.empty()) {
+  if (!params.do_remote_decode || reason != FinishReason::kLengthCapped || !any_block) {
     if (layerwise) {
       pending_.transfer_ends.push_back(
           {*params.transfer_id, "request " + request_id + " ended on the prefill side (" +
@@ -200,14 +237,18 @@ Scheduler::FinishedResult Scheduler::RequestFinished(const std::string& request_
     if (!params.do_remote_decode || reason != FinishReason::kLengthCapped) return {};
   }
   FinishedResult r;
-  r.delay_free = !block_ids.empty();
+  r.delay_free = any_block;
   if (r.delay_free) {
     pending_.holds.push_back({request_id, static_cast<std::int64_t>(config_.hold_lease.count()),
                               layerwise ? *params.transfer_id : std::string()});
   }
   KvTransferParams out;
   out.do_remote_prefill = true;
-  out.remote_block_ids = std::vector<std::int64_t>(block_ids.begin(), block_ids.end());
+  out.remote_block_ids =
+      group_block_ids.empty() ? std::vector<std::int64_t>{} : group_block_ids.front();
+  if (group_block_ids.size() > 1) {
+    out.remote_group_block_ids.emplace(group_block_ids.begin() + 1, group_block_ids.end());
+  }
   out.remote_engine_id = config_.engine_id;
   out.remote_host = config_.host;
   out.remote_port = config_.base_port + config_.dp_rank * config_.pp_size * config_.tp_size;

@@ -30,7 +30,14 @@ Worker::Worker(std::unique_ptr<WorkerImpl> impl) : impl_(std::move(impl)) {}
 Worker::~Worker() = default;
 Status Worker::RegisterKvCaches(const CacheSpec& spec,
                                 std::vector<std::vector<std::uint64_t>> bases, MemoryKind memory) {
-  return impl_->RegisterKvCaches(spec, std::move(bases), memory);
+  std::vector<std::vector<std::vector<std::uint64_t>>> one;
+  one.push_back(std::move(bases));
+  return impl_->RegisterKvCaches(spec, std::move(one), memory);
+}
+Status Worker::RegisterKvCaches(const CacheGroups& caches,
+                                std::vector<std::vector<std::vector<std::uint64_t>>> bases,
+                                MemoryKind memory) {
+  return impl_->RegisterKvCaches(caches, std::move(bases), memory);
 }
 Status Worker::RegisterKvCaches(const CacheSpec& spec,
                                 const std::vector<std::vector<KvCachePart>>& parts) {
@@ -55,7 +62,7 @@ Status Worker::RegisterKvCaches(const CacheSpec& spec,
       bases[l].push_back(part.address);
     }
   }
-  return impl_->RegisterKvCaches(spec, std::move(bases), memory);
+  return RegisterKvCaches(spec, std::move(bases), memory);
 }
 void Worker::StartLoadKv(const ConnectorMetadata& metadata) { impl_->StartLoadKv(metadata); }
 Status Worker::SaveKvLayer(int layer, std::uint64_t stream) {
@@ -159,54 +166,77 @@ WorkerImpl::~WorkerImpl() {
   transport_.reset();
 }
 
-Status WorkerImpl::RegisterKvCaches(const CacheSpec& spec,
-                                    std::vector<std::vector<std::uint64_t>> bases,
+Status WorkerImpl::RegisterKvCaches(const CacheGroups& caches,
+                                    std::vector<std::vector<std::vector<std::uint64_t>>> bases,
                                     const MemoryKind& memory) {
-  if (spec.tp_size() != cfg_.tp_size || spec.tp_rank() != cfg_.tp_rank) {
+  const CacheSpec& first = caches[0];
+  if (first.tp_size() != cfg_.tp_size || first.tp_rank() != cfg_.tp_rank) {
     return Status::InvalidArgument(
-        "the cache spec is for TP rank " + std::to_string(spec.tp_rank()) + " of " +
-        std::to_string(spec.tp_size()) + " but this worker is rank " +
+        "the cache spec is for TP rank " + std::to_string(first.tp_rank()) + " of " +
+        std::to_string(first.tp_size()) + " but this worker is rank " +
         std::to_string(cfg_.tp_rank) + " of " + std::to_string(cfg_.tp_size));
   }
-  KVFERRY_RETURN_IF_ERROR(CheckRegionBases(spec, bases));
-  KVFERRY_ASSIGN_OR_RETURN(CacheAddresses addresses,
-                           CacheAddresses::Create(spec, std::move(bases)));
+  if (bases.size() != static_cast<std::size_t>(caches.size())) {
+    return Status::InvalidArgument("the caches have " + std::to_string(caches.size()) +
+                                   " KV cache groups but the addresses of " +
+                                   std::to_string(bases.size()) + "; expected one list per group");
+  }
+  std::vector<CacheAddresses> addresses;
+  for (int g = 0; g < caches.size(); ++g) {
+    const auto gi = static_cast<std::size_t>(g);
+    Status checked = CheckRegionBases(caches[g], bases[gi]);
+    Result<CacheAddresses> a = checked.ok()
+                                   ? CacheAddresses::Create(caches[g], std::move(bases[gi]))
+                                   : Result<CacheAddresses>(checked);
+    if (!a.ok()) {
+      return caches.size() == 1 ? a.status()
+                                : a.status().WithContext("KV cache group " + std::to_string(g));
+    }
+    addresses.push_back(std::move(a).value());
+  }
   {
     MutexLock lock(mu_);
-    if (spec_) return Status::InvalidArgument("KV caches are already registered");
+    if (caches_) return Status::InvalidArgument("KV caches are already registered");
   }
-  // docs/transport.md, "Region ids": one region per part, or per layer when parts interleave.
-  for (int l = 0; l < spec.num_layers(); ++l) {
-    for (int p = 0; p < spec.num_parts(); ++p) {
-      const PartRegion region = RegionOfPart(spec, l, p);
-      if (region.offset != 0) continue;  // inside the layer's region of part 0
-      KVFERRY_RETURN_IF_ERROR(transport_->RegisterMemory(
-          static_cast<RegionId>(region.id),
-          reinterpret_cast<void*>(addresses.Base(l, p)),  // NOLINT(performance-no-int-to-ptr)
-          static_cast<std::size_t>(RegionBytes(spec, p)), memory));
+  // docs/transport.md, "Region ids": one region per part, or per layer when parts interleave;
+  // each group's after the earlier groups'. The registry refuses groups whose tensors overlap.
+  for (int g = 0; g < caches.size(); ++g) {
+    const CacheSpec& spec = caches[g];
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      for (int p = 0; p < spec.num_parts(); ++p) {
+        const PartRegion region = RegionOfPart(caches, g, l, p);
+        if (region.offset != 0) continue;  // inside the layer's region of part 0
+        KVFERRY_RETURN_IF_ERROR(transport_->RegisterMemory(
+            static_cast<RegionId>(region.id),
+            reinterpret_cast<void*>(  // NOLINT(performance-no-int-to-ptr)
+                addresses[static_cast<std::size_t>(g)].Base(l, p)),
+            static_cast<std::size_t>(RegionBytes(spec, p)), memory));
+      }
     }
   }
   KVFERRY_ASSIGN_OR_RETURN(std::vector<std::uint8_t> descriptor, transport_->Descriptor());
-  agents_->SetLocalCache(spec);
-  loads_->SetCaches(spec, addresses, listener_->endpoint());
+  agents_->SetLocalCache(caches);
+  loads_->SetCaches(caches, addresses, listener_->endpoint());
   MutexLock lock(mu_);
-  spec_ = spec;
+  caches_ = caches;
   memory_ = memory;
   metadata_ = wire::AgentMetadata{
       identity_, listener_->endpoint(), {{kTransportKind, std::move(descriptor)}},
-      spec,      spec.Hash(),           {wire::kFeatureLayerwise, wire::kFeaturePpReaders}};
+      caches,    caches.Hash(),         {wire::kFeatureLayerwise, wire::kFeaturePpReaders}};
   LayerwiseLimits limits;
-  limits.num_layers = spec.num_layers();
+  limits.num_layers = first.num_layers();
   limits.layers_per_notice = std::max(1, cfg_.layerwise_layers_per_notice);
   limits.max_waiting = cfg_.max_waiting_subscriptions;
   limits.max_subscribers = cfg_.max_subscribers_per_transfer;
   limits.max_wait = std::max(cfg_.hold_lease, cfg_.layerwise_start_timeout);
   layerwise_.emplace(limits, self_);
+  int layers = 0;
+  for (const CacheSpec& g : caches.specs()) layers += g.num_layers();
   Log().info(
-      "kvferry {} worker {} tp {}/{}: registered {} layers x {} parts, {} bytes of {} memory; "
-      "listening on {}",
-      RoleName(cfg_.role), cfg_.engine_id, cfg_.tp_rank, cfg_.tp_size, spec.num_layers(),
-      spec.num_parts(), spec.TotalBytes(), memory.ToString(), listener_->endpoint());
+      "kvferry {} worker {} tp {}/{}: registered {} layers x {} parts in {} KV cache group(s), {} "
+      "bytes of {} memory; listening on {}",
+      RoleName(cfg_.role), cfg_.engine_id, cfg_.tp_rank, cfg_.tp_size, layers, first.num_parts(),
+      caches.size(), caches.TotalBytes(), memory.ToString(), listener_->endpoint());
   return Status::Ok();
 }
 
@@ -266,13 +296,14 @@ Status WorkerImpl::SaveKvLayer(int layer, std::uint64_t stream) {
   {
     MutexLock lock(mu_);
     memory = memory_;
-    if (!spec_) {
+    if (!caches_) {
       return Status::InvalidArgument("SaveKvLayer before RegisterKvCaches: no layers yet");
     }
-    if (layer < 0 || layer >= spec_->num_layers()) {
+    const CacheSpec& spec = (*caches_)[0];
+    if (layer < 0 || layer >= spec.num_layers()) {
       return Status::InvalidArgument("SaveKvLayer: layer " + std::to_string(layer) +
                                      " is outside the cache's 0.." +
-                                     std::to_string(spec_->num_layers() - 1));
+                                     std::to_string(spec.num_layers() - 1));
     }
     if (stream != 0 && memory_.is_host()) {
       return Status::InvalidArgument(

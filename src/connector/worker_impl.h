@@ -37,7 +37,8 @@ class WorkerImpl {
   ~WorkerImpl();
 
   Status Init();
-  Status RegisterKvCaches(const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
+  Status RegisterKvCaches(const CacheGroups& caches,
+                          std::vector<std::vector<std::vector<std::uint64_t>>> bases,
                           const MemoryKind& memory);
   void StartLoadKv(const ConnectorMetadata& metadata) EXCLUDES(mu_);
   Status SaveKvLayer(int layer, std::uint64_t stream) EXCLUDES(mu_);
@@ -75,7 +76,7 @@ class WorkerImpl {
 
   // Prefill side: holds, and what a metadata request is answered with.
   mutable Mutex mu_;
-  std::optional<CacheSpec> spec_ GUARDED_BY(mu_);
+  std::optional<CacheGroups> caches_ GUARDED_BY(mu_);
   std::optional<wire::AgentMetadata> metadata_ GUARDED_BY(mu_);
   HoldTable holds_ GUARDED_BY(mu_);
   // Layer-wise transfers (docs/layerwise.md): made when the caches are registered; the saves of

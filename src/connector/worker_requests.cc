@@ -78,8 +78,11 @@ wire::Message WorkerImpl::HandleLocked(const wire::Message& request,
 }
 
 int WorkerImpl::ExpectedReadersLocked(std::uint32_t reader_tp) const {
-  if (!spec_) return 1;
-  Result<int> n = ExpectedReaders(*spec_, cfg_.tp_size, static_cast<int>(reader_tp), cfg_.tp_rank);
+  if (!caches_) return 1;
+  // Readers follow group 0's head split; LoadRunner::Plan refuses groups whose TP plans name
+  // other ranks, so every group is read by the same decode ranks.
+  Result<int> n =
+      ExpectedReaders((*caches_)[0], cfg_.tp_size, static_cast<int>(reader_tp), cfg_.tp_rank);
   if (!n.ok()) {
     Log().warn("cannot count readers for decode TP {}: {}; waiting for one", reader_tp,
                n.status().ToString());

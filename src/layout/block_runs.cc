@@ -97,6 +97,17 @@ PartRegion RegionOfPart(const CacheSpec& spec, int layer, int part) {
   return {first, InterleavedOffset(spec, part)};
 }
 
+PartRegion RegionOfPart(const CacheGroups& caches, int group, int layer, int part) {
+  std::int64_t first = 0;
+  for (int g = 0; g < group; ++g) {
+    const CacheSpec& s = caches[g];
+    first += static_cast<std::int64_t>(s.num_layers()) * (PartsInterleaved(s) ? 1 : s.num_parts());
+  }
+  PartRegion r = RegionOfPart(caches[group], layer, part);
+  r.id += first;
+  return r;
+}
+
 std::int64_t RegionBytes(const CacheSpec& spec, int part) {
   if (!PartsInterleaved(spec)) return spec.PartBytes(part);
   return spec.num_blocks() * spec.BlockStride(0);
@@ -209,7 +220,23 @@ Status CheckTokenBlocks(const char* side, const TokenBlocks& b, std::int64_t fir
         std::to_string(b.tokens_per_block) + "), which do not cover tokens [" +
         std::to_string(first_token) + ", " + std::to_string(end_token) + ") of the load");
   }
+  // Blocks the load reads must exist; the others may be kNoBlock (a sliding window's freed ones).
+  const std::int64_t first_read = (first_token - b.first_token) / b.tokens_per_block;
+  const std::int64_t end_read =
+      end_token == first_token ? first_read
+                               : (end_token - 1 - b.first_token) / b.tokens_per_block + 1;
   for (std::size_t i = 0; i < b.ids.size(); ++i) {
+    const auto at = static_cast<std::int64_t>(i);
+    const bool read = at >= first_read && at < end_read;
+    if (!read && b.ids[i] == kNoBlock) continue;
+    if (read && b.ids[i] == kNoBlock) {
+      return Status::InvalidArgument(
+          std::string(side) + " side has no block (-1) at index " + std::to_string(i) +
+          ", tokens [" + std::to_string(b.first_token + at * b.tokens_per_block) + ", +" +
+          std::to_string(b.tokens_per_block) + "), which the load reads (tokens [" +
+          std::to_string(first_token) + ", " + std::to_string(end_token) +
+          ")): the engine freed a block the decode side needs");
+    }
     if (b.ids[i] < 0 || b.ids[i] >= b.num_blocks) {
       return Status::InvalidArgument(std::string(side) + " block id " + std::to_string(b.ids[i]) +
                                      " at index " + std::to_string(i) + " is outside [0, " +

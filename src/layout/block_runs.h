@@ -144,6 +144,9 @@ struct PartRegion {
 bool PartsInterleaved(const CacheSpec& spec);
 /// The region holding part `part` of layer `layer`; requires CheckRegionLayout(spec) ok.
 PartRegion RegionOfPart(const CacheSpec& spec, int layer, int part);
+/// The same in KV cache group `group` of `caches`: each group's regions follow the earlier
+/// groups' (docs/transport.md, "Region ids"), so a one-group cache numbers them as before.
+PartRegion RegionOfPart(const CacheGroups& caches, int group, int layer, int part);
 /// Bytes of the region of layer `layer` part `part`: PartBytes(part) when packed, the whole
 /// interleaved layer (num_blocks * S) otherwise.
 std::int64_t RegionBytes(const CacheSpec& spec, int part);
