@@ -159,8 +159,9 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
 }
 
 Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t> bytes) {
-  KVFERRY_ASSIGN_OR_RETURN(msgpack::object_handle handle,
-                           wire::SafeUnpack(bytes, {1u << 22, 16, 5}));
+  KVFERRY_ASSIGN_OR_RETURN(
+      msgpack::object_handle handle,
+      wire::SafeUnpack(bytes, {1u << 22, 16, 6}));  // loads[i].more_groups[g].ids: 6
   KVFERRY_ASSIGN_OR_RETURN(wire::MapView m, wire::MapView::Of(handle.get(), "metadata"));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t version, m.Uint("v", 255));
   if (version != 1) {

@@ -297,9 +297,16 @@ Status LoadRunner::AddGroupReads(const LoadSpec& load, const LoadPlan& plan, con
       TokensOfLoad(load, remote_ids, local_ids, remote.tokens_per_id(), local.tokens_per_id()));
   if (local.sliding_window() > 0) {
     // Rule 17: a sliding window reads the prompt's last `sliding_window` tokens, from where the
-    // decode side computes on (vLLM's SlidingWindowManager skips the tokens before).
+    // decode side computes on (vLLM's SlidingWindowManager skips the tokens before), from the
+    // start of the decode block they begin in, so that no block the decode side keeps is
+    // partly written (NixlConnector reads cdiv(window, block) + 1 whole blocks), unless the
+    // prefill side freed that block's first tokens (its blocks are smaller).
     const std::int64_t end = tokens.first + tokens.count;
-    const std::int64_t first = std::max(tokens.first, end - local.sliding_window());
+    const std::int64_t window_first = std::max<std::int64_t>(end - local.sliding_window(), 0);
+    const std::int64_t block_first = window_first / local.tokens_per_id() * local.tokens_per_id();
+    const auto remote_at = static_cast<std::size_t>(block_first / remote.tokens_per_id());
+    const bool held = remote_at < remote_ids.size() && remote_ids[remote_at] != kNoBlock;
+    const std::int64_t first = std::max(tokens.first, held ? block_first : window_first);
     tokens = {first, end - first};
   }
   return AddTokenReads(load, plan, r, group, tokens, batch);

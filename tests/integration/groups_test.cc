@@ -1,0 +1,259 @@
+// KV cache groups end to end (issue 29): a prefill and a decode worker in one process, each with a
+// hybrid cache of a full-attention group and a sliding-window group (a gpt-oss-like model: the
+// two kinds of layers, a window of 24 tokens), over the real listener and transport. Every byte of
+// the full group lands; of the window's group exactly the blocks of the prompt's last 24 tokens,
+// and nothing else is written. Both orders of groups, shm and tcp.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "common/clock.h"
+#include "common/ports.h"
+#include "kvferry/connector.h"
+
+namespace kvferry {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr std::int64_t kTokensPerBlock = 8;
+constexpr std::int64_t kBlocks = 32;
+constexpr std::int64_t kWindow = 24;
+
+CacheSpec Group(int layers, std::int64_t window) {
+  CacheSpecOptions o =
+      CacheSpec::Mha(layers, 2, 16, kBlocks, kTokensPerBlock, DType::kFloat16)->options();
+  o.sliding_window = window;
+  return *CacheSpec::Create(o);
+}
+
+// One worker's caches: per group, per layer, per part, its bytes (zero, or a pattern of who and
+// where on the prefill side).
+struct HybridCaches {
+  CacheGroups groups;
+  std::vector<std::vector<std::vector<std::vector<std::uint8_t>>>> bytes;  // [g][l][p]
+
+  explicit HybridCaches(CacheGroups g) : groups(std::move(g)) {
+    for (int i = 0; i < groups.size(); ++i) {
+      const CacheSpec& s = groups[i];
+      auto& group = bytes.emplace_back();
+      for (int l = 0; l < s.num_layers(); ++l) {
+        auto& layer = group.emplace_back();
+        for (int p = 0; p < s.num_parts(); ++p) {
+          layer.emplace_back(static_cast<std::size_t>(s.PartBytes(p)), 0);
+        }
+      }
+    }
+  }
+  void Fill() {
+    for (std::size_t g = 0; g < bytes.size(); ++g) {
+      for (std::size_t l = 0; l < bytes[g].size(); ++l) {
+        for (std::size_t p = 0; p < bytes[g][l].size(); ++p) {
+          for (std::size_t i = 0; i < bytes[g][l][p].size(); ++i) {
+            bytes[g][l][p][i] = static_cast<std::uint8_t>(g * 97 + l * 31 + p * 7 + i * 13 + 1);
+          }
+        }
+      }
+    }
+  }
+  std::vector<std::vector<std::vector<std::uint64_t>>> Bases() {
+    std::vector<std::vector<std::vector<std::uint64_t>>> out;
+    for (auto& group : bytes) {
+      auto& g = out.emplace_back();
+      for (auto& layer : group) {
+        auto& l = g.emplace_back();
+        for (auto& part : layer) l.push_back(reinterpret_cast<std::uint64_t>(part.data()));
+      }
+    }
+    return out;
+  }
+  // Block `b` of group g, layer l, part p.
+  const std::uint8_t* Block(int g, int l, int p, std::int64_t b) const {
+    const auto bb = static_cast<std::size_t>(groups[g].BlockBytes(p));
+    return bytes[static_cast<std::size_t>(g)][static_cast<std::size_t>(l)]
+                [static_cast<std::size_t>(p)]
+                    .data() +
+           static_cast<std::size_t>(b) * bb;
+  }
+};
+
+std::unique_ptr<Worker> MakeWorker(Role role, const std::string& engine, int port,
+                                   const std::string& backend) {
+  WorkerConfig c;
+  c.role = role;
+  c.engine_id = engine;
+  c.base_port = port;
+  c.transport.backend = backend;
+  c.transfer_timeout = std::chrono::milliseconds(10000);
+  Result<std::unique_ptr<Worker>> w = Worker::Create(c);
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  return std::move(w).value();
+}
+
+template <typename Pred>
+bool PollFinished(Worker& w, Pred done) {
+  const Deadline deadline = DeadlineAfter(std::chrono::milliseconds(10000));
+  while (Clock::now() < deadline) {
+    if (done(w.GetFinished())) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
+class GroupsTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
+
+TEST_P(GroupsTest, FullGroupEveryByteSlidingWindowOnlyItsWindow) {
+  const auto [backend, window_first] = GetParam();
+  const CacheSpec full = Group(2, 0);
+  const CacheSpec window = Group(3, kWindow);
+  const CacheGroups groups = *CacheGroups::Create(
+      window_first ? std::vector<CacheSpec>{window, full} : std::vector<CacheSpec>{full, window});
+  const int w = window_first ? 0 : 1;  // the window's group
+  const int f = 1 - w;
+  HybridCaches prefill_caches(groups), decode_caches(groups);
+  prefill_caches.Fill();
+  std::vector<int> taken;
+  const int pport = FreeLoopbackPorts(1, taken);
+  const int dport = FreeLoopbackPorts(1, taken);
+  std::unique_ptr<Worker> prefill = MakeWorker(Role::kPrefill, "prefill-g", pport, backend);
+  std::unique_ptr<Worker> decode = MakeWorker(Role::kDecode, "decode-g", dport, backend);
+  ASSERT_TRUE(prefill->RegisterKvCaches(groups, prefill_caches.Bases()).ok());
+  ASSERT_TRUE(decode->RegisterKvCaches(groups, decode_caches.Bases()).ok());
+
+  // A 60-token prompt: 8 blocks; the decode side had 2 blocks (16 tokens) in its prefix cache,
+  // so it loads tokens [16, 60). The window (the last 24 tokens, [36, 60)) is in blocks 4..7.
+  // Either side may have freed the window group's other blocks (vLLM's null block): kNoBlock.
+  const std::vector<std::int64_t> p_full = {9, 3, 12, 5, 20, 21, 7, 30};
+  const std::vector<std::int64_t> p_window = {kNoBlock, kNoBlock, kNoBlock, kNoBlock, 4, 6, 8, 10};
+  const std::vector<std::int64_t> d_full = {1, 2, 3, 4, 5, 6};                // prompt blocks 2..7
+  const std::vector<std::int64_t> d_window = {kNoBlock, 11, 14, 15, 16, 17};  // 2..7
+  ConnectorMetadata hold;
+  hold.holds.push_back({"req", 60000, ""});
+  prefill->StartLoadKv(hold);
+  KvTransferParams params;
+  params.do_remote_prefill = true;
+  params.remote_block_ids = f == 0 ? p_full : p_window;
+  params.remote_group_block_ids = {{f == 0 ? p_window : p_full}};
+  params.remote_engine_id = "prefill-g";
+  params.remote_host = "127.0.0.1";
+  params.remote_port = pport;
+  params.remote_tp_size = 1;
+  params.remote_request_id = "req";
+  Scheduler scheduler({Role::kDecode, "decode-g"});
+  std::vector<std::vector<std::int64_t>> local(2);
+  local[static_cast<std::size_t>(f)] = d_full;
+  local[static_cast<std::size_t>(w)] = d_window;
+  ASSERT_TRUE(scheduler.UpdateStateAfterAllocAllGroups("req", params, local, 44, 60).ok());
+  ConnectorMetadata md = scheduler.BuildConnectorMeta();
+  ASSERT_EQ(md.loads.size(), 1u);
+  Result<ConnectorMetadata> wire = ConnectorMetadata::Decode(md.Encode());
+  ASSERT_TRUE(wire.ok()) << wire.status().ToString();
+  ASSERT_EQ(*wire, md) << "the groups' block ids survive the metadata";
+  decode->StartLoadKv(*wire);
+  ASSERT_TRUE(PollFinished(*decode, [](const FinishedRequests& r) {
+    return std::find(r.receiving.begin(), r.receiving.end(), "req") != r.receiving.end();
+  }));
+  const std::vector<LoadError> errors = decode->TakeLoadErrors();
+  ASSERT_TRUE(errors.empty()) << errors.front().status.ToString();
+  ASSERT_TRUE(PollFinished(*prefill, [](const FinishedRequests& r) {
+    return std::find(r.sending.begin(), r.sending.end(), "req") != r.sending.end();
+  })) << "the reader released the hold";
+
+  const std::int64_t bb = groups[0].BlockBytes(0);
+  std::uint64_t expected = 0;
+  for (int l = 0; l < groups[f].num_layers(); ++l) {
+    for (int p = 0; p < 2; ++p) {
+      for (std::size_t i = 0; i < d_full.size(); ++i) {
+        EXPECT_EQ(
+            std::memcmp(decode_caches.Block(f, l, p, d_full[i]),
+                        prefill_caches.Block(f, l, p, p_full[i + 2]), static_cast<std::size_t>(bb)),
+            0)
+            << "full group layer " << l << " part " << p << " block " << i;
+        expected += static_cast<std::uint64_t>(bb);
+      }
+    }
+  }
+  for (int l = 0; l < groups[w].num_layers(); ++l) {
+    for (int p = 0; p < 2; ++p) {
+      for (std::size_t i = 0; i < d_window.size(); ++i) {
+        const std::int64_t prompt_block = static_cast<std::int64_t>(i) + 2;
+        if (d_window[i] == kNoBlock) continue;
+        const std::uint8_t* got = decode_caches.Block(w, l, p, d_window[i]);
+        if (prompt_block >= 4) {  // in the window, read from the start of its first block
+          // The prompt's last block holds 4 of its 8 tokens (token-major: 4 rows).
+          const std::int64_t rows = prompt_block == 7 ? 4 : kTokensPerBlock;
+          const auto bytes = static_cast<std::size_t>(bb / kTokensPerBlock * rows);
+          EXPECT_EQ(std::memcmp(got,
+                                prefill_caches.Block(
+                                    w, l, p, p_window[static_cast<std::size_t>(prompt_block)]),
+                                bytes),
+                    0)
+              << "window group layer " << l << " block " << prompt_block;
+          expected += bytes;
+        } else {  // before the window: never written
+          const std::vector<std::uint8_t> zero(static_cast<std::size_t>(bb), 0);
+          EXPECT_EQ(std::memcmp(got, zero.data(), zero.size()), 0)
+              << "window group layer " << l << " block " << prompt_block << " was written";
+        }
+      }
+    }
+  }
+  const std::vector<LoadTransfer> transfers = decode->TakeLoadTransfers();
+  ASSERT_EQ(transfers.size(), 1u);
+  EXPECT_EQ(transfers[0].bytes, expected) << "the window's blocks only";
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, GroupsTest,
+                         ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Bool()));
+
+// A decode side whose groups differ from the prefill's (no window, or another one) is refused at
+// the handshake, before any byte moves, with both caches' texts.
+TEST(GroupsRefusalTest, PeersWithOtherGroupsAreRefusedBeforeAnyByteMoves) {
+  const CacheGroups prefill_groups = *CacheGroups::Create({Group(2, 0), Group(2, kWindow)});
+  const CacheGroups decode_groups = *CacheGroups::Create({Group(2, 0), Group(2, 2 * kWindow)});
+  HybridCaches prefill_caches(prefill_groups), decode_caches(decode_groups);
+  prefill_caches.Fill();
+  std::vector<int> taken;
+  const int pport = FreeLoopbackPorts(1, taken);
+  const int dport = FreeLoopbackPorts(1, taken);
+  std::unique_ptr<Worker> prefill = MakeWorker(Role::kPrefill, "prefill-r", pport, "tcp");
+  std::unique_ptr<Worker> decode = MakeWorker(Role::kDecode, "decode-r", dport, "tcp");
+  ASSERT_TRUE(prefill->RegisterKvCaches(prefill_groups, prefill_caches.Bases()).ok());
+  ASSERT_TRUE(decode->RegisterKvCaches(decode_groups, decode_caches.Bases()).ok());
+  ConnectorMetadata hold;
+  hold.holds.push_back({"req", 60000, ""});
+  prefill->StartLoadKv(hold);
+  LoadSpec load;
+  load.request_id = "req";
+  load.remote_request_id = "req";
+  load.local_block_ids = {1, 2};
+  load.remote_block_ids = {3, 4};
+  load.more_groups = {{{5, 6}, {7, 8}}};
+  load.remote_engine_id = "prefill-r";
+  load.remote_host = "127.0.0.1";
+  load.remote_port = pport;
+  ConnectorMetadata md;
+  md.loads.push_back(load);
+  decode->StartLoadKv(md);
+  ASSERT_TRUE(
+      PollFinished(*decode, [](const FinishedRequests& r) { return !r.receiving.empty(); }));
+  const std::vector<LoadError> errors = decode->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), StatusCode::kNotSupported);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("window=24"));
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("window=48"));
+  for (const auto& group : decode_caches.bytes) {
+    for (const auto& layer : group) {
+      for (const auto& part : layer) {
+        EXPECT_TRUE(std::all_of(part.begin(), part.end(), [](std::uint8_t b) { return b == 0; }))
+            << "a byte moved";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvferry
