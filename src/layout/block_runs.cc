@@ -222,9 +222,9 @@ Status CheckTokenBlocks(const char* side, const TokenBlocks& b, std::int64_t fir
   }
   // Blocks the load reads must exist; the others may be kNoBlock (a sliding window's freed ones).
   const std::int64_t first_read = (first_token - b.first_token) / b.tokens_per_block;
-  const std::int64_t end_read =
-      end_token == first_token ? first_read
-                               : (end_token - 1 - b.first_token) / b.tokens_per_block + 1;
+  const std::int64_t end_read = end_token == first_token
+                                    ? first_read
+                                    : (end_token - 1 - b.first_token) / b.tokens_per_block + 1;
   for (std::size_t i = 0; i < b.ids.size(); ++i) {
     const auto at = static_cast<std::int64_t>(i);
     const bool read = at >= first_read && at < end_read;
