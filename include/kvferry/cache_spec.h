@@ -278,6 +278,11 @@ class CacheGroups {
   std::vector<CacheSpec> groups_;
 };
 
+/// Why two caches' hashes differ, for a refusal: the first difference ("KV cache group 1:
+/// window=48 here, window=24 there", or the group counts), then both texts. Empty when their
+/// hashes are equal.
+std::string FirstDifference(const CacheGroups& ours, const CacheGroups& theirs);
+
 /// Heads held by TP rank `rank` of `tp_size` for a part of `model_heads` heads that is split
 /// across TP (MHA): the count and the first model-wide index. With fewer heads than ranks each
 /// head is replicated on tp_size / model_heads consecutive ranks. Requires a valid combination

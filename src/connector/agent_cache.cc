@@ -14,8 +14,7 @@ std::string SideChannelEndpoint(const std::string& host, int port) {
 
 void AgentCache::SetLocalCache(const CacheGroups& caches) {
   MutexLock lock(mu_);
-  local_hash_ = caches.Hash();
-  local_text_ = caches.CanonicalText();
+  local_ = caches;
 }
 
 AgentCacheStats AgentCache::Stats() const {
@@ -135,20 +134,18 @@ Status AgentCache::Handshake(RemoteAgent& agent, const AgentKey& key, Deadline d
         std::to_string(key.tp_rank) + " of " + std::to_string(key.tp_size) +
         "; check remote_host, remote_port and the instances' base ports");
   }
-  CompatibilityHash ours{};
-  std::string our_text;
+  std::optional<CacheGroups> ours;
   {
     MutexLock lock(mu_);
-    if (!local_hash_) {
-      return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
-    }
-    ours = *local_hash_;
-    our_text = local_text_;
+    ours = local_;
   }
-  if (md->cache_hash != ours) {
-    return Status::NotSupported(
-        "the KV cache layouts differ, so no byte may move: this worker has " + our_text +
-        ", peer " + key.endpoint + " has " + md->caches.CanonicalText());
+  if (!ours) {
+    return Status::InvalidArgument("KV caches are not registered; call RegisterKvCaches first");
+  }
+  if (md->cache_hash != ours->Hash()) {
+    return Status::NotSupported("the KV cache layouts of this worker and peer " + key.endpoint +
+                                " differ, so no byte may move; " +
+                                FirstDifference(*ours, md->caches));
   }
   const wire::TransportDescriptor* desc = nullptr;
   for (const auto& t : md->transports) {

@@ -97,8 +97,7 @@ class AgentCache {
   const int max_agents_;
 
   mutable Mutex mu_;
-  std::optional<CompatibilityHash> local_hash_ GUARDED_BY(mu_);
-  std::string local_text_ GUARDED_BY(mu_);
+  std::optional<CacheGroups> local_ GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<RemoteAgent>> agents_ GUARDED_BY(mu_);  // by endpoint
   AgentCacheStats stats_ GUARDED_BY(mu_);
 };

@@ -43,4 +43,43 @@ std::int64_t CacheGroups::TotalBytes() const {
   return total;
 }
 
+namespace {
+
+std::vector<std::string> Words(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    const std::size_t end = std::min(text.find(' ', at), text.size());
+    out.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string FirstDifference(const CacheGroups& ours, const CacheGroups& theirs) {
+  if (ours.Hash() == theirs.Hash()) return "";
+  std::string first;
+  if (ours.size() != theirs.size()) {
+    first = std::to_string(ours.size()) + " KV cache group(s) here, " +
+            std::to_string(theirs.size()) + " there";
+  } else {
+    for (int g = 0; g < ours.size() && first.empty(); ++g) {
+      const std::vector<std::string> a = Words(ours[g].CanonicalText());
+      const std::vector<std::string> b = Words(theirs[g].CanonicalText());
+      for (std::size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+        const std::string x = i < a.size() ? a[i] : "(nothing)";
+        const std::string y = i < b.size() ? b[i] : "(nothing)";
+        if (x == y) continue;
+        first = (ours.size() > 1 ? "KV cache group " + std::to_string(g) + ": " : std::string()) +
+                x + " here, " + y + " there";
+        break;
+      }
+    }
+  }
+  return "first difference: " + first + " (this side: " + ours.CanonicalText() +
+         "; the other: " + theirs.CanonicalText() + ")";
+}
+
 }  // namespace kvferry

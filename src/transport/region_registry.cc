@@ -33,6 +33,16 @@ Status RegionRegistry::Add(RegionId id, void* addr, std::size_t length, MemoryKi
     return Status::InvalidArgument("region id " + std::to_string(id) +
                                    " is already registered; deregister it first");
   }
+  // The same bytes under a second id (an alias): KV cache groups that share a tensor, as
+  // vLLM's hybrid models do (one tensor per layer of every group). Lookups by address find the
+  // first id; reads name either.
+  if (auto same = by_addr_.find(begin); same != by_addr_.end()) {
+    const RegionInfo& s = regions_.at(same->second).info;
+    if (s.length == length && s.kind == kind) {
+      regions_[id] = Entry{{id, static_cast<std::byte*>(addr), length, std::move(kind)}, 0, false};
+      return Status::Ok();
+    }
+  }
   // Overlap with the neighbours on either side.
   auto next = by_addr_.lower_bound(begin);
   if (next != by_addr_.end() && next->first < begin + length) {
@@ -59,7 +69,17 @@ Status RegionRegistry::Remove(RegionId id, const std::function<void(RegionId)>& 
     return Status::NotFound("region " + std::to_string(id) + " is not registered");
   }
   it->second.removing = true;
-  by_addr_.erase(reinterpret_cast<std::uintptr_t>(it->second.info.addr));
+  const auto addr = reinterpret_cast<std::uintptr_t>(it->second.info.addr);
+  if (auto listed = by_addr_.find(addr); listed != by_addr_.end() && listed->second == id) {
+    by_addr_.erase(listed);
+    // An alias of the same bytes takes its place.
+    for (const auto& [other, e] : regions_) {
+      if (other != id && !e.removing && reinterpret_cast<std::uintptr_t>(e.info.addr) == addr) {
+        by_addr_[addr] = other;
+        break;
+      }
+    }
+  }
   if (revoke) {
     lock.Unlock();
     revoke(id);

@@ -119,7 +119,8 @@ TEST_F(AgentCacheTest, AMismatchedEngineOrLayoutIsRefusedAndNotCached) {
       other_layout->Get(Key(p, "prefill-a"), DeadlineAfter(milliseconds(10000)));
   ASSERT_FALSE(layout.ok());
   EXPECT_EQ(layout.status().code(), StatusCode::kNotSupported);
-  EXPECT_THAT(layout.status().message(), HasSubstr("layouts differ"));
+  EXPECT_THAT(layout.status().message(),
+              HasSubstr("differ, so no byte may move; first difference"));
 }
 
 TEST_F(AgentCacheTest, ARestartedEngineReplacesTheStaleAgentAndTheOldOneIsNotReadAsNew) {

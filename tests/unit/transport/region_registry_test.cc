@@ -81,11 +81,29 @@ TEST_F(RegionRegistryTest, AddRefusesOverlapOnEitherSideAndAcceptsAdjacent) {
   // Inside it, and around it.
   EXPECT_FALSE(registry_.Add(2, at(1200), 10).ok());
   EXPECT_FALSE(registry_.Add(2, at(900), 1200).ok());
-  EXPECT_FALSE(registry_.Add(2, at(1000), 1000).ok());
+  EXPECT_FALSE(registry_.Add(2, at(1000), 999).ok());  // the same start, shorter: no alias
   // Touching on either side is fine.
   EXPECT_TRUE(registry_.Add(2, at(500), 500).ok());   // [500, 1000)
   EXPECT_TRUE(registry_.Add(3, at(2000), 500).ok());  // [2000, 2500)
   EXPECT_EQ(registry_.List().size(), 3u);
+}
+
+// KV cache groups sharing a tensor (vLLM's hybrid models): the same bytes under a second id are
+// an alias, read under either; the address lookup survives the removal of either one.
+TEST_F(RegionRegistryTest, TheSameBytesUnderAnotherIdAreAnAlias) {
+  ASSERT_TRUE(registry_.Add(1, at(1000), 1000).ok());
+  ASSERT_TRUE(registry_.Add(2, at(1000), 1000).ok());
+  EXPECT_FALSE(registry_.Add(3, at(1000), 1000, MemoryKind{"sim", 0}).ok()) << "another kind";
+  EXPECT_EQ(registry_.List().size(), 2u);
+  RegionPin pin;
+  Result<std::byte*> where = registry_.PinRange(2, 10, 20, &pin);
+  ASSERT_TRUE(where.ok()) << where.status().ToString();
+  EXPECT_EQ(*where, at(1010));
+  pin = RegionPin();
+  ASSERT_TRUE(registry_.Remove(1).ok());
+  EXPECT_TRUE(registry_.PinLocal(at(1500), 10).ok()) << "the alias is found by address";
+  ASSERT_TRUE(registry_.Remove(2).ok());
+  EXPECT_FALSE(registry_.PinLocal(at(1500), 10).ok());
 }
 
 TEST_F(RegionRegistryTest, PinRangeChecksTheRangeInclusivelyAndWithoutOverflow) {
