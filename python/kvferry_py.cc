@@ -64,6 +64,10 @@ KvTransferParams ParamsFromDict(const py::dict& d) {
   if (opt("transfer_id")) p.transfer_id = d["transfer_id"].cast<std::string>();
   if (opt("remote_rank_hosts"))
     p.remote_rank_hosts = d["remote_rank_hosts"].cast<std::vector<std::string>>();
+  if (opt("remote_group_block_ids")) {
+    p.remote_group_block_ids =
+        d["remote_group_block_ids"].cast<std::vector<std::vector<std::int64_t>>>();
+  }
   return p;
 }
 
@@ -80,6 +84,7 @@ py::dict ParamsToDict(const KvTransferParams& p) {
   if (p.remote_request_id) d["remote_request_id"] = *p.remote_request_id;
   if (p.transfer_id) d["transfer_id"] = *p.transfer_id;
   if (p.remote_rank_hosts) d["remote_rank_hosts"] = *p.remote_rank_hosts;
+  if (p.remote_group_block_ids) d["remote_group_block_ids"] = *p.remote_group_block_ids;
   return d;
 }
 
@@ -268,7 +273,7 @@ PYBIND11_MODULE(_kvferry, m) {
              const std::string& layout, int tp_size, int tp_rank,
              const std::vector<std::int64_t>& fields,
              const std::vector<std::int64_t>& block_strides, int first_layer,
-             std::int64_t blocks_per_id, int model_layers) {
+             std::int64_t blocks_per_id, int model_layers, std::int64_t sliding_window) {
             CacheSpecOptions o;
             LayerSpec layer;
             layer.kind = Unwrap(ParseCacheKind(kind));
@@ -285,6 +290,7 @@ PYBIND11_MODULE(_kvferry, m) {
             o.first_layer = first_layer;
             o.blocks_per_id = blocks_per_id;
             o.model_layers = model_layers;
+            o.sliding_window = sliding_window;
             return MakeSpec(std::move(o));
           },
           "Any uniform cache: parts are (name, model-wide heads, head_dim); names enter the hash. "
@@ -296,13 +302,14 @@ PYBIND11_MODULE(_kvferry, m) {
           "layer); not in the hash (loads read each layer from a stage holding it). "
           "model_layers: the model's layer count, all stages (0: first_layer + layers); in the "
           "hash. blocks_per_id: blocks (the tensor's kernel blocks) one engine block id names, "
-          "where vLLM's block size is a multiple of the kernel's; not in the hash.",
+          "where vLLM's block size is a multiple of the kernel's; not in the hash. sliding_window: "
+          "a sliding-window group's window in tokens (0: full attention); in the hash.",
           py::arg("kind"), py::arg("layers"), py::arg("parts"), py::arg("num_blocks"),
           py::arg("tokens_per_block"), py::arg("dtype") = "bf16", py::arg("layout") = "token_major",
           py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
           py::arg("fields") = std::vector<std::int64_t>{},
           py::arg("block_strides") = std::vector<std::int64_t>{}, py::arg("first_layer") = 0,
-          py::arg("blocks_per_id") = 1, py::arg("model_layers") = 0)
+          py::arg("blocks_per_id") = 1, py::arg("model_layers") = 0, py::arg("sliding_window") = 0)
       .def_property_readonly("fields", &CacheSpec::fields)
       .def_property_readonly("kind", [](const CacheSpec& s) { return CacheKindName(s.kind()); })
       .def_property_readonly("num_layers", &CacheSpec::num_layers)
@@ -314,6 +321,7 @@ PYBIND11_MODULE(_kvferry, m) {
       .def_property_readonly("tp_rank", &CacheSpec::tp_rank)
       .def_property_readonly("first_layer", &CacheSpec::first_layer)
       .def_property_readonly("model_layers", &CacheSpec::model_layers)
+      .def_property_readonly("sliding_window", &CacheSpec::sliding_window)
       .def_property_readonly("blocks_per_id", &CacheSpec::blocks_per_id)
       .def_property_readonly("total_bytes", &CacheSpec::TotalBytes)
       .def("block_bytes", &CacheSpec::BlockBytes, py::arg("part"))
@@ -399,6 +407,21 @@ PYBIND11_MODULE(_kvferry, m) {
           py::arg("request_id"), py::arg("params"), py::arg("block_ids"),
           py::arg("num_external_tokens") = -1, py::arg("num_prompt_tokens") = -1)
       .def(
+          "update_state_after_alloc_all_groups",
+          [](Scheduler& s, const std::string& request_id, py::dict params,
+             const std::vector<std::vector<std::int64_t>>& group_block_ids,
+             std::int64_t num_external_tokens, std::int64_t num_prompt_tokens) {
+            KvTransferParams p = ParamsFromDict(params);
+            Status st = s.UpdateStateAfterAllocAllGroups(request_id, p, group_block_ids,
+                                                         num_external_tokens, num_prompt_tokens);
+            params["do_remote_prefill"] = p.do_remote_prefill;  // cleared: not loaded twice
+            ThrowIfError(st);
+          },
+          "A cache of several KV cache groups: each group's block ids from the load's first "
+          "token on (-1 where the engine allocated none).",
+          py::arg("request_id"), py::arg("params"), py::arg("group_block_ids"),
+          py::arg("num_external_tokens"), py::arg("num_prompt_tokens"))
+      .def(
           "request_scheduled",
           [](Scheduler& s, const std::string& request_id, const py::dict& params,
              const std::vector<std::int64_t>& block_ids, std::int64_t num_computed_tokens,
@@ -431,7 +454,19 @@ PYBIND11_MODULE(_kvferry, m) {
             py::object out = r.params ? py::object(ParamsToDict(*r.params)) : py::none();
             return py::make_tuple(r.delay_free, out);
           },
-          py::arg("request_id"), py::arg("params"), py::arg("reason"), py::arg("block_ids"));
+          py::arg("request_id"), py::arg("params"), py::arg("reason"), py::arg("block_ids"))
+      .def(
+          "request_finished_all_groups",
+          [](Scheduler& s, const std::string& request_id, const py::dict& params,
+             const std::string& reason,
+             const std::vector<std::vector<std::int64_t>>& group_block_ids) {
+            Scheduler::FinishedResult r = s.RequestFinishedAllGroups(
+                request_id, ParamsFromDict(params), ParseReason(reason), group_block_ids);
+            py::object out = r.params ? py::object(ParamsToDict(*r.params)) : py::none();
+            return py::make_tuple(r.delay_free, out);
+          },
+          "vLLM's request_finished_all_groups: each group's block ids (-1 where freed).",
+          py::arg("request_id"), py::arg("params"), py::arg("reason"), py::arg("group_block_ids"));
 
   py::class_<PyWorker>(m, "Worker", "The worker side, one per TP worker. Thread-safe.")
       .def(py::init([](const std::string& role, const std::string& engine_id, int tp_size,
@@ -498,6 +533,25 @@ PYBIND11_MODULE(_kvferry, m) {
             ThrowIfError(s);
           },
           py::arg("spec"), py::arg("bases"), py::arg("memory") = "host")
+      .def(
+          "register_kv_cache_groups",
+          [](PyWorker& pw, const std::vector<CacheSpec>& specs,
+             std::vector<std::vector<std::vector<std::uint64_t>>> bases,
+             const std::string& memory) {
+            const std::shared_ptr<Worker> keep = pw.Get();
+            Worker& w = *keep;
+            const MemoryKind kind = Unwrap(ParseMemoryKind(memory));
+            const CacheGroups groups = Unwrap(CacheGroups::Create(specs));
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = w.RegisterKvCaches(groups, std::move(bases), kind);
+            }
+            ThrowIfError(s);
+          },
+          "A cache of several KV cache groups (a hybrid model): one spec per group, "
+          "bases[group][layer][part]; groups may share tensors (vLLM's hybrid allocator).",
+          py::arg("specs"), py::arg("bases"), py::arg("memory") = "host")
       .def("start_load_kv",
            [](PyWorker& pw, const py::bytes& metadata) {
              const std::shared_ptr<Worker> keep = pw.Get();

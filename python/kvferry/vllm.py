@@ -43,7 +43,7 @@ import re
 from typing import Any, Optional
 
 from . import _kvferry
-from . import vllm_ascend
+from . import vllm_ascend, vllm_groups
 from .vllm_hostcopy import copy_blocks
 from .vllm_layout import host_mirrors, is_host_tensor, read_caches, tensor_info
 from .vllm_stats import KvferryConnectorStats, KvferryPromMetrics, StatsTaker
@@ -62,6 +62,13 @@ try:  # pragma: no cover - depends on the vLLM version
     )
 except Exception:
     _HandshakeBase = object
+try:  # pragma: no cover - depends on the vLLM version
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        SupportsHMA as _SupportsHMA,
+    )
+    _BASES: tuple = (_Base, _SupportsHMA) if _Base is not object else (_Base,)
+except Exception:
+    _BASES = (_Base,)
 logger = logging.getLogger("kvferry.vllm")
 
 _MAX_ID_BYTES = 1024  # the wire format's bound on request, engine and host names
@@ -180,12 +187,22 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
     blocks = params.get("remote_block_ids")
     if transfer is not None and blocks is None:
         blocks = []  # a layer-wise leg: the prefill side announces its blocks with each layer
-    if (isinstance(blocks, (list, tuple)) and len(blocks) == 1
-            and isinstance(blocks[0], (list, tuple))):
-        blocks = blocks[0]  # NixlConnector's hybrid allocator: a tuple of one group
-    if not isinstance(blocks, (list, tuple)) or len(blocks) > _MAX_BLOCKS or any(
-            _int(b) is None or not 0 <= b < (1 << 62) for b in blocks):
+    more = params.get("remote_group_block_ids")
+    if (isinstance(blocks, (list, tuple)) and blocks
+            and all(isinstance(g, (list, tuple)) for g in blocks)):
+        # NixlConnector's hybrid allocator: a tuple of lists, one per KV cache group.
+        blocks, more = blocks[0], (list(blocks[1:]) or more)
+
+    def bad_ids(ids: Any) -> bool:
+        return not isinstance(ids, (list, tuple)) or len(ids) > _MAX_BLOCKS or any(
+            _int(b) is None or not -1 <= b < (1 << 62) for b in ids)
+
+    if bad_ids(blocks):
         return None, "remote_block_ids must be a list of block ids"
+    if more is not None and (not isinstance(more, (list, tuple)) or len(more) >= 16
+                             or any(bad_ids(g) for g in more)):
+        return None, ("remote_group_block_ids must be a list of block id lists, one per KV "
+                      "cache group after the first")
     tp = params.get("remote_tp_size", params.get("tp_size"))
     pp = params.get("remote_pp_size", params.get("pp_size", 1))
     port = _int(params.get("remote_port"))
@@ -206,6 +223,8 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
             out["remote_pp_size"] = pp
     if port + (pp or 1) * out["remote_tp_size"] - 1 > 65535:
         return None, "remote_port + remote_pp_size * remote_tp_size - 1 is past port 65535"
+    if more:
+        out["remote_group_block_ids"] = [list(g) for g in more]
     hosts = params.get("remote_rank_hosts")
     if hosts is not None:
         ranks = (pp or 1) * out["remote_tp_size"]
@@ -411,8 +430,10 @@ class _Settings:
             "worker's TP rank; run inside vLLM's worker processes")
 
 
-class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
-    """vLLM KV connector backed by kvferry. One instance per role per process."""
+class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
+    """vLLM KV connector backed by kvferry. One instance per role per process. SupportsHMA:
+    hybrid models (full attention with sliding-window layers) keep vLLM's hybrid KV cache
+    manager, and each KV cache group moves as a group of its own (kvferry.vllm_groups)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         if _Base is not object:  # pragma: no cover - with vLLM
@@ -424,6 +445,8 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             self._role = role
             self._connector_metadata: Optional[KvferryConnectorMetadata] = None
         self._settings = s = _Settings(vllm_config)
+        # vLLM's KV cache groups kvferry moves; None for one group (the path before HMA).
+        self._groups = vllm_groups.transfer_groups(kv_cache_config, s.block_size)
         self._is_scheduler = _is_scheduler(role)
         self._scheduler: Optional[_kvferry.Scheduler] = None
         self._worker: Optional[_kvferry.Worker] = None
@@ -533,12 +556,23 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         raw["do_remote_prefill"] = False  # one load per request, whatever happens next
         if params is None:
             return
+        rid = str(_get(request, "request_id"))
+        if self._groups is not None:
+            # Hybrid: every group's blocks from the load's first token on (vLLM hands the
+            # request's whole KVCacheBlocks: prefix hits, new blocks, a window's null blocks).
+            prompt, ext = _prompt_tokens(request), max(int(num_external_tokens), 0)
+            groups = (vllm_groups.group_block_ids(blocks.get_block_ids(), self._groups,
+                                                  prompt - ext)
+                      if ext > 0 else [[] for _ in self._groups])
+            self._scheduler.update_state_after_alloc_all_groups(rid, params, groups, ext, prompt)
+            if ext > 0:
+                self._awaited_next.append(rid)
+            return
         block_ids: list[int] = []
         if num_external_tokens > 0:
             ids = (blocks.get_unhashed_block_ids() if hasattr(blocks, "get_unhashed_block_ids")
                    else blocks)
             block_ids = [int(b) for b in ids]
-        rid = str(_get(request, "request_id"))
         # The tokens the load brings: what lets the two instances use different block sizes.
         self._scheduler.update_state_after_alloc(rid, params, block_ids,
                                                  max(int(num_external_tokens), 0),
@@ -629,6 +663,19 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         return out
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        return self._finished(request, [int(b) for b in block_ids], None)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any
+                                    ) -> tuple[bool, Optional[dict]]:
+        """vLLM's SupportsHMA hook (vllm/v1/core/sched/scheduler.py _connector_finished): once,
+        when the request has finished in every group, with each group's block ids."""
+        groups = list(block_ids or ())
+        if self._groups is None:
+            return self._finished(request, [int(b) for b in (groups[0] if groups else ())], None)
+        return self._finished(request, [], vllm_groups.group_block_ids(groups, self._groups))
+
+    def _finished(self, request: Any, block_ids: list[int],
+                  groups: Optional[list[list[int]]]) -> tuple[bool, Optional[dict]]:
         rid = str(_get(request, "request_id"))
         self._warned.discard(rid)
         if self._saves_pending.pop(rid, None) is not None:
@@ -648,7 +695,11 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             raw["do_remote_prefill"] = False
             params, _ = remote_prefill_params(dict(raw, do_remote_prefill=True))
             if params is not None and self._settings.reads:
-                self._scheduler.request_finished(rid, params, reason, [])
+                if groups is not None:
+                    self._scheduler.request_finished_all_groups(rid, params, reason,
+                                                                [[] for _ in groups])
+                else:
+                    self._scheduler.request_finished(rid, params, reason, [])
             return False, None
         if raw.get("do_remote_decode") is not True:
             return False, None
@@ -662,7 +713,9 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         transfer = layerwise_transfer_id(raw)
         if transfer is not None:
             params["transfer_id"] = transfer  # held under it; readers confirm by it
-        return self._scheduler.request_finished(rid, params, reason, [int(b) for b in block_ids])
+        if groups is not None:
+            return self._scheduler.request_finished_all_groups(rid, params, reason, groups)
+        return self._scheduler.request_finished(rid, params, reason, block_ids)
 
     # ----------------------------------------------------------------- worker side
 
@@ -749,6 +802,9 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
         s = self._settings
         tp_size, tp_rank = s.worker_ranks()
         pp_size, pp_rank = s.pipeline_ranks()
+        if self._groups is not None:
+            self._register_groups(kv_caches, tp_size, tp_rank, pp_size, pp_rank)
+            return
         prefer_heads_first = False
         try:  # pragma: no cover - with vLLM
             from vllm.platforms import current_platform  # type: ignore
@@ -800,6 +856,54 @@ class KvferryConnector(_Base):  # type: ignore[misc, valid-type]
             self._layer_index[name] = first.setdefault((info.address, info.shape), len(first))
         if host is not kv_caches:
             self._device_caches, self._host_caches = dict(kv_caches), host
+
+    def _register_groups(self, kv_caches: dict[str, Any], tp_size: int, tp_rank: int,
+                         pp_size: int, pp_rank: int) -> None:
+        """A hybrid model's caches, group by group (vLLM's KVCacheConfig.kv_cache_groups): each
+        group's layers read as one cache of its own, with its sliding window; groups may share
+        tensors (vLLM's hybrid allocator gives layer i of every group one tensor)."""
+        s = self._settings
+        groups = self._groups or []
+        vllm_groups.refuse_unmovable(groups)
+        if pp_size > 1 or s.use_host_buffer:
+            raise _kvferry.NotSupportedError(
+                f"a hybrid model ({len(groups)} KV cache groups) with "
+                f"{'pipeline parallelism' if pp_size > 1 else 'kv_buffer_device cpu'}: kvferry "
+                "moves hybrid caches without pipeline stages and from device or host caches "
+                "directly; run it with PP 1 and without host buffers")
+        specs, bases, memory, first_reg = [], [], None, None
+        for g in groups:
+            caches = {n: kv_caches[n] for n in g.layer_names if n in kv_caches}
+            if not caches:
+                raise _kvferry.InvalidArgumentError(
+                    f"KV cache group {g.index} names layers {list(g.layer_names)[:3]}, none of "
+                    "which register_kv_caches was given")
+            reg = read_caches(caches, g.block_size, s.total_kv_heads, tp_size, False,
+                              s.mla_split)
+            if memory is not None and reg.memory != memory:
+                raise _kvferry.InvalidArgumentError(
+                    f"KV cache group {g.index} is in {reg.memory} memory and group "
+                    f"{groups[0].index} in {memory}; a worker's caches are in one memory")
+            memory = reg.memory
+            specs.append(_kvferry.CacheSpec.create(
+                reg.kind, len(reg.bases), reg.parts, reg.num_blocks, reg.tokens_per_block,
+                reg.dtype, reg.layout, tp_size, tp_rank, list(reg.fields),
+                list(reg.block_strides), 0, reg.blocks_per_id, 0, g.sliding_window))
+            bases.append(reg.bases)
+            first_reg = first_reg or reg
+        worker = _kvferry.Worker(
+            s.native_role, s.engine_id, tp_size, tp_rank, s.dp_rank, s.host, s.base_port,
+            s.secret, s.transport, s.rank_table, s.server_id, s.visible_devices,
+            s.transfer_timeout_ms, s.hold_lease_ms, s.failure_policy,
+            transport_options=s.transport_options, pp_size=pp_size, pp_rank=pp_rank)
+        worker.register_kv_cache_groups(specs, bases, memory or "host")
+        self._worker = worker
+        self._spec = specs[0]
+        self._registration = first_reg
+        logger.info("kvferry: %d KV cache groups registered (%s)", len(specs),
+                    ", ".join(f"{g.kind} of {len(g.layer_names)} layers"
+                              + (f", window {g.sliding_window}" if g.sliding_window else "")
+                              for g in groups))
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         """vLLM's block copy ops (copy_kv_blocks(src_caches, dst_caches, src_block_ids,

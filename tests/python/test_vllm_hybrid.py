@@ -1,0 +1,174 @@
+"""Hybrid models in vLLM (issue 29): the adapter driven as vLLM drives a SupportsHMA connector,
+with a real-shaped KVCacheConfig. Each test cites the vLLM file and function it follows:
+
+- vllm/v1/kv_cache_interface.py: KVCacheConfig(num_blocks, kv_cache_tensors, kv_cache_groups),
+  KVCacheGroupSpec(layer_names, kv_cache_spec), FullAttentionSpec / SlidingWindowSpec /
+  MambaSpec, KVCacheTensor(size, shared_by): layer i of every group shares one tensor;
+- vllm/v1/core/kv_cache_manager.py KVCacheBlocks.get_block_ids(): a tuple of lists, one per
+  group; vllm/v1/core/block_pool.py: block 0 is the null block, which
+  SlidingWindowManager.remove_skipped_blocks puts in a window group's table before its window;
+- vllm/v1/core/sched/scheduler.py Scheduler.schedule (update_state_after_alloc with the
+  request's whole KVCacheBlocks and num_external_computed_tokens) and _connector_finished
+  (request_finished_all_groups for a SupportsHMA connector);
+- the connector's constructor (vllm_config, role, kv_cache_config), as vLLM's factory calls it.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import kvferry
+import kvferry.vllm
+from common import free_port
+from test_vllm_adapter import BS, DIM, HEADS, NB, config, request
+from test_vllm_today import poll, worker_step
+
+
+class FullAttentionSpec(SimpleNamespace):
+    pass
+
+
+class SlidingWindowSpec(SimpleNamespace):
+    pass
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+class KVCacheBlocks:
+    """vllm/v1/core/kv_cache_manager.py KVCacheBlocks: get_block_ids() is one list per group."""
+
+    def __init__(self, groups):
+        self.groups = [list(g) for g in groups]
+
+    def get_block_ids(self):
+        return tuple(list(g) for g in self.groups)
+
+    def get_unhashed_block_ids(self):
+        raise AssertionError("get_unhashed_block_ids asserts one group in vLLM")
+
+
+WINDOW = 2 * BS  # tokens
+
+
+def gpt_oss_like(layers=4, window=WINDOW):
+    """A gpt-oss-like model: layers alternating full attention and a sliding window, two KV
+    cache groups (vLLM's HybridKVCacheCoordinator), layer i of both groups one tensor
+    (KVCacheTensor shared_by)."""
+    full = [f"model.layers.{i}.self_attn.attn" for i in range(0, layers, 2)]
+    swa = [f"model.layers.{i}.self_attn.attn" for i in range(1, layers, 2)]
+    spec = dict(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype="int32")
+    groups = [SimpleNamespace(layer_names=full, kv_cache_spec=FullAttentionSpec(**spec)),
+              SimpleNamespace(layer_names=swa,
+                              kv_cache_spec=SlidingWindowSpec(sliding_window=window, **spec))]
+    tensors = [SimpleNamespace(size=0, shared_by=[f, w]) for f, w in zip(full, swa)]
+    return SimpleNamespace(num_blocks=NB, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def caches_for(kv_cache_config, seed=None):
+    """The model runner's tensors: one (2, NB, BS, HEADS, DIM) tensor per KVCacheTensor, every
+    layer it is shared by a view of it."""
+    out = {}
+    for i, t in enumerate(kv_cache_config.kv_cache_tensors):
+        tensor = np.zeros((2, NB, BS, HEADS, DIM), np.int32)  # bytes compare exactly (no NaN)
+        if seed is not None:
+            tensor.reshape(-1).view(np.uint8)[...] = np.random.default_rng(seed + i).integers(
+                0, 256, tensor.nbytes, dtype=np.uint8)
+        for name in t.shared_by:
+            out[name] = tensor
+    return out
+
+
+def hybrid_pair(kv_cache_config):
+    pport, dport = free_port(), free_port()
+    made = []
+    for role, port in (("kv_producer", pport), ("kv_consumer", dport)):
+        made.append(tuple(kvferry.vllm.KvferryConnector(config(role, port), r, kv_cache_config)
+                          for r in ("SCHEDULER", "WORKER")))
+    p_caches, d_caches = caches_for(kv_cache_config, seed=7), caches_for(kv_cache_config)
+    made[0][1].register_kv_caches(p_caches)
+    made[1][1].register_kv_caches(d_caches)
+    return made[0], p_caches, made[1], d_caches
+
+
+def test_the_connector_supports_hma_and_a_gpt_oss_like_model_moves_its_window_only():
+    """Prefill 30 tokens (8 blocks of 4); the decode instance loads all of them. The full group
+    moves every block; the window group (8 tokens) only the blocks holding the last 8 tokens, from
+    the start of the block they begin in; its blocks before the window are vLLM's null block on
+    the prefill side (freed) and not allocated on the decode side."""
+    assert hasattr(kvferry.vllm.KvferryConnector, "request_finished_all_groups")
+    kcc = gpt_oss_like()
+    (p_sched, p_work), p_caches, (d_sched, d_work), d_caches = hybrid_pair(kcc)
+    prompt = 30
+    # vLLM keeps a window group's blocks from the one holding the first token still attended
+    # (SlidingWindowManager: skipped tokens n - window + 1): blocks 5..7 here, null before.
+    p_full, p_swa = [1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 0, 0, 0, 9, 10, 11]
+    req = request("r-1", {"do_remote_decode": True}, prompt, "FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished_all_groups(req, (p_full, p_swa))
+    assert delay and params["remote_group_block_ids"] == [[-1] * 5 + [9, 10, 11]]
+    worker_step(p_work, p_sched.build_connector_meta(None))
+    d_full, d_swa = [8, 7, 6, 5, 4, 3, 2, 1], [0, 0, 0, 0, 0, 12, 13, 14]
+    dreq = request("d-1", dict(params), prompt)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt, True)
+    d_sched.update_state_after_alloc(dreq, KVCacheBlocks((d_full, d_swa)), prompt)
+    mds = [d_sched.build_connector_meta(None)]
+    assert mds[0].awaited == ("d-1",)
+    got = poll(lambda: worker_step(d_work, mds.pop() if mds else
+                                   d_sched.build_connector_meta(None))[1], "the load")
+    assert got == {"d-1"}
+    assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
+                                    finished={"r-1"})[0], "the prefill release") == {"r-1"}
+    full = [f"model.layers.{i}.self_attn.attn" for i in (0, 2)]
+    swa = [f"model.layers.{i}.self_attn.attn" for i in (1, 3)]
+    for name in full:
+        for pb, db in zip(p_full, d_full):
+            assert np.array_equal(d_caches[name][:, db], p_caches[name][:, pb]), (name, db)
+    for name in swa:
+        # The window is tokens [22, 30), from the start of block 5 (tokens 20..23): blocks 5
+        # and 6 whole, block 7 the prompt's tokens 28 and 29.
+        assert np.array_equal(d_caches[name][:, 12], p_caches[name][:, 9]), name
+        assert np.array_equal(d_caches[name][:, 13], p_caches[name][:, 10]), name
+        assert np.array_equal(d_caches[name][:, 14, :2], p_caches[name][:, 11, :2]), name
+    # Nothing else of the shared tensors was written: the full group's blocks and the window's.
+    written = set(d_full) | {12, 13, 14}
+    for name in full + swa:
+        for b in range(NB):
+            if b not in written:
+                assert not d_caches[name][:, b].any(), (name, b)
+    # Bytes: a block of a part is BS * HEADS * DIM * 4; the full group 8 blocks, the window's
+    # 2.5 (blocks 5 and 6, half of 7), each of 2 parts of 2 layers: 10,752 bytes, where moving
+    # every layer as full attention (vLLM without HMA) moves 16,384.
+    block = BS * HEADS * DIM * 4
+    assert d_work._worker.stats()["bytes_read"] == (8 + 2.5) * block * 2 * 2
+
+
+def test_a_mamba_group_is_refused_at_registration_naming_it():
+    """Qwen3-Next-like: a linear-attention state group beside full attention. kvferry does not
+    move state yet: refused before the first request, naming the group."""
+    kcc = gpt_oss_like()
+    kcc.kv_cache_groups[1] = SimpleNamespace(
+        layer_names=kcc.kv_cache_groups[1].layer_names,
+        kv_cache_spec=MambaSpec(block_size=BS, shapes=((4, 8), (2, 8, 8)),
+                                dtypes=("float32", "float32")))
+    work = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER", kcc)
+    with pytest.raises(kvferry.NotSupportedError, match="KV cache group 1 .MambaSpec"):
+        work.register_kv_caches(caches_for(kcc))
+
+
+def test_draft_groups_vllm_recomputes_are_left_out_on_both_sides():
+    """vLLM's transfer groups (KVCacheGroupSpec.enable_kv_transfer, is_eagle_group): an EAGLE
+    draft group is recomputed by the decode side, as NixlConnector leaves it; kvferry neither
+    registers nor moves it, and its block ids are dropped from the params."""
+    kcc = gpt_oss_like()
+    draft = "draft_model.layers.0.self_attn.attn"
+    kcc.kv_cache_groups.append(SimpleNamespace(
+        layer_names=[draft], kv_cache_spec=FullAttentionSpec(block_size=BS, num_kv_heads=1,
+                                                             head_size=DIM, dtype="int32"),
+        is_eagle_group=True))
+    sched = kvferry.vllm.KvferryConnector(config("kv_producer", free_port()), "SCHEDULER", kcc)
+    req = request("r", {"do_remote_decode": True}, 8, "FINISHED_LENGTH_CAPPED")
+    _, params = sched.request_finished_all_groups(req, ([1, 2], [3, 4], [5, 6]))
+    assert params["remote_block_ids"] == [1, 2]
+    assert params["remote_group_block_ids"] == [[3, 4]]
