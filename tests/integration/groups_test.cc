@@ -103,6 +103,15 @@ bool PollFinished(Worker& w, Pred done) {
   return false;
 }
 
+// Runs one load on `decode` and waits for its end; its errors.
+std::vector<LoadError> LoadAndWait(Worker& decode, const LoadSpec& load) {
+  ConnectorMetadata md;
+  md.loads.push_back(load);
+  decode.StartLoadKv(md);
+  EXPECT_TRUE(PollFinished(decode, [](const FinishedRequests& r) { return !r.receiving.empty(); }));
+  return decode.TakeLoadErrors();
+}
+
 class GroupsTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
 
 TEST_P(GroupsTest, FullGroupEveryByteSlidingWindowOnlyItsWindow) {
@@ -238,12 +247,7 @@ TEST(GroupsSharedTest, GroupsSharingTensorsReadEachGroupsBlocks) {
   load.remote_engine_id = "prefill-s";
   load.remote_host = "127.0.0.1";
   load.remote_port = pport;
-  ConnectorMetadata md;
-  md.loads.push_back(load);
-  decode->StartLoadKv(md);
-  ASSERT_TRUE(
-      PollFinished(*decode, [](const FinishedRequests& r) { return !r.receiving.empty(); }));
-  const std::vector<LoadError> errors = decode->TakeLoadErrors();
+  const std::vector<LoadError> errors = LoadAndWait(*decode, load);
   ASSERT_TRUE(errors.empty()) << errors.front().status.ToString();
   const auto bb = static_cast<std::size_t>(groups[0].BlockBytes(0));
   const std::vector<std::pair<std::int64_t, std::int64_t>> landed = {
@@ -289,12 +293,7 @@ TEST(GroupsRefusalTest, PeersWithOtherGroupsAreRefusedBeforeAnyByteMoves) {
   load.remote_engine_id = "prefill-r";
   load.remote_host = "127.0.0.1";
   load.remote_port = pport;
-  ConnectorMetadata md;
-  md.loads.push_back(load);
-  decode->StartLoadKv(md);
-  ASSERT_TRUE(
-      PollFinished(*decode, [](const FinishedRequests& r) { return !r.receiving.empty(); }));
-  const std::vector<LoadError> errors = decode->TakeLoadErrors();
+  const std::vector<LoadError> errors = LoadAndWait(*decode, load);
   ASSERT_EQ(errors.size(), 1u);
   EXPECT_EQ(errors[0].status.code(), StatusCode::kNotSupported);
   EXPECT_THAT(errors[0].status.message(),

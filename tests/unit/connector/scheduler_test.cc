@@ -297,6 +297,51 @@ TEST(SchedulerPipelineTest, RankHostsTravelFromThePrefillToTheLoad) {
                    .params->remote_rank_hosts.has_value());
 }
 
+// KV cache groups (issue 29): the prefill names every group's blocks, the decode side's load
+// carries them through the metadata (kNoBlock included), and a group count the params do not
+// have is refused with nothing queued.
+TEST(SchedulerGroupsTest, EveryGroupsBlocksTravelAndACountMismatchIsRefused) {
+  Scheduler prefill({Role::kPrefill, "prefill-0"});
+  KvTransferParams serve;
+  serve.do_remote_decode = true;
+  const std::vector<std::vector<std::int64_t>> held = {{1, 2, 3}, {kNoBlock, 7, 8}};
+  Scheduler::FinishedResult r =
+      prefill.RequestFinishedAllGroups("p", serve, FinishReason::kLengthCapped, held);
+  ASSERT_TRUE(r.params.has_value());
+  EXPECT_TRUE(r.delay_free);
+  EXPECT_EQ(r.params->remote_block_ids, held[0]);
+  ASSERT_TRUE(r.params->remote_group_block_ids.has_value());
+  EXPECT_EQ(*r.params->remote_group_block_ids, std::vector<std::vector<std::int64_t>>{held[1]});
+
+  Scheduler decode = DecodeScheduler();
+  KvTransferParams one_group = *r.params;
+  const std::vector<std::int64_t> blocks = {4, 5, 6};
+  const Status mismatch = decode.UpdateStateAfterAlloc("d0", one_group, blocks, 48, 48);
+  EXPECT_EQ(mismatch.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(mismatch.message(), HasSubstr("name 2"));
+  EXPECT_FALSE(one_group.do_remote_prefill) << "cleared: never loaded twice";
+  EXPECT_TRUE(decode.BuildConnectorMeta().loads.empty());
+
+  KvTransferParams p = *r.params;
+  const std::vector<std::vector<std::int64_t>> local = {{4, 5, 6}, {kNoBlock, 9, 10}};
+  ASSERT_TRUE(decode.UpdateStateAfterAllocAllGroups("d", p, local, 48, 48).ok());
+  ConnectorMetadata m = decode.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u);
+  EXPECT_EQ(m.loads[0].num_groups(), 2);
+  EXPECT_EQ(m.loads[0].LocalIds(1), local[1]);
+  EXPECT_EQ(m.loads[0].RemoteIds(1), held[1]);
+  Result<ConnectorMetadata> back = ConnectorMetadata::Decode(m.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, m);
+  // Ended before it was scheduled: a load of no blocks of every group still tells the prefill.
+  KvTransferParams unscheduled = *r.params;
+  (void)decode.RequestFinishedAllGroups("gone", unscheduled, FinishReason::kAborted,
+                                        std::vector<std::vector<std::int64_t>>(2));
+  ConnectorMetadata gone = decode.BuildConnectorMeta();
+  ASSERT_EQ(gone.loads.size(), 1u);
+  EXPECT_EQ(gone.loads[0].num_groups(), 2);
+}
+
 // kv_both (vLLM's KVTransferConfig): each request's params say which side it is.
 TEST(SchedulerBothRoles, ServesAndLoadsByEachRequestsParams) {
   Scheduler s({Role::kBoth, "both-0", "10.0.0.1", 5557, 0, 2});
