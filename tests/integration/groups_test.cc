@@ -48,12 +48,13 @@ struct HybridCaches {
       }
     }
   }
-  void Fill() {
+  void Fill(int seed = 0) {
     for (std::size_t g = 0; g < bytes.size(); ++g) {
       for (std::size_t l = 0; l < bytes[g].size(); ++l) {
         for (std::size_t p = 0; p < bytes[g][l].size(); ++p) {
           for (std::size_t i = 0; i < bytes[g][l][p].size(); ++i) {
-            bytes[g][l][p][i] = static_cast<std::uint8_t>(g * 97 + l * 31 + p * 7 + i * 13 + 1);
+            bytes[g][l][p][i] =
+                static_cast<std::uint8_t>(seed * 59 + g * 97 + l * 31 + p * 7 + i * 13 + 1);
           }
         }
       }
@@ -263,6 +264,127 @@ TEST(GroupsSharedTest, GroupsSharingTensorsReadEachGroupsBlocks) {
     }
   }
 }
+
+// Heterogeneous TP with groups (issue 29 item 2): a full and a sliding-window group of 2 KV heads,
+// prefill TP p -> decode TP d (2 -> 1: the decode rank gathers each head from the prefill rank
+// holding it; 1 -> 2: each decode rank reads its head's slice), every group from the same ranks;
+// every byte of every token of the load checked per head, and every prefill rank's hold released.
+class GroupsTpTest : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(GroupsTpTest, EveryGroupMovesItsHeadsAcrossTpSizes) {
+  const auto [p_tp, d_tp] = GetParam();
+  auto groups_of = [](int tp, int rank) {
+    std::vector<CacheSpec> g;
+    for (std::int64_t window : {std::int64_t{0}, kWindow}) {
+      CacheSpecOptions o =
+          CacheSpec::Mha(2, 2, 16, kBlocks, kTokensPerBlock, DType::kFloat16, tp, rank)->options();
+      o.sliding_window = window;
+      g.push_back(*CacheSpec::Create(o));
+    }
+    return *CacheGroups::Create(std::move(g));
+  };
+  std::vector<int> taken;
+  const int pbase = FreeLoopbackPorts(p_tp, taken);
+  const int dbase = FreeLoopbackPorts(d_tp, taken);
+  std::vector<HybridCaches> p_caches, d_caches;
+  std::vector<std::unique_ptr<Worker>> prefill, decode;
+  for (int r = 0; r < p_tp; ++r) p_caches.emplace_back(groups_of(p_tp, r));
+  for (int r = 0; r < d_tp; ++r) d_caches.emplace_back(groups_of(d_tp, r));
+  auto make = [](Role role, const std::string& engine, int base, int tp, int rank) {
+    WorkerConfig c;
+    c.role = role;
+    c.engine_id = engine;
+    c.base_port = base;
+    c.tp_size = tp;
+    c.tp_rank = rank;
+    c.transport.backend = "tcp";
+    c.transfer_timeout = std::chrono::milliseconds(10000);
+    Result<std::unique_ptr<Worker>> w = Worker::Create(c);
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    return std::move(w).value();
+  };
+  ConnectorMetadata hold;
+  hold.holds.push_back({"req", 60000, ""});
+  for (int r = 0; r < p_tp; ++r) {
+    p_caches[static_cast<std::size_t>(r)].Fill(r + 1);  // each rank's bytes its own
+    prefill.push_back(make(Role::kPrefill, "prefill-t", pbase, p_tp, r));
+    ASSERT_TRUE(prefill.back()
+                    ->RegisterKvCaches(p_caches[static_cast<std::size_t>(r)].groups,
+                                       p_caches[static_cast<std::size_t>(r)].Bases())
+                    .ok());
+    prefill.back()->StartLoadKv(hold);
+  }
+  // 32 tokens in 4 blocks, all loaded; the window (24 tokens) is blocks 1..3.
+  LoadSpec load;
+  load.request_id = load.remote_request_id = "req";
+  load.remote_block_ids = {2, 4, 6, 8};
+  load.local_block_ids = {1, 3, 5, 7};
+  load.more_groups = {{{kNoBlock, 9, 11, 13}, {kNoBlock, 10, 12, 14}}};
+  load.first_token = 0;
+  load.num_tokens = 32;
+  load.remote_engine_id = "prefill-t";
+  load.remote_host = "127.0.0.1";
+  load.remote_port = pbase;
+  load.remote_tp_size = p_tp;
+  for (int r = 0; r < d_tp; ++r) {
+    decode.push_back(make(Role::kDecode, "decode-t", dbase, d_tp, r));
+    ASSERT_TRUE(decode.back()
+                    ->RegisterKvCaches(d_caches[static_cast<std::size_t>(r)].groups,
+                                       d_caches[static_cast<std::size_t>(r)].Bases())
+                    .ok());
+  }
+  for (int r = 0; r < d_tp; ++r) {
+    const std::vector<LoadError> errors = LoadAndWait(*decode[static_cast<std::size_t>(r)], load);
+    ASSERT_TRUE(errors.empty()) << errors.front().status.ToString();
+  }
+  for (int r = 0; r < p_tp; ++r) {
+    EXPECT_TRUE(PollFinished(*prefill[static_cast<std::size_t>(r)],
+                             [](const FinishedRequests& f) {
+                               return std::find(f.sending.begin(), f.sending.end(), "req") !=
+                                      f.sending.end();
+                             }))
+        << "prefill rank " << r << " was not released by its readers";
+  }
+  // Model-wide head h of token slot t of a block: on a rank of TP n, head h % (2 / n)... each
+  // rank of TP n holds 2 / n heads, [rank * 2 / n, +2 / n); token-major rows of heads x 16 dims.
+  constexpr std::size_t kHeadBytes = 16 * 2;
+  auto head_at = [](const HybridCaches& c, int tp, int g, int l, int p, std::int64_t block,
+                    std::int64_t slot, int head) {
+    const int per_rank = 2 / tp;
+    return c.Block(g, l, p, block) +
+           (static_cast<std::size_t>(slot) * static_cast<std::size_t>(per_rank) +
+            static_cast<std::size_t>(head % per_rank)) *
+               kHeadBytes;
+  };
+  for (int g = 0; g < 2; ++g) {
+    for (int l = 0; l < 2; ++l) {
+      for (int p = 0; p < 2; ++p) {
+        for (std::size_t i = 0; i < 4; ++i) {
+          const std::int64_t local = load.LocalIds(g)[i];
+          const std::int64_t remote = load.RemoteIds(g)[i];
+          if (local == kNoBlock) continue;
+          for (std::int64_t slot = 0; slot < kTokensPerBlock; ++slot) {
+            for (int h = 0; h < 2; ++h) {
+              const int d_rank = h / (2 / d_tp);
+              const int p_rank = h / (2 / p_tp);
+              EXPECT_EQ(std::memcmp(head_at(d_caches[static_cast<std::size_t>(d_rank)], d_tp, g, l,
+                                            p, local, slot, h),
+                                    head_at(p_caches[static_cast<std::size_t>(p_rank)], p_tp, g, l,
+                                            p, remote, slot, h),
+                                    kHeadBytes),
+                        0)
+                  << "group " << g << " layer " << l << " part " << p << " block " << i << " slot "
+                  << slot << " head " << h;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TpSizes, GroupsTpTest,
+                         ::testing::Values(std::pair{2, 1}, std::pair{1, 2}));
 
 INSTANTIATE_TEST_SUITE_P(Backends, GroupsTest,
                          ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Bool()));
