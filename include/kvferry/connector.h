@@ -479,9 +479,10 @@ class Worker {
                           MemoryKind memory = MemoryKind::Host());
   /// A cache of several KV cache groups (a hybrid model: full attention and sliding-window
   /// layers): `bases[group][layer][part]`, each group's parts as RegisterKvCaches above checks
-  /// them (docs/connector.md, "KV cache groups"). Every group's memory is in `memory`. Groups'
-  /// tensors may not overlap each other's (vLLM's shared KV cache tensors are not registered
-  /// yet). Layer-wise transfer takes one group.
+  /// them (docs/connector.md, "KV cache groups"). Every group's memory is in `memory`. Groups
+  /// may share tensors exactly (layer i of every group one tensor, as vLLM's hybrid allocator
+  /// makes them: registered as aliases), never overlap them otherwise. Layer-wise transfer takes
+  /// one group.
   Status RegisterKvCaches(const CacheGroups& caches,
                           std::vector<std::vector<std::vector<std::uint64_t>>> bases,
                           MemoryKind memory = MemoryKind::Host());

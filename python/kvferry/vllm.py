@@ -136,10 +136,11 @@ def rank_hosts(metadata: Any, engine_id: str, host: str, base_port: int, dp_rank
         hosts[rank] = md.host
         seen.add(rank)
     missing = [r for r in range(pp_size * tp_size) if r not in seen]
-    if missing and len(set(hosts)) > 1:
+    if missing and any(h != host for h in hosts):
         logger.warning("kvferry: no handshake metadata from ranks %s (this vLLM keys it by TP "
                        "rank alone); taking them to listen on %s", missing, host)
-    return hosts if len(set(hosts)) > 1 else []
+    # Every rank on `host`: nothing to say; any elsewhere (all on one other host too): name them.
+    return hosts if any(h != host for h in hosts) else []
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -245,9 +246,11 @@ def remote_prefill_params(params: Any) -> tuple[Optional[dict], str]:
 
 def first_layer(layer_names: list[str], pp_size: int) -> int:
     """The model-wide index of a pipeline stage's first layer, from vLLM's layer names
-    ("model.layers.12.self_attn.attn": the first all-digit component): the smallest. It enters
-    kvferry's compatibility hash, so a stage never reads another stage's layers. Without
-    pipeline parallelism a name without an index means 0; with it, such names are refused."""
+    ("model.layers.12.self_attn.attn": the first all-digit component): the smallest. A load
+    reads each of its layers from the prefill stage holding it (cache layer l is model layer
+    first + l), so with pipeline parallelism the stage's indices must be one contiguous run, and
+    names without an index or runs with gaps are refused. Without it, a name without an index
+    means 0."""
     indices = []
     for name in layer_names:
         index = next((int(p) for p in str(name).split(".") if p.isdigit()), None)
@@ -259,6 +262,12 @@ def first_layer(layer_names: list[str], pp_size: int) -> int:
                     "which layers this stage holds")
             return 0
         indices.append(index)
+    if pp_size > 1 and indices and sorted(set(indices)) != list(
+            range(min(indices), min(indices) + len(indices))):
+        raise _kvferry.InvalidArgumentError(
+            f"pipeline-parallel size {pp_size}, but this stage's layer indices "
+            f"{sorted(indices)[:8]}... are not one run of consecutive layers: kvferry maps a "
+            "stage's cache layer l to model layer first + l when it reads across stages")
     return min(indices) if indices else 0
 
 
@@ -518,6 +527,15 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
     def _params(self, request: Any) -> Optional[dict]:
         params, why = remote_prefill_params(_get(request, "kv_transfer_params"))
         rid = str(_get(request, "request_id"))
+        if params is not None and params.get("transfer_id") is None:
+            # The prefill side's groups must be ours (a hook never raises into vLLM: a mismatch
+            # is prefilled here, as any unusable params).
+            theirs = 1 + len(params.get("remote_group_block_ids") or ())
+            ours = len(self._groups) if self._groups is not None else 1
+            if theirs != ours:
+                params, why = None, (f"they name blocks of {theirs} KV cache group(s) and this "
+                                     f"instance has {ours}: the two instances must run the same "
+                                     "model with the same hybrid KV cache manager setting")
         if why and rid not in self._warned and len(self._warned) < 100000:
             self._warned.add(rid)
             logger.warning("request %s: ignoring kv_transfer_params %r (%s); it is prefilled "
@@ -818,9 +836,9 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         reg = read_caches(host, s.block_size, s.total_kv_heads, tp_size, prefer_heads_first,
                           s.mla_split)
         first = first_layer(list(host), pp_size)
-        # Without stages the cache ends at the model's last layer (0); a stage names the depth,
-        # where its layers fit in it (else 0: a stage then pairs only with its own split).
-        depth = s.model_layers if pp_size > 1 and s.model_layers >= first + len(reg.bases) else 0
+        # The model's depth, one rule for every PP size (so PP 1 pairs with PP 2): vLLM's
+        # num_hidden_layers where this cache's layers fit in it, else 0 (its own end).
+        depth = s.model_layers if s.model_layers >= first + len(reg.bases) else 0
         spec = _kvferry.CacheSpec.create(reg.kind, len(reg.bases), reg.parts, reg.num_blocks,
                                          reg.tokens_per_block, reg.dtype, reg.layout, tp_size,
                                          tp_rank, list(reg.fields), list(reg.block_strides),

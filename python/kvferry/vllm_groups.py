@@ -8,7 +8,8 @@ for the blocks before its window (SlidingWindowManager.remove_skipped_blocks). k
 group it can as a KV cache group of its own (a full-attention group every block, a sliding window
 its window's); groups vLLM does not transfer (`enable_kv_transfer` False, the EAGLE/MTP draft
 groups, which the decode side recomputes, as NixlConnector leaves them) are left out on both
-sides. State groups (Mamba, linear attention) are refused at registration, naming the group.
+sides. Other kinds (Mamba and linear-attention state, chunked local attention, ...) are refused
+at registration, naming the group.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from . import _kvferry
 NULL_BLOCK = 0  # vLLM's null block id
 NO_BLOCK = -1  # kvferry's kNoBlock
 
-# vLLM's spec classes for state groups, which kvferry does not move yet.
-_STATE_SPECS = ("MambaSpec",)
+# vLLM's spec classes kvferry moves (vllm/v1/kv_cache_interface.py); any other is refused by name.
+_MOVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec",
+                "SlidingWindowMLASpec")
 
 
 @dataclass(frozen=True)
@@ -44,15 +46,23 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def transfer_groups(kv_cache_config: Any, block_size: int) -> Optional[list[TransferGroup]]:
-    """The groups kvferry moves, in vLLM's order; None without a KVCacheConfig or with one group
-    (kvferry's one-group path, as before HMA)."""
+    """The groups kvferry moves, in vLLM's order; None without a KVCacheConfig, or with one group
+    of full attention (kvferry's one-group path, as before HMA). One sliding-window group takes
+    the groups path too: its table holds vLLM's null block before the window."""
     groups = _get(kv_cache_config, "kv_cache_groups")
-    if not groups or len(groups) < 2:
+    if not groups:
+        return None
+    if len(groups) == 1 and type(_get(groups[0], "kv_cache_spec")).__name__ in (
+            "FullAttentionSpec", "MLAAttentionSpec") and not _get(
+                _get(groups[0], "kv_cache_spec"), "sliding_window"):
         return None
     out: list[TransferGroup] = []
     for i, g in enumerate(groups):
-        if _get(g, "is_eagle_group", False) or _get(g, "enable_kv_transfer", True) is False:
-            continue  # vLLM recomputes drafts on the decode side (its transfer_groups)
+        # vLLM's transfer groups (KVCacheConfig.transfer_groups): a group it excludes from
+        # transfer is recomputed on the decode side. is_eagle_group is not such a flag (a
+        # prefix-cache hint on a group that also holds the model's own layers): it moves.
+        if _get(g, "enable_kv_transfer", True) is False:
+            continue
         spec = _get(g, "kv_cache_spec")
         window = _get(spec, "sliding_window") or 0
         out.append(TransferGroup(i, tuple(_get(g, "layer_names", ()) or ()), type(spec).__name__,
@@ -62,14 +72,17 @@ def transfer_groups(kv_cache_config: Any, block_size: int) -> Optional[list[Tran
 
 
 def refuse_unmovable(groups: Sequence[TransferGroup]) -> None:
-    """A state group (Mamba, linear attention) is refused before the first request, naming it."""
+    """A group of a kind kvferry does not move (Mamba and linear-attention state, chunked local
+    attention, ...) is refused before the first request, naming it."""
     for g in groups:
-        if g.kind in _STATE_SPECS:
+        if g.kind not in _MOVED_SPECS:
+            what = ("Mamba / linear-attention state" if "Mamba" in g.kind else
+                    "a kind of KV cache kvferry does not move")
             raise _kvferry.NotSupportedError(
                 f"KV cache group {g.index} ({g.kind}, layers {', '.join(g.layer_names[:3])}"
-                f"{', ...' if len(g.layer_names) > 3 else ''}) holds Mamba / linear-attention "
-                "state, which kvferry does not move yet; serve this model without kvferry's P/D "
-                "transfer, or with a connector that moves state groups")
+                f"{', ...' if len(g.layer_names) > 3 else ''}) holds {what} (kvferry moves "
+                f"{', '.join(_MOVED_SPECS)}); serve this model without kvferry's P/D transfer, "
+                "or with a connector that moves such groups")
 
 
 def group_block_ids(block_ids: Sequence[Sequence[int]], groups: Sequence[TransferGroup],

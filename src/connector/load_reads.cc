@@ -93,7 +93,17 @@ std::vector<LoadSpec> LoadRunner::Stages(const LoadSpec& load) const {
   if (load.remote_pp_size == cfg_.pp_size) return {load};
   std::vector<LoadSpec> out;
   for (int s = 0; s < load.remote_pp_size; ++s) {
-    LoadSpec& stage = out.emplace_back(load);
+    // Where stage s is and whom it holds for; not the block ids (read from `load` itself), so
+    // that a large load is not copied once per stage.
+    LoadSpec& stage = out.emplace_back();
+    stage.request_id = load.request_id;
+    stage.remote_request_id = load.remote_request_id;
+    stage.remote_engine_id = load.remote_engine_id;
+    stage.remote_host = load.remote_host;
+    stage.remote_port = load.remote_port;
+    stage.remote_tp_size = load.remote_tp_size;
+    stage.remote_pp_size = load.remote_pp_size;
+    stage.transfer_id = load.transfer_id;
     stage.remote_port += s * load.remote_tp_size;
     if (!load.remote_rank_hosts.empty()) {
       const auto first = load.remote_rank_hosts.begin() + s * load.remote_tp_size;
@@ -306,7 +316,17 @@ Status LoadRunner::AddGroupReads(const LoadSpec& load, const LoadPlan& plan, con
     const std::int64_t block_first = window_first / local.tokens_per_id() * local.tokens_per_id();
     const auto remote_at = static_cast<std::size_t>(block_first / remote.tokens_per_id());
     const bool held = remote_at < remote_ids.size() && remote_ids[remote_at] != kNoBlock;
-    const std::int64_t first = std::max(tokens.first, held ? block_first : window_first);
+    std::int64_t first = held ? block_first : window_first;
+    // vLLM's decode side may have freed the block whose last token is the window's first (it
+    // counts the loaded prompt as computed, skipping one token more): start after it.
+    const std::int64_t local_first = load.first_token >= 0 ? load.first_token : tokens.first;
+    const std::int64_t local_at = (block_first - local_first) / local.tokens_per_id();
+    if (block_first >= local_first && local_at < static_cast<std::int64_t>(local_ids.size()) &&
+        local_ids[static_cast<std::size_t>(local_at)] == kNoBlock &&
+        block_first + local.tokens_per_id() <= window_first + 1) {
+      first = block_first + local.tokens_per_id();
+    }
+    first = std::max(tokens.first, first);
     tokens = {first, end - first};
   }
   return AddTokenReads(load, plan, r, group, tokens, batch);

@@ -4,6 +4,7 @@
 #include "connector/load_runner.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "common/clock.h"
 #include "common/log.h"
@@ -233,7 +234,13 @@ void LoadRunner::ReportLocked(const LoadSpec& load, const Status& s, bool recomp
   ++stats_.failures_by_peer[known || stats_.failures_by_peer.size() < kMaxPeers
                                 ? load.remote_engine_id
                                 : std::string("other")];
-  errors_.push_back({load.request_id, load.local_block_ids, s,
+  // Every group's blocks the load wrote into (a hybrid load's, without the no-block positions).
+  std::vector<std::int64_t> blocks = load.local_block_ids;
+  for (const GroupBlockIds& g : load.more_groups) {
+    std::copy_if(g.local.begin(), g.local.end(), std::back_inserter(blocks),
+                 [](std::int64_t b) { return b != kNoBlock; });
+  }
+  errors_.push_back({load.request_id, std::move(blocks), s,
                      recompute && cfg_.failure_policy == LoadFailurePolicy::kRecompute});
 }
 

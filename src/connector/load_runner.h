@@ -166,7 +166,8 @@ class LoadRunner {
     int layer_shift = 0;
   };
   // The prefill stages a load reads, each as a load aimed at that stage's ranks: the load itself
-  // where the PP sizes are equal (the worker aimed it), every stage where they differ.
+  // where the PP sizes are equal (the worker aimed it), every stage where they differ (then
+  // without block ids: read them from the load).
   std::vector<LoadSpec> Stages(const LoadSpec& load) const;
   // FinishedNotice::pp_readers of a load's notices: 1, or this instance's PP size for unequal
   // pipelines (every stage tells every prefill stage).

@@ -266,9 +266,12 @@ Result<Message> DecodeAgentMetadata(const MapView& m) {
   }
   std::copy(hash.begin(), hash.end(), cache_hash.begin());
   if (cache_hash != caches.Hash()) {
-    return Status::InvalidArgument(m.At("cache_hash") +
-                                   ": does not match the cache spec it came with (" +
-                                   caches.CanonicalText() + ")");
+    return Status::InvalidArgument(
+        m.At("cache_hash") + ": does not match the cache spec it came with (" +
+        caches.CanonicalText() +
+        "): the peer runs another kvferry release, whose hash text differs (kvferry-cache-v3 and "
+        "KV cache groups are of 2026-12), or the message is corrupt; upgrade both instances "
+        "together");
   }
   std::vector<std::string> features;
   if (m.Find("features") != nullptr) {

@@ -265,6 +265,47 @@ TEST(GroupsSharedTest, GroupsSharingTensorsReadEachGroupsBlocks) {
   }
 }
 
+// vLLM's decode side counts the loaded prompt as computed and frees the window group's blocks
+// before token end - W + 1: when that is a block boundary, the block whose last token is the
+// window's first (end - W) is gone. The load starts after it instead of failing.
+TEST(GroupsWindowTest, AWindowWhoseFirstBlockTheDecodeSideFreedStartsAfterIt) {
+  const CacheGroups groups = *CacheGroups::Create({Group(1, 0), Group(1, 21)});
+  HybridCaches prefill_caches(groups), decode_caches(groups);
+  prefill_caches.Fill();
+  std::vector<int> taken;
+  const int pport = FreeLoopbackPorts(1, taken);
+  const int dport = FreeLoopbackPorts(1, taken);
+  std::unique_ptr<Worker> prefill = MakeWorker(Role::kPrefill, "prefill-w", pport, "tcp");
+  std::unique_ptr<Worker> decode = MakeWorker(Role::kDecode, "decode-w", dport, "tcp");
+  ASSERT_TRUE(prefill->RegisterKvCaches(groups, prefill_caches.Bases()).ok());
+  ASSERT_TRUE(decode->RegisterKvCaches(groups, decode_caches.Bases()).ok());
+  ConnectorMetadata hold;
+  hold.holds.push_back({"req", 60000, ""});
+  prefill->StartLoadKv(hold);
+  // 60 tokens; the window (21) starts at token 39, the last of block 4 (32..39), which the
+  // decode side freed; the prefill side kept it.
+  LoadSpec load;
+  load.request_id = load.remote_request_id = "req";
+  load.remote_block_ids = {1, 2, 3, 4, 5, 6, 7, 8};
+  load.local_block_ids = {9, 10, 11, 12, 13, 14, 15, 16};
+  load.more_groups = {{{kNoBlock, kNoBlock, kNoBlock, kNoBlock, kNoBlock, 17, 18, 19},
+                       {kNoBlock, kNoBlock, kNoBlock, kNoBlock, 20, 21, 22, 23}}};
+  load.first_token = 0;
+  load.num_tokens = 60;
+  load.remote_engine_id = "prefill-w";
+  load.remote_host = "127.0.0.1";
+  load.remote_port = pport;
+  const std::vector<LoadError> errors = LoadAndWait(*decode, load);
+  ASSERT_TRUE(errors.empty()) << errors.front().status.ToString();
+  const auto bb = static_cast<std::size_t>(groups[1].BlockBytes(0));
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(std::memcmp(decode_caches.Block(1, 0, p, 17), prefill_caches.Block(1, 0, p, 21), bb),
+              0);
+    EXPECT_EQ(std::memcmp(decode_caches.Block(1, 0, p, 18), prefill_caches.Block(1, 0, p, 22), bb),
+              0);
+  }
+}
+
 // Heterogeneous TP with groups (issue 29 item 2): a full and a sliding-window group of 2 KV heads,
 // prefill TP p -> decode TP d (2 -> 1: the decode rank gathers each head from the prefill rank
 // holding it; 1 -> 2: each decode rank reads its head's slice), every group from the same ranks;

@@ -20,6 +20,7 @@ import pytest
 
 import kvferry
 import kvferry.vllm
+import kvferry.vllm_groups
 from common import free_port
 from test_vllm_adapter import BS, DIM, HEADS, NB, config, request
 from test_vllm_today import poll, worker_step
@@ -157,18 +158,46 @@ def test_a_mamba_group_is_refused_at_registration_naming_it():
         work.register_kv_caches(caches_for(kcc))
 
 
-def test_draft_groups_vllm_recomputes_are_left_out_on_both_sides():
-    """vLLM's transfer groups (KVCacheGroupSpec.enable_kv_transfer, is_eagle_group): an EAGLE
-    draft group is recomputed by the decode side, as NixlConnector leaves it; kvferry neither
-    registers nor moves it, and its block ids are dropped from the params."""
+def test_groups_vllm_does_not_transfer_are_left_out_and_eagle_groups_move():
+    """vLLM's transfer groups (KVCacheConfig.transfer_groups, KVCacheGroupSpec
+    .enable_kv_transfer): a group it excludes (a draft the decode side recomputes) is neither
+    registered nor moved, its block ids dropped from the params. is_eagle_group is a prefix-cache
+    hint on a group that may hold the model's own layers: that group moves."""
     kcc = gpt_oss_like()
-    draft = "draft_model.layers.0.self_attn.attn"
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=DIM, dtype="int32")
     kcc.kv_cache_groups.append(SimpleNamespace(
-        layer_names=[draft], kv_cache_spec=FullAttentionSpec(block_size=BS, num_kv_heads=1,
-                                                             head_size=DIM, dtype="int32"),
-        is_eagle_group=True))
+        layer_names=["draft_model.layers.0.self_attn.attn"], kv_cache_spec=spec,
+        enable_kv_transfer=False))
+    kcc.kv_cache_groups[0].is_eagle_group = True
     sched = kvferry.vllm.KvferryConnector(config("kv_producer", free_port()), "SCHEDULER", kcc)
     req = request("r", {"do_remote_decode": True}, 8, "FINISHED_LENGTH_CAPPED")
     _, params = sched.request_finished_all_groups(req, ([1, 2], [3, 4], [5, 6]))
     assert params["remote_block_ids"] == [1, 2]
     assert params["remote_group_block_ids"] == [[3, 4]]
+
+
+def test_params_naming_other_groups_are_prefilled_here_never_raised_into_vllm():
+    """A prefill instance of one group (or another model) against a hybrid decode instance:
+    get_num_new_matched_tokens says no remote KV (vLLM computes it), update_state_after_alloc
+    queues nothing and raises nothing."""
+    kcc = gpt_oss_like()
+    sched = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "SCHEDULER", kcc)
+    one_group = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p",
+                 "remote_host": "127.0.0.1", "remote_port": 5557, "remote_tp_size": 1}
+    req = request("d", dict(one_group), 8)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, KVCacheBlocks(([], [])), 0)
+    assert sched.build_connector_meta(None).awaited == ()
+
+
+def test_one_sliding_window_group_takes_the_groups_path():
+    """A model whose every layer has a sliding window is one vLLM group with a SlidingWindowSpec:
+    its table holds vLLM's null block before the window, which the one-group path would read as
+    block 0, so it takes the groups path; one full-attention group keeps the one-group path."""
+    kcc = gpt_oss_like()
+    swa_only = SimpleNamespace(kv_cache_groups=[kcc.kv_cache_groups[1]])
+    groups = kvferry.vllm_groups.transfer_groups(swa_only, BS)
+    assert [g.sliding_window for g in groups] == [WINDOW]
+    assert kvferry.vllm_groups.group_block_ids(([0, 0, 5, 6],), groups) == [[-1, -1, 5, 6]]
+    full_only = SimpleNamespace(kv_cache_groups=[kcc.kv_cache_groups[0]])
+    assert kvferry.vllm_groups.transfer_groups(full_only, BS) is None
