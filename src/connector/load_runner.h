@@ -4,8 +4,8 @@
 // done (or aborts their holds when it failed), and is reported exactly once as finished, with an
 // error when it failed. While loads run, their holds' leases are renewed. The engine can abort a
 // load. Used by the worker; the agent cache gives it the prefill ranks. load_runner.cc holds what
-// both kinds of load share, load_reads.cc the whole-request load, layerwise_load.cc the
-// layer-wise load.
+// both kinds of load share, load_plan.cc where a load reads from (stages, layers, groups' TP
+// sources), load_reads.cc the whole-request load, layerwise_load.cc the layer-wise load.
 #pragma once
 
 #include <deque>
