@@ -201,3 +201,34 @@ def test_one_sliding_window_group_takes_the_groups_path():
     assert kvferry.vllm_groups.group_block_ids(([0, 0, 5, 6],), groups) == [[-1, -1, 5, 6]]
     full_only = SimpleNamespace(kv_cache_groups=[kcc.kv_cache_groups[0]])
     assert kvferry.vllm_groups.transfer_groups(full_only, BS) is None
+
+
+def test_every_per_step_hook_answers_for_a_hybrid_connector_in_every_state():
+    """The hooks vLLM calls every step (vllm/v1/worker/kv_connector_model_runner_mixin.py) never
+    raise for a hybrid connector: before registration, after it, with steps of no requests, and
+    with a hybrid load that fails (its peer is gone): it ends once, its blocks reported."""
+    kcc = gpt_oss_like()
+    work = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port(),
+                                                {"transfer_timeout_ms": 2000}), "WORKER", kcc)
+    sched = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "SCHEDULER", kcc)
+    assert worker_step(work, kvferry.vllm.KvferryConnectorMetadata()) == (None, None, set(), None)
+    caches = caches_for(kcc)
+    work.register_kv_caches(caches)
+    for _ in range(2):
+        worker_step(work, sched.build_connector_meta(None), caches=caches)
+    gone = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p",
+            "remote_host": "127.0.0.1", "remote_port": free_port(), "remote_tp_size": 1,
+            "remote_group_block_ids": [[-1, 3]]}
+    req = request("d", dict(gone), 2 * BS)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    sched.update_state_after_alloc(req, KVCacheBlocks(([4, 5], [0, 6])), 2 * BS)
+    mds = [sched.build_connector_meta(None)]
+    outputs = []
+
+    def step():
+        outputs.append(worker_step(work, mds.pop() if mds else sched.build_connector_meta(None),
+                                   caches=caches))
+        return outputs[-1][1]
+
+    assert poll(step, "the failed load to end", timeout=20.0) == {"d"}
+    assert set().union(*(o[2] for o in outputs)) == {4, 5, 6}, "every group's blocks, no null"
