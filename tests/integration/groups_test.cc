@@ -428,7 +428,8 @@ INSTANTIATE_TEST_SUITE_P(TpSizes, GroupsTpTest,
                          ::testing::Values(std::pair{2, 1}, std::pair{1, 2}));
 
 INSTANTIATE_TEST_SUITE_P(Backends, GroupsTest,
-                         ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Bool()));
+                         ::testing::Combine(::testing::Values("shm", "tcp", "ucx"),
+                                            ::testing::Bool()));
 
 // A decode side whose groups differ from the prefill's (no window, or another one) is refused at
 // the handshake, before any byte moves, with both caches' texts.
