@@ -104,6 +104,33 @@ bool PollFinished(Worker& w, Pred done) {
   return false;
 }
 
+using Bases = std::vector<std::vector<std::vector<std::uint64_t>>>;
+
+// A prefill worker "prefill-<name>" and a decode worker "decode-<name>" on free loopback ports,
+// their caches registered, the prefill side holding request "req".
+struct WorkerPair {
+  int pport = 0;
+  std::unique_ptr<Worker> prefill;
+  std::unique_ptr<Worker> decode;
+};
+
+WorkerPair StartPair(const std::string& name, const std::string& backend,
+                     const CacheGroups& prefill_groups, Bases prefill_bases,
+                     const CacheGroups& decode_groups, Bases decode_bases) {
+  std::vector<int> taken;
+  WorkerPair w;
+  w.pport = FreeLoopbackPorts(1, taken);
+  const int dport = FreeLoopbackPorts(1, taken);
+  w.prefill = MakeWorker(Role::kPrefill, "prefill-" + name, w.pport, backend);
+  w.decode = MakeWorker(Role::kDecode, "decode-" + name, dport, backend);
+  EXPECT_TRUE(w.prefill->RegisterKvCaches(prefill_groups, std::move(prefill_bases)).ok());
+  EXPECT_TRUE(w.decode->RegisterKvCaches(decode_groups, std::move(decode_bases)).ok());
+  ConnectorMetadata hold;
+  hold.holds.push_back({"req", 60000, ""});
+  w.prefill->StartLoadKv(hold);
+  return w;
+}
+
 // Runs one load on `decode` and waits for its end; its errors.
 std::vector<LoadError> LoadAndWait(Worker& decode, const LoadSpec& load) {
   ConnectorMetadata md;
@@ -125,13 +152,11 @@ TEST_P(GroupsTest, FullGroupEveryByteSlidingWindowOnlyItsWindow) {
   const int f = 1 - w;
   HybridCaches prefill_caches(groups), decode_caches(groups);
   prefill_caches.Fill();
-  std::vector<int> taken;
-  const int pport = FreeLoopbackPorts(1, taken);
-  const int dport = FreeLoopbackPorts(1, taken);
-  std::unique_ptr<Worker> prefill = MakeWorker(Role::kPrefill, "prefill-g", pport, backend);
-  std::unique_ptr<Worker> decode = MakeWorker(Role::kDecode, "decode-g", dport, backend);
-  ASSERT_TRUE(prefill->RegisterKvCaches(groups, prefill_caches.Bases()).ok());
-  ASSERT_TRUE(decode->RegisterKvCaches(groups, decode_caches.Bases()).ok());
+  WorkerPair pair =
+      StartPair("g", backend, groups, prefill_caches.Bases(), groups, decode_caches.Bases());
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "the workers did not start";
+  const int pport = pair.pport;
+  Worker* decode = pair.decode.get();
 
   // A 60-token prompt: 8 blocks; the decode side had 2 blocks (16 tokens) in its prefix cache,
   // so it loads tokens [16, 60). The window (the last 24 tokens, [36, 60)) is in blocks 4..7.
@@ -140,9 +165,6 @@ TEST_P(GroupsTest, FullGroupEveryByteSlidingWindowOnlyItsWindow) {
   const std::vector<std::int64_t> p_window = {kNoBlock, kNoBlock, kNoBlock, kNoBlock, 4, 6, 8, 10};
   const std::vector<std::int64_t> d_full = {1, 2, 3, 4, 5, 6};                // prompt blocks 2..7
   const std::vector<std::int64_t> d_window = {kNoBlock, 11, 14, 15, 16, 17};  // 2..7
-  ConnectorMetadata hold;
-  hold.holds.push_back({"req", 60000, ""});
-  prefill->StartLoadKv(hold);
   KvTransferParams params;
   params.do_remote_prefill = true;
   params.remote_block_ids = f == 0 ? p_full : p_window;
@@ -168,7 +190,7 @@ TEST_P(GroupsTest, FullGroupEveryByteSlidingWindowOnlyItsWindow) {
   }));
   const std::vector<LoadError> errors = decode->TakeLoadErrors();
   ASSERT_TRUE(errors.empty()) << errors.front().status.ToString();
-  ASSERT_TRUE(PollFinished(*prefill, [](const FinishedRequests& r) {
+  ASSERT_TRUE(PollFinished(*pair.prefill, [](const FinishedRequests& r) {
     return std::find(r.sending.begin(), r.sending.end(), "req") != r.sending.end();
   })) << "the reader released the hold";
 
@@ -227,16 +249,11 @@ TEST(GroupsSharedTest, GroupsSharingTensorsReadEachGroupsBlocks) {
     bases[1] = bases[0];  // group 1's layer l is group 0's layer l's tensor
     return bases;
   };
-  std::vector<int> taken;
-  const int pport = FreeLoopbackPorts(1, taken);
-  const int dport = FreeLoopbackPorts(1, taken);
-  std::unique_ptr<Worker> prefill = MakeWorker(Role::kPrefill, "prefill-s", pport, "tcp");
-  std::unique_ptr<Worker> decode = MakeWorker(Role::kDecode, "decode-s", dport, "tcp");
-  ASSERT_TRUE(prefill->RegisterKvCaches(groups, shared(prefill_caches)).ok());
-  ASSERT_TRUE(decode->RegisterKvCaches(groups, shared(decode_caches)).ok());
-  ConnectorMetadata hold;
-  hold.holds.push_back({"req", 60000, ""});
-  prefill->StartLoadKv(hold);
+  WorkerPair pair =
+      StartPair("s", "tcp", groups, shared(prefill_caches), groups, shared(decode_caches));
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "the workers did not start";
+  const int pport = pair.pport;
+  Worker* decode = pair.decode.get();
   // 32 tokens, 4 blocks; the window (24 tokens, [8, 32)) is blocks 1..3.
   LoadSpec load;
   load.request_id = load.remote_request_id = "req";
@@ -272,16 +289,11 @@ TEST(GroupsWindowTest, AWindowWhoseFirstBlockTheDecodeSideFreedStartsAfterIt) {
   const CacheGroups groups = *CacheGroups::Create({Group(1, 0), Group(1, 21)});
   HybridCaches prefill_caches(groups), decode_caches(groups);
   prefill_caches.Fill();
-  std::vector<int> taken;
-  const int pport = FreeLoopbackPorts(1, taken);
-  const int dport = FreeLoopbackPorts(1, taken);
-  std::unique_ptr<Worker> prefill = MakeWorker(Role::kPrefill, "prefill-w", pport, "tcp");
-  std::unique_ptr<Worker> decode = MakeWorker(Role::kDecode, "decode-w", dport, "tcp");
-  ASSERT_TRUE(prefill->RegisterKvCaches(groups, prefill_caches.Bases()).ok());
-  ASSERT_TRUE(decode->RegisterKvCaches(groups, decode_caches.Bases()).ok());
-  ConnectorMetadata hold;
-  hold.holds.push_back({"req", 60000, ""});
-  prefill->StartLoadKv(hold);
+  WorkerPair pair =
+      StartPair("w", "tcp", groups, prefill_caches.Bases(), groups, decode_caches.Bases());
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "the workers did not start";
+  const int pport = pair.pport;
+  Worker* decode = pair.decode.get();
   // 60 tokens; the window (21) starts at token 39, the last of block 4 (32..39), which the
   // decode side freed; the prefill side kept it.
   LoadSpec load;
@@ -438,16 +450,11 @@ TEST(GroupsRefusalTest, PeersWithOtherGroupsAreRefusedBeforeAnyByteMoves) {
   const CacheGroups decode_groups = *CacheGroups::Create({Group(2, 0), Group(2, 2 * kWindow)});
   HybridCaches prefill_caches(prefill_groups), decode_caches(decode_groups);
   prefill_caches.Fill();
-  std::vector<int> taken;
-  const int pport = FreeLoopbackPorts(1, taken);
-  const int dport = FreeLoopbackPorts(1, taken);
-  std::unique_ptr<Worker> prefill = MakeWorker(Role::kPrefill, "prefill-r", pport, "tcp");
-  std::unique_ptr<Worker> decode = MakeWorker(Role::kDecode, "decode-r", dport, "tcp");
-  ASSERT_TRUE(prefill->RegisterKvCaches(prefill_groups, prefill_caches.Bases()).ok());
-  ASSERT_TRUE(decode->RegisterKvCaches(decode_groups, decode_caches.Bases()).ok());
-  ConnectorMetadata hold;
-  hold.holds.push_back({"req", 60000, ""});
-  prefill->StartLoadKv(hold);
+  WorkerPair pair = StartPair("r", "tcp", prefill_groups, prefill_caches.Bases(), decode_groups,
+                              decode_caches.Bases());
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "the workers did not start";
+  const int pport = pair.pport;
+  Worker* decode = pair.decode.get();
   LoadSpec load;
   load.request_id = "req";
   load.remote_request_id = "req";
