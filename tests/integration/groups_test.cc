@@ -131,6 +131,22 @@ WorkerPair StartPair(const std::string& name, const std::string& backend,
   return w;
 }
 
+// A load of a 32-token prompt (4 blocks) into a full and a window group (24 tokens: blocks 1..3,
+// block 0 freed on both sides), from `engine` at `port`.
+LoadSpec ThirtyTwoTokens(const std::string& engine, int port) {
+  LoadSpec load;
+  load.request_id = load.remote_request_id = "req";
+  load.remote_block_ids = {2, 4, 6, 8};
+  load.local_block_ids = {1, 3, 5, 7};
+  load.more_groups = {{{kNoBlock, 9, 11, 13}, {kNoBlock, 10, 12, 14}}};
+  load.first_token = 0;
+  load.num_tokens = 32;
+  load.remote_engine_id = engine;
+  load.remote_host = "127.0.0.1";
+  load.remote_port = port;
+  return load;
+}
+
 // Runs one load on `decode` and waits for its end; its errors.
 std::vector<LoadError> LoadAndWait(Worker& decode, const LoadSpec& load) {
   ConnectorMetadata md;
@@ -255,16 +271,7 @@ TEST(GroupsSharedTest, GroupsSharingTensorsReadEachGroupsBlocks) {
   const int pport = pair.pport;
   Worker* decode = pair.decode.get();
   // 32 tokens, 4 blocks; the window (24 tokens, [8, 32)) is blocks 1..3.
-  LoadSpec load;
-  load.request_id = load.remote_request_id = "req";
-  load.remote_block_ids = {2, 4, 6, 8};
-  load.local_block_ids = {1, 3, 5, 7};
-  load.more_groups = {{{kNoBlock, 9, 11, 13}, {kNoBlock, 10, 12, 14}}};
-  load.first_token = 0;
-  load.num_tokens = 32;
-  load.remote_engine_id = "prefill-s";
-  load.remote_host = "127.0.0.1";
-  load.remote_port = pport;
+  LoadSpec load = ThirtyTwoTokens("prefill-s", pport);
   const std::vector<LoadError> errors = LoadAndWait(*decode, load);
   ASSERT_TRUE(errors.empty()) << errors.front().status.ToString();
   const auto bb = static_cast<std::size_t>(groups[0].BlockBytes(0));
@@ -368,16 +375,7 @@ TEST_P(GroupsTpTest, EveryGroupMovesItsHeadsAcrossTpSizes) {
     prefill.back()->StartLoadKv(hold);
   }
   // 32 tokens in 4 blocks, all loaded; the window (24 tokens) is blocks 1..3.
-  LoadSpec load;
-  load.request_id = load.remote_request_id = "req";
-  load.remote_block_ids = {2, 4, 6, 8};
-  load.local_block_ids = {1, 3, 5, 7};
-  load.more_groups = {{{kNoBlock, 9, 11, 13}, {kNoBlock, 10, 12, 14}}};
-  load.first_token = 0;
-  load.num_tokens = 32;
-  load.remote_engine_id = "prefill-t";
-  load.remote_host = "127.0.0.1";
-  load.remote_port = pbase;
+  LoadSpec load = ThirtyTwoTokens("prefill-t", pbase);
   load.remote_tp_size = p_tp;
   for (int r = 0; r < d_tp; ++r) {
     decode.push_back(make(Role::kDecode, "decode-t", dbase, d_tp, r));
