@@ -1058,6 +1058,17 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         out, self._load_error_blocks = self._load_error_blocks, set()
         return out
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Scheduler, every step with the workers' output (vllm/v1/core/sched/scheduler.py
+        _update_from_kv_xfer_finished): nothing to fold in; what ended reaches the native
+        scheduler through vLLM's own finished sets and request_finished."""
+        del connector_output
+
+    def take_events(self) -> tuple:
+        """Scheduler, every step (scheduler.py update_from_output): kvferry publishes no KV cache
+        events (it caches nothing of its own)."""
+        return ()
+
     def get_kv_connector_stats(self) -> Optional[KvferryConnectorStats]:
         """The worker's figures since the previous call (vLLM calls it every step), or None
         before registration and when nothing happened. Never raises."""

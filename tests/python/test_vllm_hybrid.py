@@ -23,7 +23,21 @@ import kvferry.vllm
 import kvferry.vllm_groups
 from common import free_port
 from test_vllm_adapter import BS, DIM, HEADS, NB, config, request
-from test_vllm_today import poll, worker_step
+from test_vllm_today import poll
+from test_vllm_today import worker_step as _worker_step
+
+
+def worker_step(work, md, finished=(), caches=None, sched=None):
+    """A worker step (test_vllm_today.worker_step: every per-step worker hook in vLLM's order);
+    then, with `sched`, the scheduler's per-step hooks on its output as vllm/v1/core/sched/
+    scheduler.py update_from_output calls them (take_events, update_connector_output)."""
+    out = _worker_step(work, md, finished, caches)
+    if sched is not None:
+        assert tuple(sched.take_events()) == ()
+        sched.update_connector_output(SimpleNamespace(
+            finished_sending=out[0], finished_recving=out[1], invalid_block_ids=out[2],
+            kv_connector_stats=out[3]))
+    return out
 
 
 class FullAttentionSpec(SimpleNamespace):
@@ -109,7 +123,7 @@ def test_the_connector_supports_hma_and_a_gpt_oss_like_model_moves_its_window_on
     req = request("r-1", {"do_remote_decode": True}, prompt, "FINISHED_LENGTH_CAPPED")
     delay, params = p_sched.request_finished_all_groups(req, (p_full, p_swa))
     assert delay and params["remote_group_block_ids"] == [[-1] * 5 + [9, 10, 11]]
-    worker_step(p_work, p_sched.build_connector_meta(None))
+    worker_step(p_work, p_sched.build_connector_meta(None), sched=p_sched)
     d_full, d_swa = [8, 7, 6, 5, 4, 3, 2, 1], [0, 0, 0, 0, 0, 12, 13, 14]
     dreq = request("d-1", dict(params), prompt)
     assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt, True)
@@ -117,10 +131,12 @@ def test_the_connector_supports_hma_and_a_gpt_oss_like_model_moves_its_window_on
     mds = [d_sched.build_connector_meta(None)]
     assert mds[0].awaited == ("d-1",)
     got = poll(lambda: worker_step(d_work, mds.pop() if mds else
-                                   d_sched.build_connector_meta(None))[1], "the load")
+                                   d_sched.build_connector_meta(None), sched=d_sched)[1],
+               "the load")
     assert got == {"d-1"}
     assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
-                                    finished={"r-1"})[0], "the prefill release") == {"r-1"}
+                                    finished={"r-1"}, sched=p_sched)[0],
+                "the prefill release") == {"r-1"}
     full = [f"model.layers.{i}.self_attn.attn" for i in (0, 2)]
     swa = [f"model.layers.{i}.self_attn.attn" for i in (1, 3)]
     for name in full:
@@ -215,7 +231,7 @@ def test_every_per_step_hook_answers_for_a_hybrid_connector_in_every_state():
     caches = caches_for(kcc)
     work.register_kv_caches(caches)
     for _ in range(2):
-        worker_step(work, sched.build_connector_meta(None), caches=caches)
+        worker_step(work, sched.build_connector_meta(None), caches=caches, sched=sched)
     gone = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p",
             "remote_host": "127.0.0.1", "remote_port": free_port(), "remote_tp_size": 1,
             "remote_group_block_ids": [[-1, 3]]}
@@ -227,7 +243,7 @@ def test_every_per_step_hook_answers_for_a_hybrid_connector_in_every_state():
 
     def step():
         outputs.append(worker_step(work, mds.pop() if mds else sched.build_connector_meta(None),
-                                   caches=caches))
+                                   caches=caches, sched=sched))
         return outputs[-1][1]
 
     assert poll(step, "the failed load to end", timeout=20.0) == {"d"}

@@ -864,7 +864,10 @@ class Instance:
         if failed and self.g.get("policy", "recompute") == "fail":
             for rid in failed:
                 self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
-        # _update_from_kv_xfer_finished, with vLLM's asserts
+        # update_from_output takes the connector's KV events every step; then
+        # _update_from_kv_xfer_finished hands it the output first, and checks with vLLM's asserts.
+        assert tuple(self.connector.take_events()) == ()
+        self.connector.update_connector_output(kv_out)
         for rid in kv_out.finished_recving:
             assert rid in self.requests, f"finished_recving names {rid}, which vLLM does not hold"
             req = self.requests[rid]
