@@ -22,10 +22,21 @@ struct ModelArgs {
   std::int64_t num_blocks = 2048;
   std::string dtype = "bf16";
   std::string layout = "token_major";
+  /// A hybrid model's KV cache groups (docs/connector.md, "KV cache groups"): "swa" (gpt-oss-like,
+  /// HybridSpec), or a --groups spec; empty: one group of --kind.
+  std::string hybrid;
+  std::string groups;
 };
 void AddModelOptions(CLI::App& cmd, ModelArgs& model);
-/// The CacheSpecOptions of the model (TP fields left at 1/0; each rank sets its own).
+/// The CacheSpecOptions of group 0 of the model (TP fields left at 1/0; each rank sets its own).
 Result<CacheSpecOptions> BuildModel(const ModelArgs& model);
+/// Every KV cache group of the model: --groups (or --hybrid's), else the one group BuildModel
+/// makes.
+Result<std::vector<CacheSpecOptions>> BuildGroups(const ModelArgs& model);
+/// "mha 8 layers", or a hybrid's groups ("groups full:12,swa@128:12 (hybrid swa)").
+std::string ModelText(const ModelArgs& model);
+/// The --groups spec `--hybrid NAME` stands for, or an empty string and InvalidArgument.
+Result<std::string> HybridSpec(const std::string& name);
 /// This executable's path, for starting child kvferry processes (bench peer, serve).
 std::string SelfExe();
 /// Arguments that pass `model` on to a child `kvferry serve`.

@@ -124,6 +124,25 @@ Status ParseInto(const Json& j, std::size_t max_prompt_tokens, ControlRequest& r
   return Status::Ok();
 }
 
+// A list of block ids: each one a block, or kNoBlock (-1) where the instance holds none.
+Result<std::vector<std::int64_t>> BlockIds(const Json& v, const std::string& field) {
+  if (!v.is_array() || v.size() > kMaxRemoteBlockIds) {
+    return Wrong(field,
+                 "an array of at most " + std::to_string(kMaxRemoteBlockIds) +
+                     " block ids (-1 for none)",
+                 v);
+  }
+  std::vector<std::int64_t> ids;
+  ids.reserve(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    KVFERRY_ASSIGN_OR_RETURN(std::int64_t id,
+                             Integer(v[i], field + "[" + std::to_string(i) + "]", kNoBlock,
+                                     std::numeric_limits<std::int64_t>::max()));
+    ids.push_back(id);
+  }
+  return ids;
+}
+
 }  // namespace
 
 std::string DumpJson(const Json& j) {
@@ -135,6 +154,7 @@ Json ParamsToJson(const KvTransferParams& p) {
   j["do_remote_prefill"] = p.do_remote_prefill;
   j["do_remote_decode"] = p.do_remote_decode;
   if (p.remote_block_ids) j["remote_block_ids"] = *p.remote_block_ids;
+  if (p.remote_group_block_ids) j["remote_group_block_ids"] = *p.remote_group_block_ids;
   if (p.remote_engine_id) j["remote_engine_id"] = *p.remote_engine_id;
   if (p.remote_host) j["remote_host"] = *p.remote_host;
   if (p.remote_port) j["remote_port"] = *p.remote_port;
@@ -157,20 +177,23 @@ Result<KvTransferParams> ParamsFromJson(const Json& j, std::string_view where) {
     KVFERRY_ASSIGN_OR_RETURN(p.do_remote_decode, Boolean(*v, Field(where, "do_remote_decode")));
   }
   if (const Json* v = Member(j, "remote_block_ids", true)) {
-    const std::string field = Field(where, "remote_block_ids");
-    if (!v->is_array() || v->size() > kMaxRemoteBlockIds) {
+    KVFERRY_ASSIGN_OR_RETURN(p.remote_block_ids, BlockIds(*v, Field(where, "remote_block_ids")));
+  }
+  if (const Json* v = Member(j, "remote_group_block_ids", true)) {
+    const std::string field = Field(where, "remote_group_block_ids");
+    if (!v->is_array() || v->size() >= static_cast<std::size_t>(kMaxCacheGroups)) {
       return Wrong(field,
-                   "an array of at most " + std::to_string(kMaxRemoteBlockIds) + " block ids", *v);
+                   "an array of at most " + std::to_string(kMaxCacheGroups - 1) +
+                       " block id lists (KV cache groups 1, 2, ...)",
+                   *v);
     }
-    std::vector<std::int64_t> ids;
-    ids.reserve(v->size());
-    for (std::size_t i = 0; i < v->size(); ++i) {
-      KVFERRY_ASSIGN_OR_RETURN(std::int64_t id,
-                               Integer((*v)[i], field + "[" + std::to_string(i) + "]", 0,
-                                       std::numeric_limits<std::int64_t>::max()));
-      ids.push_back(id);
+    std::vector<std::vector<std::int64_t>> groups;
+    for (std::size_t g = 0; g < v->size(); ++g) {
+      KVFERRY_ASSIGN_OR_RETURN(std::vector<std::int64_t> ids,
+                               BlockIds((*v)[g], field + "[" + std::to_string(g) + "]"));
+      groups.push_back(std::move(ids));
     }
-    p.remote_block_ids = std::move(ids);
+    p.remote_group_block_ids = std::move(groups);
   }
   if (const Json* v = Member(j, "remote_engine_id", true)) {
     KVFERRY_ASSIGN_OR_RETURN(p.remote_engine_id, Text(*v, Field(where, "remote_engine_id")));

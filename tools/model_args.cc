@@ -1,5 +1,8 @@
 #include <unistd.h>
 
+#include <charconv>
+#include <string_view>
+
 #include <string>
 #include <vector>
 
@@ -27,6 +30,105 @@ void AddModelOptions(CLI::App& cmd, ModelArgs& m) {
   cmd.add_option("--num-blocks", m.num_blocks, "Blocks per TP rank")->capture_default_str();
   cmd.add_option("--dtype", m.dtype, "fp16|bf16|fp32|int8")->capture_default_str();
   cmd.add_option("--layout", m.layout, "token_major|head_major")->capture_default_str();
+  cmd.add_option("--hybrid", m.hybrid,
+                 "A hybrid model's KV cache groups: swa (gpt-oss-like: 12 full-attention and 12 "
+                 "sliding-window layers of a 128-token window, alternating); the same as --groups "
+                 "full:12,swa@128:12")
+      ->check(CLI::IsMember({"swa"}));
+  cmd.add_option("--groups", m.groups,
+                 "KV cache groups, comma-separated, each KIND[@WINDOW][:LAYERS] in vLLM's group "
+                 "order: full (the --kind geometry), swa@W (MHA of --kv-heads and --head-dim, a "
+                 "W-token sliding window); LAYERS defaults to --layers. Groups of one size "
+                 "interleave their layers, as vLLM's do");
+}
+
+Result<std::string> HybridSpec(const std::string& name) {
+  if (name == "swa") return std::string("full:12,swa@128:12");
+  return Status::InvalidArgument("unknown --hybrid '" + name + "'; expected swa");
+}
+
+namespace {
+
+Result<std::int64_t> ParseCount(std::string_view text, std::string_view what,
+                                std::string_view item) {
+  std::int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || v <= 0) {
+    return Status::InvalidArgument("--groups item '" + std::string(item) + "': " +
+                                   std::string(what) + " '" + std::string(text) +
+                                   "' is not a positive number");
+  }
+  return v;
+}
+
+// One --groups item, KIND[@WINDOW][:LAYERS], on top of the uniform model `base`.
+Result<CacheSpecOptions> ParseGroup(std::string_view item, const ModelArgs& m,
+                                    const CacheSpecOptions& base) {
+  std::string_view kind = item;
+  std::int64_t layers = m.layers;
+  std::int64_t window = 0;
+  if (const auto colon = kind.find(':'); colon != std::string_view::npos) {
+    KVFERRY_ASSIGN_OR_RETURN(layers, ParseCount(kind.substr(colon + 1), "layer count", item));
+    kind = kind.substr(0, colon);
+  }
+  if (const auto at = kind.find('@'); at != std::string_view::npos) {
+    KVFERRY_ASSIGN_OR_RETURN(window, ParseCount(kind.substr(at + 1), "window", item));
+    kind = kind.substr(0, at);
+  }
+  CacheSpecOptions o = base;
+  if (kind == "full") {
+    if (window != 0) {
+      return Status::InvalidArgument("--groups item '" + std::string(item) +
+                                     "': full attention has no window; write swa@" +
+                                     std::to_string(window));
+    }
+  } else if (kind == "swa") {
+    if (window == 0) {
+      return Status::InvalidArgument("--groups item '" + std::string(item) +
+                                     "': a sliding window needs its size in tokens, swa@128");
+    }
+    LayerSpec layer;
+    layer.kind = CacheKind::kMha;
+    layer.parts = {{"k", m.kv_heads, m.head_dim}, {"v", m.kv_heads, m.head_dim}};
+    o.layers.assign(1, layer);
+    o.sliding_window = window;
+  } else {
+    return Status::InvalidArgument("--groups item '" + std::string(item) + "': unknown kind '" +
+                                   std::string(kind) + "'; expected full or swa@WINDOW");
+  }
+  o.layers.assign(static_cast<std::size_t>(layers), o.layers.front());
+  KVFERRY_RETURN_IF_ERROR(CacheSpec::Create(o).status().WithContext("--groups item '" +
+                                                                    std::string(item) + "'"));
+  return o;
+}
+
+}  // namespace
+
+Result<std::vector<CacheSpecOptions>> BuildGroups(const ModelArgs& m) {
+  KVFERRY_ASSIGN_OR_RETURN(CacheSpecOptions base, BuildModel(m));
+  std::string spec = m.groups;
+  if (!m.hybrid.empty()) {
+    if (!m.groups.empty()) {
+      return Status::InvalidArgument("--hybrid " + m.hybrid + " and --groups " + m.groups +
+                                     ": give one of them");
+    }
+    KVFERRY_ASSIGN_OR_RETURN(spec, HybridSpec(m.hybrid));
+  }
+  if (spec.empty()) return std::vector<CacheSpecOptions>{base};
+  std::vector<CacheSpecOptions> out;
+  std::string_view rest = spec;
+  while (!rest.empty()) {
+    const auto comma = rest.find(',');
+    KVFERRY_ASSIGN_OR_RETURN(CacheSpecOptions g, ParseGroup(rest.substr(0, comma), m, base));
+    out.push_back(std::move(g));
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  }
+  if (out.size() > static_cast<std::size_t>(kMaxCacheGroups)) {
+    return Status::InvalidArgument("--groups names " + std::to_string(out.size()) +
+                                   " KV cache groups; at most " +
+                                   std::to_string(kMaxCacheGroups));
+  }
+  return out;
 }
 
 Result<CacheSpecOptions> BuildModel(const ModelArgs& m) {
@@ -55,6 +157,23 @@ Result<CacheSpecOptions> BuildModel(const ModelArgs& m) {
   return o;
 }
 
+namespace {
+
+// The --groups spec of the model, --hybrid's resolved; empty for a uniform model.
+std::string GroupsSpec(const ModelArgs& m) {
+  if (m.hybrid.empty()) return m.groups;
+  Result<std::string> spec = HybridSpec(m.hybrid);
+  return spec.ok() ? *spec : std::string();
+}
+
+}  // namespace
+
+std::string ModelText(const ModelArgs& m) {
+  const std::string spec = GroupsSpec(m);
+  if (spec.empty()) return m.kind + " " + std::to_string(m.layers) + " layers";
+  return "KV cache groups " + spec + (m.hybrid.empty() ? "" : " (hybrid " + m.hybrid + ")");
+}
+
 std::vector<std::string> ModelArgv(const ModelArgs& m) {
   return {"--kind",
           m.kind,
@@ -77,7 +196,9 @@ std::vector<std::string> ModelArgv(const ModelArgs& m) {
           "--dtype",
           m.dtype,
           "--layout",
-          m.layout};
+          m.layout,
+          "--groups",
+          GroupsSpec(m)};
 }
 
 }  // namespace kvferry::cli

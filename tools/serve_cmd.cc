@@ -92,7 +92,7 @@ int RunServe(const ServeArgs& a) {
   engine::InstanceConfig c;
   Result<Role> role = ParseRole(a.role);
   Result<TransportOptionMap> transport = ParseTransportOpts(a.transport_opts, a.transport);
-  Result<CacheSpecOptions> model = BuildModel(a.model);
+  Result<std::vector<CacheSpecOptions>> model = BuildGroups(a.model);
   for (const Status& s : {role.status(), transport.status(), model.status()}) {
     if (!s.ok()) {
       std::cerr << "kvferry serve: " << s.ToString() << "\n";
@@ -127,7 +127,8 @@ int RunServe(const ServeArgs& a) {
   // The flag is the option shm.permit_any_tracer by its own name; --transport-opt, when it sets
   // the option too, decides.
   if (a.shm_permit_any_tracer) c.transport_options.emplace("shm.permit_any_tracer", "true");
-  c.model = *model;
+  c.model = model->front();
+  c.more_groups.assign(model->begin() + 1, model->end());
   c.hold_lease = std::chrono::milliseconds(a.hold_lease_ms);
   c.compute_per_token = std::chrono::microseconds(a.compute_us_per_token);
   c.prefill_chunk_tokens = a.prefill_chunk_tokens;
@@ -180,8 +181,11 @@ int RunServe(const ServeArgs& a) {
   if (metrics) std::cout << "METRICS " << metrics->url() << std::endl;
 
   bool running = true;
-  const std::size_t max_prompt_tokens =
-      static_cast<std::size_t>(c.model.num_blocks * c.model.tokens_per_block);
+  std::size_t max_prompt_tokens = 0;
+  for (const CacheSpecOptions& g : *model) {
+    const auto tokens = static_cast<std::size_t>(g.num_blocks * g.tokens_per_block);
+    max_prompt_tokens = max_prompt_tokens == 0 ? tokens : std::min(max_prompt_tokens, tokens);
+  }
   struct Pending {
     std::vector<std::uint8_t> identity;
     sidechannel::AuthNonce nonce;

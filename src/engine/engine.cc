@@ -71,40 +71,40 @@ std::pair<int, int> PipelineLayers(int num_layers, int pp_rank, int pp_size) {
   return {first, first + counts[static_cast<std::size_t>(pp_rank)]};
 }
 
+// Model layers [first, end) of a pipeline stage as group `g` of `groups` holds them: the groups'
+// layers interleave (model layer m is layer m / groups of group m % groups), so the stage holds
+// the group's layers [ceil((first - g) / groups), ceil((end - g) / groups)).
+std::pair<int, int> GroupLayers(std::pair<int, int> model, int g, int groups) {
+  auto local = [&](int m) { return std::max(0, (m - g + groups - 1) / groups); };
+  return {local(model.first), local(model.second)};
+}
+
 Status Instance::Init() {
   const InstanceConfig& c = config_;
-  const auto model_layers = static_cast<int>(c.model.layers.size());
-  if (c.pp_size < 1 || c.pp_size > model_layers) {
+  const int groups = num_groups();
+  int model_layers = 0;
+  for (int g = 0; g < groups; ++g) {
+    const auto layers = static_cast<int>(group_options(g).layers.size());
+    if (groups > 1 && c.pp_size > 1 && layers != static_cast<int>(c.model.layers.size())) {
+      return Status::InvalidArgument(
+          "KV cache group " + std::to_string(g) + " has " + std::to_string(layers) +
+          " layers and group 0 has " + std::to_string(c.model.layers.size()) +
+          "; pipeline stages of a hybrid model need groups of one size, whose layers interleave");
+    }
+    model_layers += layers;
+  }
+  if (c.pp_size < 1 || c.pp_size > model_layers / groups) {
     return Status::InvalidArgument("pipeline-parallel size " + std::to_string(c.pp_size) + " for " +
                                    std::to_string(model_layers) +
-                                   " layers; expected 1 to the number of layers");
+                                   " layers; expected 1 to the number of layers of a group");
   }
   for (int worker_index = 0; worker_index < c.pp_size * c.tp_size; ++worker_index) {
     const int stage = worker_index / c.tp_size;
     const int r = worker_index % c.tp_size;
-    const auto [first_layer, end_layer] = PipelineLayers(model_layers, stage, c.pp_size);
-    CacheSpecOptions o = c.model;
-    o.layers.resize(static_cast<std::size_t>(end_layer - first_layer));
-    o.first_layer = first_layer;
-    o.model_layers = model_layers;
-    o.tp_size = c.tp_size;
-    o.tp_rank = r;
-    KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
-    for (int p = 0; p < spec.num_parts(); ++p) {
-      // The verifier indexes blocks by HeadsHeldBy; the spec sized them by its own head count.
-      const std::int64_t want = HeadsHeldBy(spec, p).count * spec.tokens_per_block() *
-                                spec.parts()[static_cast<std::size_t>(p)].head_dim *
-                                DTypeSize(spec.dtype());
-      if (spec.BlockBytes(p) != want) {
-        return Status::Internal("TP rank " + std::to_string(r) + " part " + std::to_string(p) +
-                                ": the cache spec sizes a block at " +
-                                std::to_string(spec.BlockBytes(p)) + " bytes, the head placement " +
-                                "the engine verifies against at " + std::to_string(want) +
-                                "; CacheSpec's head placement is wrong");
-      }
-    }
-    std::vector<std::vector<std::uint64_t>> regions;
-    std::vector<std::vector<std::uint64_t>> bases(static_cast<std::size_t>(spec.num_layers()));
+    const std::pair<int, int> stage_layers = PipelineLayers(model_layers, stage, c.pp_size);
+    std::vector<CacheSpec> specs;
+    std::vector<std::vector<std::vector<std::uint64_t>>> group_bases;
+    std::vector<std::vector<std::vector<std::uint64_t>>> group_regions;
     MemoryKind kind;
     if (c.memory != "host") {
       // "sim" is short for "sim:0".
@@ -114,22 +114,55 @@ Status Instance::Init() {
         KVFERRY_ASSIGN_OR_RETURN(device_, device::ProcessDevice(name));
         KVFERRY_ASSIGN_OR_RETURN(stream_, device_->CreateStream());
       }
-      device_memory_.emplace_back();
     }
-    for (int l = 0; l < spec.num_layers(); ++l) {
+    device_memory_.emplace_back();
+    for (int g = 0; g < groups; ++g) {
+      CacheSpecOptions o = group_options(g);
+      const auto group_model_layers = static_cast<int>(o.layers.size());
+      const auto [first_layer, end_layer] =
+          groups == 1 ? stage_layers : GroupLayers(stage_layers, g, groups);
+      o.layers.resize(static_cast<std::size_t>(end_layer - first_layer));
+      o.first_layer = first_layer;
+      o.model_layers = group_model_layers;
+      o.tp_size = c.tp_size;
+      o.tp_rank = r;
+      KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
       for (int p = 0; p < spec.num_parts(); ++p) {
-        regions.emplace_back(static_cast<std::size_t>((spec.PartBytes(p) + 7) / 8), 0);
-        std::uint64_t base = reinterpret_cast<std::uint64_t>(regions.back().data());
-        if (device_ != nullptr) {
-          KVFERRY_ASSIGN_OR_RETURN(
-              std::unique_ptr<device::DeviceAllocation> a,
-              device_->Allocate(static_cast<std::uint64_t>(spec.PartBytes(p))));
-          base = a->address();
-          device_memory_.back().push_back(std::move(a));
+        // The verifier indexes blocks by HeadsHeldBy; the spec sized them by its own head count.
+        const std::int64_t want = HeadsHeldBy(spec, p).count * spec.tokens_per_block() *
+                                  spec.parts()[static_cast<std::size_t>(p)].head_dim *
+                                  DTypeSize(spec.dtype());
+        if (spec.BlockBytes(p) != want) {
+          return Status::Internal(
+              "TP rank " + std::to_string(r) + " group " + std::to_string(g) + " part " +
+              std::to_string(p) + ": the cache spec sizes a block at " +
+              std::to_string(spec.BlockBytes(p)) + " bytes, the head placement the engine " +
+              "verifies against at " + std::to_string(want) + "; CacheSpec's head placement is " +
+              "wrong");
         }
-        bases[static_cast<std::size_t>(l)].push_back(base);
       }
+      std::vector<std::vector<std::uint64_t>> regions;
+      std::vector<std::vector<std::uint64_t>> bases(static_cast<std::size_t>(spec.num_layers()));
+      device_memory_.back().emplace_back();
+      for (int l = 0; l < spec.num_layers(); ++l) {
+        for (int p = 0; p < spec.num_parts(); ++p) {
+          regions.emplace_back(static_cast<std::size_t>((spec.PartBytes(p) + 7) / 8), 0);
+          std::uint64_t base = reinterpret_cast<std::uint64_t>(regions.back().data());
+          if (device_ != nullptr) {
+            KVFERRY_ASSIGN_OR_RETURN(
+                std::unique_ptr<device::DeviceAllocation> a,
+                device_->Allocate(static_cast<std::uint64_t>(spec.PartBytes(p))));
+            base = a->address();
+            device_memory_.back().back().push_back(std::move(a));
+          }
+          bases[static_cast<std::size_t>(l)].push_back(base);
+        }
+      }
+      specs.push_back(std::move(spec));
+      group_bases.push_back(std::move(bases));
+      group_regions.push_back(std::move(regions));
     }
+    KVFERRY_ASSIGN_OR_RETURN(CacheGroups caches, CacheGroups::Create(std::move(specs)));
     WorkerConfig w;
     w.role = c.role;
     w.engine_id = c.engine_id;
@@ -151,9 +184,9 @@ Status Instance::Init() {
     w.layerwise_start_timeout = c.layerwise_start_timeout;
     w.layerwise_progress_timeout = c.layerwise_progress_timeout;
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));
-    KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(spec, bases, kind));
-    specs_.push_back(spec);
-    memory_.push_back(std::move(regions));
+    KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(caches, group_bases, kind));
+    caches_.push_back(std::move(caches));
+    memory_.push_back(std::move(group_regions));
     workers_.push_back(std::move(worker));
   }
   SchedulerConfig s;
@@ -166,12 +199,15 @@ Status Instance::Init() {
   s.pp_size = c.pp_size;
   s.hold_lease = c.hold_lease;
   scheduler_ = std::make_unique<Scheduler>(s);
-  allocator_ = std::make_unique<BlockAllocator>(c.model.num_blocks);
+  for (int g = 0; g < groups; ++g) {
+    allocators_.push_back(std::make_unique<BlockAllocator>(group_options(g).num_blocks));
+  }
   return Status::Ok();
 }
 
-const CacheSpec& Instance::spec(int rank) const { return specs_[static_cast<std::size_t>(rank)]; }
-
+const CacheGroups& Instance::caches(int index) const {
+  return caches_[static_cast<std::size_t>(index)];
+}
 void Instance::Submit(EngineRequest request) {
   auto r = std::make_unique<Running>();
   r->hashes = PrefixHashes(request.prompt);
@@ -212,18 +248,23 @@ bool Instance::Idle() const {
 
 bool Instance::HasWorkNow() const { return !waiting_.empty() || !aborted_now_.empty(); }
 
-void Instance::FreeBlocks(const std::vector<std::int64_t>& blocks) {
-  for (std::int64_t b : blocks) allocator_->Unref(b);
+void Instance::FreeBlocks(const std::vector<std::vector<std::int64_t>>& blocks) {
+  for (std::size_t g = 0; g < blocks.size(); ++g) {
+    for (std::int64_t b : blocks[g]) {
+      if (b != kNoBlock) allocators_[g]->Unref(b);
+    }
+  }
 }
 
 Result<std::vector<std::int64_t>> Instance::AllocateEvicting(std::size_t n) {
   // Evict cached prefix blocks, least recently used first, until n blocks are free.
+  BlockAllocator& allocator = *allocators_[0];
   auto it = lru_.begin();
-  while (static_cast<std::size_t>(allocator_->free_blocks()) < n && it != lru_.end()) {
+  while (static_cast<std::size_t>(allocator.free_blocks()) < n && it != lru_.end()) {
     const std::uint64_t key = *it;
     const std::int64_t block = prefix_.at(key);
-    if (allocator_->refs(block) == 1) {  // only the cache holds it
-      allocator_->Unref(block);
+    if (allocator.refs(block) == 1) {  // only the cache holds it
+      allocator.Unref(block);
       prefix_.erase(key);
       lru_pos_.erase(key);
       it = lru_.erase(it);
@@ -231,7 +272,49 @@ Result<std::vector<std::int64_t>> Instance::AllocateEvicting(std::size_t n) {
       ++it;
     }
   }
-  return allocator_->Allocate(n);
+  return allocator.Allocate(n);
+}
+
+bool Instance::AllocateGroups(Running& r, std::int64_t prompt, bool window_only) {
+  r.blocks.clear();
+  for (int g = 0; g < num_groups(); ++g) {
+    const CacheSpecOptions& o = group_options(g);
+    const std::int64_t total = (prompt + o.tokens_per_block - 1) / o.tokens_per_block;
+    // The decode side's window: from the block holding the prompt's last `sliding_window` tokens
+    // (the load reads them from that block's start).
+    const std::int64_t first =
+        window_only && o.sliding_window > 0
+            ? std::max<std::int64_t>(prompt - o.sliding_window, 0) / o.tokens_per_block
+            : 0;
+    Result<std::vector<std::int64_t>> fresh =
+        allocators_[static_cast<std::size_t>(g)]->Allocate(static_cast<std::size_t>(total - first));
+    if (!fresh.ok()) {
+      FreeBlocks(r.blocks);  // the groups allocated so far
+      r.blocks.clear();
+      return false;
+    }
+    std::vector<std::int64_t> blocks(static_cast<std::size_t>(first), kNoBlock);
+    blocks.insert(blocks.end(), fresh->begin(), fresh->end());
+    r.blocks.push_back(std::move(blocks));
+  }
+  return true;
+}
+
+void Instance::FreeOutsideWindow(Running& r) {
+  const auto prompt = static_cast<std::int64_t>(r.request.prompt.size());
+  for (int g = 0; g < num_groups(); ++g) {
+    const CacheSpecOptions& o = group_options(g);
+    if (o.sliding_window == 0) continue;
+    // Blocks whose last token is before the prompt's last `sliding_window` tokens.
+    const std::int64_t keep_from =
+        std::max<std::int64_t>(prompt - o.sliding_window, 0) / o.tokens_per_block;
+    std::vector<std::int64_t>& blocks = r.blocks[static_cast<std::size_t>(g)];
+    for (std::int64_t bi = 0; bi < keep_from; ++bi) {
+      std::int64_t& b = blocks[static_cast<std::size_t>(bi)];
+      allocators_[static_cast<std::size_t>(g)]->Unref(b);
+      b = kNoBlock;
+    }
+  }
 }
 
 void Instance::AddToPrefixCache(const Running& r) {
@@ -239,13 +322,13 @@ void Instance::AddToPrefixCache(const Running& r) {
   const auto full = static_cast<std::int64_t>(r.hashes.size()) / tpb;
   for (std::int64_t bi = 0; bi < full; ++bi) {
     const std::uint64_t key = r.hashes[static_cast<std::size_t>((bi + 1) * tpb - 1)];
-    const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
+    const std::int64_t block = r.blocks[0][static_cast<std::size_t>(bi)];
     auto found = prefix_.find(key);
     if (found != prefix_.end()) {
       lru_.splice(lru_.end(), lru_, lru_pos_.at(key));  // touched
       continue;
     }
-    allocator_->Ref(block);  // the cache's own reference
+    allocators_[0]->Ref(block);  // the cache's own reference
     prefix_[key] = block;
     lru_.push_back(key);
     lru_pos_[key] = std::prev(lru_.end());
@@ -266,7 +349,9 @@ std::vector<EngineResult> Instance::Step() {
 
 void Instance::PublishGauges() {
   in_flight_.store(waiting_.size() + running_.size(), std::memory_order_relaxed);
-  blocks_allocated_.store(allocator_->used_blocks(), std::memory_order_relaxed);
+  std::int64_t used = 0;
+  for (const auto& a : allocators_) used += a->used_blocks();
+  blocks_allocated_.store(used, std::memory_order_relaxed);
 }
 
 std::vector<WorkerMetrics> Instance::ConnectorMetrics() const {
@@ -301,24 +386,27 @@ std::vector<ExtraMetric> Instance::EngineMetrics() const {
            static_cast<double>(blocks_allocated_.load(std::memory_order_relaxed))}};
 }
 
+Scheduler::FinishedResult Instance::Finish(const Running& r, FinishReason reason) {
+  if (!grouped()) {
+    return scheduler_->RequestFinished(r.request.request_id, r.request.params, reason, r.blocks[0]);
+  }
+  return scheduler_->RequestFinishedAllGroups(r.request.request_id, r.request.params, reason,
+                                              r.blocks);
+}
+
 void Instance::StepPrefill(std::vector<EngineResult>& out) {
-  const std::int64_t tpb = config_.model.tokens_per_block;
   // Schedule what fits; "compute" it; finish it on its length cap (max_tokens 1).
   while (!waiting_.empty()) {
     Running& r = *waiting_.front();
-    const auto need = static_cast<std::size_t>(
-        (static_cast<std::int64_t>(r.request.prompt.size()) + tpb - 1) / tpb);
-    Result<std::vector<std::int64_t>> blocks = allocator_->Allocate(need);
-    if (!blocks.ok()) break;  // wait for holds to end
+    const auto prompt = static_cast<std::int64_t>(r.request.prompt.size());
+    if (!AllocateGroups(r, prompt, /*window_only=*/false)) break;  // wait for holds to end
     r.scheduled = Clock::now();
-    r.blocks = std::move(blocks).value();
     const bool layerwise = r.request.params.do_remote_decode && r.request.params.transfer_id;
-    Status s = layerwise ? ComputeLayerwise(r) : Compute(r, 0, static_cast<std::int64_t>(need));
+    Status s = layerwise ? ComputeLayerwise(r) : Compute(r, {0, prompt});
     if (!s.ok()) {
       r.result.status = s;
       // Ends its transfer too: the blocks go back now.
-      (void)scheduler_->RequestFinished(r.request.request_id, r.request.params,
-                                        FinishReason::kError, r.blocks);
+      (void)Finish(r, FinishReason::kError);
       FreeBlocks(r.blocks);
       ++failed_;
       out.push_back(r.result);
@@ -331,8 +419,8 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
                                     config_.compute_per_token * r.request.prompt.size());
     }
     const Clock::time_point computed = Clock::now();
-    Scheduler::FinishedResult f = scheduler_->RequestFinished(
-        r.request.request_id, r.request.params, FinishReason::kLengthCapped, r.blocks);
+    FreeOutsideWindow(r);
+    Scheduler::FinishedResult f = Finish(r, FinishReason::kLengthCapped);
     r.result.queue_ms = Ms(r.submitted, r.scheduled);
     r.result.compute_ms = Ms(r.scheduled, computed);
     if (f.params) r.result.params = *f.params;
@@ -370,42 +458,54 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
     Running& r = *waiting_.front();
     const auto prompt = static_cast<std::int64_t>(r.request.prompt.size());
     const std::int64_t total = (prompt + tpb - 1) / tpb;
-    // Prefix cache: full blocks whose chain hash is cached.
-    std::vector<std::int64_t> hit;
-    for (std::int64_t bi = 0; bi < prompt / tpb; ++bi) {
-      auto it = prefix_.find(r.hashes[static_cast<std::size_t>((bi + 1) * tpb - 1)]);
-      if (it == prefix_.end()) break;
-      hit.push_back(it->second);
-    }
-    // Like vLLM, the last prompt token is always computed: never hit the whole prompt.
-    if (static_cast<std::int64_t>(hit.size()) * tpb >= prompt && !hit.empty()) hit.pop_back();
-    // Pin the hits first: making room evicts cached blocks only the cache references, and these
-    // must not be among them.
-    for (std::int64_t block : hit) allocator_->Ref(block);
-    Result<std::vector<std::int64_t>> fresh =
-        AllocateEvicting(static_cast<std::size_t>(total) - hit.size());
-    if (!fresh.ok()) {
-      FreeBlocks(hit);  // back to the cache's own reference
-      break;
-    }
-    for (std::size_t bi = 0; bi < hit.size(); ++bi) {
-      const std::uint64_t key = r.hashes[(bi + 1) * static_cast<std::size_t>(tpb) - 1];
-      lru_.splice(lru_.end(), lru_, lru_pos_.at(key));  // touched
+    std::vector<std::int64_t> fresh;
+    if (grouped()) {
+      // Every group's blocks, a sliding window's only (no prefix cache: a hybrid's hit would
+      // need every group's blocks of it).
+      if (!AllocateGroups(r, prompt, /*window_only=*/true)) break;
+      fresh = r.blocks[0];
+    } else {
+      // Prefix cache: full blocks whose chain hash is cached.
+      std::vector<std::int64_t> hit;
+      for (std::int64_t bi = 0; bi < prompt / tpb; ++bi) {
+        auto it = prefix_.find(r.hashes[static_cast<std::size_t>((bi + 1) * tpb - 1)]);
+        if (it == prefix_.end()) break;
+        hit.push_back(it->second);
+      }
+      // Like vLLM, the last prompt token is always computed: never hit the whole prompt.
+      if (static_cast<std::int64_t>(hit.size()) * tpb >= prompt && !hit.empty()) hit.pop_back();
+      // Pin the hits first: making room evicts cached blocks only the cache references, and
+      // these must not be among them.
+      for (std::int64_t block : hit) allocators_[0]->Ref(block);
+      Result<std::vector<std::int64_t>> got =
+          AllocateEvicting(static_cast<std::size_t>(total) - hit.size());
+      if (!got.ok()) {
+        FreeBlocks({hit});  // back to the cache's own reference
+        break;
+      }
+      for (std::size_t bi = 0; bi < hit.size(); ++bi) {
+        const std::uint64_t key = r.hashes[(bi + 1) * static_cast<std::size_t>(tpb) - 1];
+        lru_.splice(lru_.end(), lru_, lru_pos_.at(key));  // touched
+      }
+      fresh = *got;
+      r.prefix_hit = static_cast<std::int64_t>(hit.size());
+      r.blocks = {hit};
+      r.blocks[0].insert(r.blocks[0].end(), fresh.begin(), fresh.end());
     }
     r.scheduled = Clock::now();
-    r.prefix_hit = static_cast<std::int64_t>(hit.size());
-    r.blocks = hit;
-    r.blocks.insert(r.blocks.end(), fresh->begin(), fresh->end());
     const auto [tokens, async] =
         scheduler_->GetNumNewMatchedTokens(r.request.params, prompt, r.prefix_hit * tpb);
     (void)async;
     // With the tokens it brings (vLLM's num_external_tokens), so the prefill instance's blocks
     // may hold another number of tokens than ours.
-    Status s = scheduler_->UpdateStateAfterAlloc(r.request.request_id, r.request.params, *fresh,
-                                                 tokens, prompt);
+    Status s = grouped() ? scheduler_->UpdateStateAfterAllocAllGroups(
+                               r.request.request_id, r.request.params, r.blocks, tokens, prompt)
+                         : scheduler_->UpdateStateAfterAlloc(r.request.request_id,
+                                                             r.request.params, fresh, tokens,
+                                                             prompt);
     r.result.queue_ms = Ms(r.submitted, r.scheduled);
     r.result.prefix_hit_blocks = r.prefix_hit;
-    r.result.loaded_blocks = static_cast<std::int64_t>(fresh->size());
+    r.result.loaded_blocks = static_cast<std::int64_t>(fresh.size());
     std::unique_ptr<Running> owned = std::move(waiting_.front());
     waiting_.pop_front();
     if (!s.ok()) {
@@ -466,7 +566,9 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
         // Recompute policy: the engine computes the blocks the load could not deliver.
         Log().warn("request {}: load failed ({}); recomputing {} blocks", id,
                    err->second.ToString(), r.result.loaded_blocks);
-        if (Status s = Compute(r, r.prefix_hit, r.result.loaded_blocks); !s.ok()) {
+        if (Status s = Compute(r, {r.prefix_hit * tpb, static_cast<std::int64_t>(
+                                                            r.request.prompt.size())});
+            !s.ok()) {
           Log().error("request {}: recomputing failed: {}", id, s.ToString());
         }
         r.result.recomputed_blocks = r.result.loaded_blocks;
@@ -474,12 +576,13 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
       }
       Status verify;
       const Clock::time_point step = Clock::now();
-      r.result.verified_bytes = Verify(r, 0, static_cast<std::int64_t>(r.blocks.size()), &verify);
+      r.result.verified_bytes =
+          Verify(r, {0, static_cast<std::int64_t>(r.request.prompt.size())}, &verify);
       r.result.first_step_ms = Ms(step, Clock::now());
       r.result.status = verify;
       if (verify.ok()) {
         ++done_;
-        AddToPrefixCache(r);
+        if (!grouped()) AddToPrefixCache(r);
       } else {
         ++failed_;
       }
@@ -494,9 +597,10 @@ InstanceStats Instance::Stats() const {
   InstanceStats s;
   // Cached blocks that only the cache references are free for the taking, not in use.
   std::int64_t evictable = 0;
-  for (const auto& [key, block] : prefix_) evictable += allocator_->refs(block) == 1 ? 1 : 0;
+  for (const auto& [key, block] : prefix_) evictable += allocators_[0]->refs(block) == 1 ? 1 : 0;
   s.cached_blocks = static_cast<std::int64_t>(prefix_.size());
-  s.used_blocks = allocator_->used_blocks() - evictable;
+  s.used_blocks = -evictable;
+  for (const auto& a : allocators_) s.used_blocks += a->used_blocks();
   LatencyHistogram transfers;
   for (const auto& w : workers_) {
     const WorkerStats ws = w->Stats();

@@ -58,8 +58,17 @@ struct InstanceConfig {
   TransportOptionMap transport_options;
   std::optional<RankTable> rank_table;
   std::vector<std::string> visible_devices;
-  /// Model shape, for every TP rank (the spec's TP fields are set per rank).
+  /// Model shape, for every TP rank (the spec's TP fields are set per rank): KV cache group 0, the
+  /// whole cache of a uniform model.
   CacheSpecOptions model;
+  /// A hybrid model's KV cache groups after `model` (vLLM's kv_cache_groups 1, 2, ...): each with
+  /// its own kind, window, layers and block pool; a pipeline stage holds each group's share of
+  /// the model's layers (the groups' layers interleave: model layer m is layer m / G of group
+  /// m % G for G groups of equal size, as vLLM groups gpt-oss's and Qwen3-Next's layers). The
+  /// engine frees a sliding-window group's blocks outside the window once the prompt is computed
+  /// (prefill) and allocates only the window's (decode), as vLLM's SlidingWindowManager; its
+  /// decode prefix cache serves uniform models only.
+  std::vector<CacheSpecOptions> more_groups;
   std::chrono::milliseconds hold_lease{30000};
   /// Simulated prefill compute (a GPU's time, in which the model writes the KV): a request takes
   /// at least this per prompt token, and its KV bytes are made inside that time (stretching it
@@ -150,7 +159,8 @@ class Instance {
   /// while another one runs the engine: the metrics server of `kvferry serve` does.
   std::vector<WorkerMetrics> ConnectorMetrics() const;
   std::vector<ExtraMetric> EngineMetrics() const;
-  const CacheSpec& spec(int rank) const;
+  /// Worker `index`'s cache (stage-major, as the workers are), every group.
+  const CacheGroups& caches(int index) const;
   /// Nothing submitted is unfinished.
   bool Idle() const;
   /// Whether Step has work to do now (requests to schedule or compute, aborts to report), as
@@ -166,6 +176,7 @@ class Instance {
   void StepDecode(std::vector<EngineResult>& out);
   struct KvRow {
     std::size_t rank = 0;
+    int group = 0;
     int layer = 0;
     int part = 0;
     std::int64_t block_index = 0;
@@ -176,6 +187,8 @@ class Instance {
     std::int64_t esize = 0;
     std::uint64_t seed = 0;
     bool past_prompt = false;
+    /// A sliding-window group's token before the window: the decode side need not hold it.
+    bool before_window = false;
   };
   // Layers [first, end) of a cache; All() is every layer.
   struct Layers {
@@ -183,39 +196,62 @@ class Instance {
     int end = 1 << 30;
     static Layers All() { return {}; }
   };
+  // Prompt tokens [first, end): every group's blocks holding one of them (whole blocks).
+  struct Tokens {
+    std::int64_t first = 0;
+    std::int64_t end = 0;
+  };
   template <typename Fn>
-  bool ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Layers layers, Fn&& fn);
-  Status Compute(const Running& r, std::int64_t first_block_index, std::int64_t count);
-  // Device memory: blocks [first, first + count) of `r` on every rank, host mirror -> device
-  // (`up`) or back; waits for the copies.
-  Status CopyBlocks(const Running& r, std::int64_t first, std::int64_t count, bool up);
+  bool ForEachRow(const Running& r, Tokens tokens, Layers layers, Fn&& fn);
+  Status Compute(const Running& r, Tokens tokens);
+  // Device memory: the blocks of `tokens` of `r` on every rank, host mirror -> device (`up`) or
+  // back; waits for the copies.
+  Status CopyBlocks(const Running& r, Tokens tokens, bool up);
   // The same without waiting, for `layers` only: the copies are queued on stream_.
-  Status EnqueueCopies(const Running& r, std::int64_t first, std::int64_t count, bool up,
-                       Layers layers);
+  Status EnqueueCopies(const Running& r, Tokens tokens, bool up, Layers layers);
   // Prefill of a layer-wise request: chunk by chunk, layer by layer, each layer announced.
   Status ComputeLayerwise(const Running& r);
-  std::uint64_t Verify(const Running& r, std::int64_t first_block_index, std::int64_t count,
-                       Status* status);
-  void FreeBlocks(const std::vector<std::int64_t>& blocks);
+  std::uint64_t Verify(const Running& r, Tokens tokens, Status* status);
+  // Every group's blocks of a request, kNoBlock skipped.
+  void FreeBlocks(const std::vector<std::vector<std::int64_t>>& blocks);
+  // Group 0's blocks, evicting prefix-cache entries to make room.
   Result<std::vector<std::int64_t>> AllocateEvicting(std::size_t n);
+  // Blocks for every group of a request of `prompt` tokens into r.blocks; a sliding-window
+  // group's blocks outside the window on the decode side (`window_only`) are kNoBlock. False,
+  // with nothing allocated, when a pool is short.
+  bool AllocateGroups(Running& r, std::int64_t prompt, bool window_only);
+  // Prefill, once the prompt is computed: a sliding-window group's blocks wholly before its
+  // window go back to the pool, kNoBlock in their place (vLLM's remove_skipped_blocks).
+  void FreeOutsideWindow(Running& r);
+  // Prefill: the scheduler's RequestFinished, every group's blocks.
+  Scheduler::FinishedResult Finish(const Running& r, FinishReason reason);
+  // Several groups, or one with a sliding window: blocks per group, kNoBlock outside a window,
+  // through the scheduler's AllGroups calls, and no decode prefix cache.
+  bool grouped() const { return num_groups() > 1 || config_.model.sliding_window > 0; }
+  int num_groups() const { return 1 + static_cast<int>(config_.more_groups.size()); }
+  const CacheSpecOptions& group_options(int g) const {
+    return g == 0 ? config_.model : config_.more_groups[static_cast<std::size_t>(g - 1)];
+  }
   void AddToPrefixCache(const Running& r);
   void PublishGauges();
 
   InstanceConfig config_;
-  std::vector<CacheSpec> specs_;
-  std::vector<std::vector<std::vector<std::uint64_t>>> memory_;  // [rank][layer*parts+part]
+  std::vector<CacheGroups> caches_;  // [worker]
+  // [worker][group][layer*parts+part]
+  std::vector<std::vector<std::vector<std::vector<std::uint64_t>>>> memory_;
   // config_.memory a device: the caches themselves, memory_ their host mirror. Before workers_,
   // so they are freed after the workers stop reading them.
   device::Device* device_ = nullptr;
   std::unique_ptr<device::Stream> stream_;
-  std::vector<std::vector<std::unique_ptr<device::DeviceAllocation>>> device_memory_;
+  // [worker][group][layer*parts+part]
+  std::vector<std::vector<std::vector<std::unique_ptr<device::DeviceAllocation>>>> device_memory_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::unique_ptr<Scheduler> scheduler_;
-  std::unique_ptr<BlockAllocator> allocator_;
+  std::vector<std::unique_ptr<BlockAllocator>> allocators_;  // [group]
 
   std::deque<std::unique_ptr<Running>> waiting_;
   std::map<std::string, std::unique_ptr<Running>> running_;  // decode: loading
-  std::map<std::string, std::vector<std::int64_t>> held_;    // prefill: blocks held
+  std::map<std::string, std::vector<std::vector<std::int64_t>>> held_;  // prefill: blocks held
   std::map<std::string, std::set<int>> rank_reports_;        // per request: ranks reported
   std::map<std::string, Status> load_errors_;      // decode: a rank's load failed (until it ends)
   std::map<std::string, LoadTransfer> transfers_;  // decode: ranks' done loads (until it ends)

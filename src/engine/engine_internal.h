@@ -21,7 +21,9 @@ inline std::uint64_t Mix(std::uint64_t x) {
 struct Instance::Running {
   EngineRequest request;
   std::vector<std::uint64_t> hashes;
-  std::vector<std::int64_t> blocks;  // all blocks of the prompt, prefix hits first
+  // [group][block index]: every block of the prompt, group 0's prefix hits first; kNoBlock where
+  // a sliding-window group holds none.
+  std::vector<std::vector<std::int64_t>> blocks;
   std::int64_t prefix_hit = 0;
   Clock::time_point submitted = Clock::now();
   Clock::time_point scheduled{};

@@ -66,52 +66,68 @@ void FillRow(std::uint8_t* out, std::uint64_t seed, std::int64_t dim, std::int64
   }
 }
 
-// Visits every (rank, layer, part, block, token slot, head) row of blocks [first, first + count)
-// of a request: `dim` elements of `esize` bytes whose values derive from the token prefix at
-// that slot, the layer, the part and the model-wide head. `fn` returns false to stop.
+// Visits every (rank, group, layer, part, block, token slot, head) row of the blocks that hold
+// prompt tokens [tokens.first, tokens.end) of a request, in each group (kNoBlock skipped): `dim`
+// elements of `esize` bytes whose values derive from the token prefix at that slot, the group,
+// the layer, the part and the model-wide head. `fn` returns false to stop.
 template <typename Fn>
-bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t count, Layers layers,
-                          Fn&& fn) {
-  const std::int64_t tpb = config_.model.tokens_per_block;
-  for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
-    const CacheSpec& spec = specs_[rank];
-    KvRow row;
-    row.rank = rank;
-    row.esize = DTypeSize(spec.dtype());
-    for (std::int64_t bi = first; bi < first + count; ++bi) {
-      row.block_index = bi;
-      const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
-      for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
-        for (int p = 0; p < spec.num_parts(); ++p) {
-          row.layer = l;
-          row.part = p;
-          std::uint8_t* base = reinterpret_cast<std::uint8_t*>(
-                                   memory_[rank][static_cast<std::size_t>(l) *
-                                                     static_cast<std::size_t>(spec.num_parts()) +
-                                                 static_cast<std::size_t>(p)]
-                                       .data()) +
-                               block * spec.BlockBytes(p);
-          const HeldHeads held = HeadsHeldBy(spec, p);
-          const std::int64_t heads = held.count;
-          const std::int64_t first_head = held.first;
-          row.dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
-          for (std::int64_t s = 0; s < tpb; ++s) {
-            const std::int64_t t = bi * tpb + s;
-            row.slot = s;
-            row.past_prompt = t >= static_cast<std::int64_t>(r.hashes.size());
-            // The unfilled tail of the last block gets values too, from a fixed token.
-            const std::uint64_t token = row.past_prompt ? 0 : r.hashes[static_cast<std::size_t>(t)];
-            for (std::int64_t h = 0; h < heads; ++h) {
-              row.head = first_head + h;
-              row.seed =
-                  // The model-wide layer: a pipeline stage's bytes are its own layers'.
-                  Mix(token ^ (static_cast<std::uint64_t>(spec.first_layer() + l) << 48) ^
-                      (static_cast<std::uint64_t>(p) << 40) ^ static_cast<std::uint64_t>(row.head));
-              const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
-                                           ? (s * heads + h) * row.dim
-                                           : (h * tpb + s) * row.dim;
-              row.data = base + idx * row.esize;
-              if (!fn(row)) return false;
+bool Instance::ForEachRow(const Running& r, Tokens tokens, Layers layers, Fn&& fn) {
+  const auto prompt = static_cast<std::int64_t>(r.hashes.size());
+  for (std::size_t rank = 0; rank < caches_.size(); ++rank) {
+    for (int g = 0; g < caches_[rank].size(); ++g) {
+      const CacheSpec& spec = caches_[rank][g];
+      const std::int64_t tpb = spec.tokens_per_block();
+      const std::vector<std::int64_t>& blocks = r.blocks[static_cast<std::size_t>(g)];
+      KvRow row;
+      row.rank = rank;
+      row.group = g;
+      row.esize = DTypeSize(spec.dtype());
+      const std::int64_t window_first =
+          spec.sliding_window() > 0 ? prompt - spec.sliding_window() : 0;
+      const std::int64_t end_block =
+          std::min<std::int64_t>((tokens.end + tpb - 1) / tpb, std::ssize(blocks));
+      for (std::int64_t bi = tokens.first / tpb; bi < end_block; ++bi) {
+        row.block_index = bi;
+        const std::int64_t block = blocks[static_cast<std::size_t>(bi)];
+        if (block == kNoBlock) continue;
+        for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
+          for (int p = 0; p < spec.num_parts(); ++p) {
+            row.layer = l;
+            row.part = p;
+            std::uint8_t* base =
+                reinterpret_cast<std::uint8_t*>(
+                    memory_[rank][static_cast<std::size_t>(g)]
+                           [static_cast<std::size_t>(l) *
+                                static_cast<std::size_t>(spec.num_parts()) +
+                            static_cast<std::size_t>(p)]
+                               .data()) +
+                block * spec.BlockBytes(p);
+            const HeldHeads held = HeadsHeldBy(spec, p);
+            const std::int64_t heads = held.count;
+            const std::int64_t first_head = held.first;
+            row.dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
+            for (std::int64_t s = 0; s < tpb; ++s) {
+              const std::int64_t t = bi * tpb + s;
+              row.slot = s;
+              row.past_prompt = t >= prompt;
+              row.before_window = t < window_first;
+              // The unfilled tail of the last block gets values too, from a fixed token.
+              const std::uint64_t token =
+                  row.past_prompt ? 0 : r.hashes[static_cast<std::size_t>(t)];
+              for (std::int64_t h = 0; h < heads; ++h) {
+                row.head = first_head + h;
+                row.seed =
+                    // The group's model-wide layer: a pipeline stage's bytes are its own layers'.
+                    Mix(token ^ (static_cast<std::uint64_t>(spec.first_layer() + l) << 48) ^
+                        (static_cast<std::uint64_t>(g) << 44) ^
+                        (static_cast<std::uint64_t>(p) << 40) ^
+                        static_cast<std::uint64_t>(row.head));
+                const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
+                                             ? (s * heads + h) * row.dim
+                                             : (h * tpb + s) * row.dim;
+                row.data = base + idx * row.esize;
+                if (!fn(row)) return false;
+              }
             }
           }
         }
@@ -121,33 +137,30 @@ bool Instance::ForEachRow(const Running& r, std::int64_t first, std::int64_t cou
   return true;
 }
 
-// Writes the KV of the prompt's tokens in blocks [first, first + count) on every rank.
-Status Instance::Compute(const Running& r, std::int64_t first, std::int64_t count) {
-  ForEachRow(r, first, count, Layers::All(), [](const KvRow& row) {
+// Writes the KV of the blocks holding `tokens` on every rank.
+Status Instance::Compute(const Running& r, Tokens tokens) {
+  ForEachRow(r, tokens, Layers::All(), [](const KvRow& row) {
     FillRow(row.data, row.seed, row.dim, row.esize);
     return true;
   });
-  return device_ == nullptr ? Status::Ok() : CopyBlocks(r, first, count, /*up=*/true);
+  return device_ == nullptr ? Status::Ok() : CopyBlocks(r, tokens, /*up=*/true);
 }
 
 Status Instance::ComputeLayerwise(const Running& r) {
   const auto prompt = static_cast<std::int64_t>(r.request.prompt.size());
-  const std::int64_t tpb = config_.model.tokens_per_block;
   const std::int64_t chunk =
       config_.prefill_chunk_tokens > 0 ? config_.prefill_chunk_tokens : prompt;
   // Pipeline stages may hold different numbers of layers (vLLM's split): layer l of the step is
   // each stage's own layer l, where it has one.
   int layers = 0;
-  for (const CacheSpec& spec : specs_) layers = std::max(layers, spec.num_layers());
+  for (const CacheGroups& caches : caches_) layers = std::max(layers, caches[0].num_layers());
   for (std::int64_t begin = 0; begin < prompt; begin += chunk) {
     const std::int64_t end = std::min(prompt, begin + chunk);
     // What vLLM's scheduler side does each step, then its workers' start of the step.
-    scheduler_->RequestScheduled(r.request.request_id, r.request.params, r.blocks, begin,
+    scheduler_->RequestScheduled(r.request.request_id, r.request.params, r.blocks[0], begin,
                                  end - begin, prompt);
     const ConnectorMetadata meta = scheduler_->BuildConnectorMeta();
     for (auto& w : workers_) w->StartLoadKv(meta);
-    const std::int64_t first_block = begin / tpb;
-    const std::int64_t blocks = (end + tpb - 1) / tpb - first_block;
     // Layer l is computed in [start + l * per_layer, start + (l + 1) * per_layer), on a fixed
     // schedule, so a late wake-up is not added to every later layer. Its KV bytes are made at the
     // start of that window (the window stretches when making them takes longer) and announced when
@@ -156,7 +169,7 @@ Status Instance::ComputeLayerwise(const Running& r) {
     const auto per_layer = config_.compute_per_token * (end - begin) / layers;
     const Clock::time_point start = Clock::now();
     for (int l = 0; l < layers; ++l) {
-      ForEachRow(r, first_block, blocks, Layers{l, l + 1}, [](const KvRow& row) {
+      ForEachRow(r, {begin, end}, Layers{l, l + 1}, [](const KvRow& row) {
         FillRow(row.data, row.seed, row.dim, row.esize);
         return true;
       });
@@ -165,11 +178,11 @@ Status Instance::ComputeLayerwise(const Running& r) {
       if (device_ != nullptr) {
         // The layer goes up on the engine's stream; the connector announces it once the stream
         // has done it, and the engine computes the next layer meanwhile.
-        KVFERRY_RETURN_IF_ERROR(EnqueueCopies(r, first_block, blocks, /*up=*/true, {l, l + 1}));
+        KVFERRY_RETURN_IF_ERROR(EnqueueCopies(r, {begin, end}, /*up=*/true, {l, l + 1}));
         stream = stream_->native_handle();
       }
       for (std::size_t w = 0; w < workers_.size(); ++w) {
-        if (l < specs_[w].num_layers()) {
+        if (l < caches_[w][0].num_layers()) {
           KVFERRY_RETURN_IF_ERROR(workers_[w]->SaveKvLayer(l, stream));
         }
       }
@@ -183,29 +196,39 @@ Status Instance::ComputeLayerwise(const Running& r) {
       .WithContext("copying KV blocks to " + device_->name());
 }
 
-Status Instance::CopyBlocks(const Running& r, std::int64_t first, std::int64_t count, bool up) {
-  KVFERRY_RETURN_IF_ERROR(EnqueueCopies(r, first, count, up, Layers::All()));
+Status Instance::CopyBlocks(const Running& r, Tokens tokens, bool up) {
+  KVFERRY_RETURN_IF_ERROR(EnqueueCopies(r, tokens, up, Layers::All()));
   KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> done, stream_->RecordEvent());
   return done->Wait(DeadlineAfter(std::chrono::seconds(30)))
       .WithContext(std::string("copying KV blocks ") + (up ? "to " : "from ") + device_->name());
 }
 
-Status Instance::EnqueueCopies(const Running& r, std::int64_t first, std::int64_t count, bool up,
-                               Layers layers) {
-  for (std::size_t rank = 0; rank < specs_.size(); ++rank) {
-    const CacheSpec& spec = specs_[rank];
-    for (std::int64_t bi = first; bi < first + count; ++bi) {
-      const std::int64_t block = r.blocks[static_cast<std::size_t>(bi)];
-      for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
-        for (int p = 0; p < spec.num_parts(); ++p) {
-          const auto i = static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
-                         static_cast<std::size_t>(p);
-          const auto offset = static_cast<std::uint64_t>(block * spec.BlockBytes(p));
-          const auto bytes = static_cast<std::uint64_t>(spec.BlockBytes(p));
-          auto* host = reinterpret_cast<std::byte*>(memory_[rank][i].data()) + offset;
-          const device::DeviceAddress dev = device_memory_[rank][i]->address() + offset;
-          KVFERRY_RETURN_IF_ERROR(up ? stream_->CopyHostToDevice(dev, host, bytes)
-                                     : stream_->CopyDeviceToHost(host, dev, bytes));
+Status Instance::EnqueueCopies(const Running& r, Tokens tokens, bool up, Layers layers) {
+  for (std::size_t rank = 0; rank < caches_.size(); ++rank) {
+    for (int g = 0; g < caches_[rank].size(); ++g) {
+      const CacheSpec& spec = caches_[rank][g];
+      const std::int64_t tpb = spec.tokens_per_block();
+      const std::vector<std::int64_t>& blocks = r.blocks[static_cast<std::size_t>(g)];
+      const std::int64_t end_block =
+          std::min<std::int64_t>((tokens.end + tpb - 1) / tpb, std::ssize(blocks));
+      for (std::int64_t bi = tokens.first / tpb; bi < end_block; ++bi) {
+        const std::int64_t block = blocks[static_cast<std::size_t>(bi)];
+        if (block == kNoBlock) continue;
+        for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
+          for (int p = 0; p < spec.num_parts(); ++p) {
+            const auto i = static_cast<std::size_t>(l) *
+                               static_cast<std::size_t>(spec.num_parts()) +
+                           static_cast<std::size_t>(p);
+            const auto offset = static_cast<std::uint64_t>(block * spec.BlockBytes(p));
+            const auto bytes = static_cast<std::uint64_t>(spec.BlockBytes(p));
+            auto* host =
+                reinterpret_cast<std::byte*>(memory_[rank][static_cast<std::size_t>(g)][i].data()) +
+                offset;
+            const device::DeviceAddress dev =
+                device_memory_[rank][static_cast<std::size_t>(g)][i]->address() + offset;
+            KVFERRY_RETURN_IF_ERROR(up ? stream_->CopyHostToDevice(dev, host, bytes)
+                                       : stream_->CopyDeviceToHost(host, dev, bytes));
+          }
         }
       }
     }
@@ -213,27 +236,29 @@ Status Instance::EnqueueCopies(const Running& r, std::int64_t first, std::int64_
   return Status::Ok();
 }
 
-// Checks blocks [first, first + count) on every rank against what Compute wrote; returns the
-// bytes checked and sets *status at the first difference.
-std::uint64_t Instance::Verify(const Running& r, std::int64_t first, std::int64_t count,
-                               Status* status) {
+// Checks the blocks holding `tokens` on every rank against what Compute wrote (a sliding
+// window's tokens from the window on); returns the bytes checked and sets *status at the first
+// difference.
+std::uint64_t Instance::Verify(const Running& r, Tokens tokens, Status* status) {
   std::uint64_t bytes = 0;
   if (device_ != nullptr) {
     // What the device holds is what is checked: copied down over the host mirror first.
-    if (Status s = CopyBlocks(r, first, count, /*up=*/false); !s.ok()) {
+    if (Status s = CopyBlocks(r, tokens, /*up=*/false); !s.ok()) {
       *status = s;
       return 0;
     }
   }
   std::vector<std::uint8_t> expect;
-  ForEachRow(r, first, count, Layers::All(), [&](const KvRow& row) {
-    if (row.past_prompt) return true;  // slots past the prompt are never read
+  ForEachRow(r, tokens, Layers::All(), [&](const KvRow& row) {
+    // Slots past the prompt are never read; the decode side attends to a window's tokens only.
+    if (row.past_prompt || row.before_window) return true;
     const auto row_bytes = static_cast<std::size_t>(row.dim * row.esize);
     if (expect.size() < row_bytes) expect.resize(row_bytes);
     FillRow(expect.data(), row.seed, row.dim, row.esize);
     if (std::memcmp(row.data, expect.data(), row_bytes) != 0) {
       *status = Status::Internal("request " + r.request.request_id + ": KV byte mismatch at rank " +
-                                 std::to_string(row.rank) + " layer " + std::to_string(row.layer) +
+                                 std::to_string(row.rank) + " group " + std::to_string(row.group) +
+                                 " layer " + std::to_string(row.layer) +
                                  " part " + std::to_string(row.part) + " block index " +
                                  std::to_string(row.block_index) + " token " +
                                  std::to_string(row.slot) + " head " + std::to_string(row.head));
