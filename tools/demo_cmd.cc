@@ -64,8 +64,8 @@ int RunDemo(const DemoArgs& a) {
                             placement(a.pipeline.decode_tp, a.pipeline.decode_pp,
                                       a.pipeline.decode_tokens_per_block))
               << ", " << a.requests << " requests, prompts " << a.min_prompt << ".." << a.max_prompt
-              << " tokens, transport " << a.pipeline.transport << ", model " << ModelText(a.pipeline.model)
-              << std::endl;
+              << " tokens, transport " << a.pipeline.transport << ", model "
+              << ModelText(a.pipeline.model) << std::endl;
   }
   const auto prompts =
       MakePrompts(a.requests, a.min_prompt, a.max_prompt, a.shared_prefix, a.pipeline.seed);

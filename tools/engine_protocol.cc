@@ -127,10 +127,10 @@ Status ParseInto(const Json& j, std::size_t max_prompt_tokens, ControlRequest& r
 // A list of block ids: each one a block, or kNoBlock (-1) where the instance holds none.
 Result<std::vector<std::int64_t>> BlockIds(const Json& v, const std::string& field) {
   if (!v.is_array() || v.size() > kMaxRemoteBlockIds) {
-    return Wrong(field,
-                 "an array of at most " + std::to_string(kMaxRemoteBlockIds) +
-                     " block ids (-1 for none)",
-                 v);
+    return Wrong(
+        field,
+        "an array of at most " + std::to_string(kMaxRemoteBlockIds) + " block ids (-1 for none)",
+        v);
   }
   std::vector<std::int64_t> ids;
   ids.reserve(v.size());

@@ -1,9 +1,8 @@
 #include <unistd.h>
 
 #include <charconv>
-#include <string_view>
-
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tools/commands.h"
@@ -54,8 +53,8 @@ Result<std::int64_t> ParseCount(std::string_view text, std::string_view what,
   std::int64_t v = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || end != text.data() + text.size() || v <= 0) {
-    return Status::InvalidArgument("--groups item '" + std::string(item) + "': " +
-                                   std::string(what) + " '" + std::string(text) +
+    return Status::InvalidArgument("--groups item '" + std::string(item) +
+                                   "': " + std::string(what) + " '" + std::string(text) +
                                    "' is not a positive number");
   }
   return v;
@@ -97,8 +96,8 @@ Result<CacheSpecOptions> ParseGroup(std::string_view item, const ModelArgs& m,
                                    std::string(kind) + "'; expected full or swa@WINDOW");
   }
   o.layers.assign(static_cast<std::size_t>(layers), o.layers.front());
-  KVFERRY_RETURN_IF_ERROR(CacheSpec::Create(o).status().WithContext("--groups item '" +
-                                                                    std::string(item) + "'"));
+  KVFERRY_RETURN_IF_ERROR(
+      CacheSpec::Create(o).status().WithContext("--groups item '" + std::string(item) + "'"));
   return o;
 }
 
@@ -125,8 +124,7 @@ Result<std::vector<CacheSpecOptions>> BuildGroups(const ModelArgs& m) {
   }
   if (out.size() > static_cast<std::size_t>(kMaxCacheGroups)) {
     return Status::InvalidArgument("--groups names " + std::to_string(out.size()) +
-                                   " KV cache groups; at most " +
-                                   std::to_string(kMaxCacheGroups));
+                                   " KV cache groups; at most " + std::to_string(kMaxCacheGroups));
   }
   return out;
 }

@@ -500,9 +500,8 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
     // may hold another number of tokens than ours.
     Status s = grouped() ? scheduler_->UpdateStateAfterAllocAllGroups(
                                r.request.request_id, r.request.params, r.blocks, tokens, prompt)
-                         : scheduler_->UpdateStateAfterAlloc(r.request.request_id,
-                                                             r.request.params, fresh, tokens,
-                                                             prompt);
+                         : scheduler_->UpdateStateAfterAlloc(r.request.request_id, r.request.params,
+                                                             fresh, tokens, prompt);
     r.result.queue_ms = Ms(r.submitted, r.scheduled);
     r.result.prefix_hit_blocks = r.prefix_hit;
     r.result.loaded_blocks = static_cast<std::int64_t>(fresh.size());
@@ -566,8 +565,8 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
         // Recompute policy: the engine computes the blocks the load could not deliver.
         Log().warn("request {}: load failed ({}); recomputing {} blocks", id,
                    err->second.ToString(), r.result.loaded_blocks);
-        if (Status s = Compute(r, {r.prefix_hit * tpb, static_cast<std::int64_t>(
-                                                            r.request.prompt.size())});
+        if (Status s = Compute(
+                r, {r.prefix_hit * tpb, static_cast<std::int64_t>(r.request.prompt.size())});
             !s.ok()) {
           Log().error("request {}: recomputing failed: {}", id, s.ToString());
         }

@@ -250,9 +250,9 @@ class Instance {
   std::vector<std::unique_ptr<BlockAllocator>> allocators_;  // [group]
 
   std::deque<std::unique_ptr<Running>> waiting_;
-  std::map<std::string, std::unique_ptr<Running>> running_;  // decode: loading
+  std::map<std::string, std::unique_ptr<Running>> running_;             // decode: loading
   std::map<std::string, std::vector<std::vector<std::int64_t>>> held_;  // prefill: blocks held
-  std::map<std::string, std::set<int>> rank_reports_;        // per request: ranks reported
+  std::map<std::string, std::set<int>> rank_reports_;  // per request: ranks reported
   std::map<std::string, Status> load_errors_;      // decode: a rank's load failed (until it ends)
   std::map<std::string, LoadTransfer> transfers_;  // decode: ranks' done loads (until it ends)
   // Decode prefix cache: chain hash of a full block's tokens -> block; LRU of evictable blocks.

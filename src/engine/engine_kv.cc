@@ -95,12 +95,10 @@ bool Instance::ForEachRow(const Running& r, Tokens tokens, Layers layers, Fn&& f
             row.layer = l;
             row.part = p;
             std::uint8_t* base =
-                reinterpret_cast<std::uint8_t*>(
-                    memory_[rank][static_cast<std::size_t>(g)]
-                           [static_cast<std::size_t>(l) *
-                                static_cast<std::size_t>(spec.num_parts()) +
-                            static_cast<std::size_t>(p)]
-                               .data()) +
+                reinterpret_cast<std::uint8_t*>(memory_[rank][static_cast<std::size_t>(
+                    g)][static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
+                        static_cast<std::size_t>(p)]
+                                                    .data()) +
                 block * spec.BlockBytes(p);
             const HeldHeads held = HeadsHeldBy(spec, p);
             const std::int64_t heads = held.count;
@@ -216,9 +214,9 @@ Status Instance::EnqueueCopies(const Running& r, Tokens tokens, bool up, Layers 
         if (block == kNoBlock) continue;
         for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
           for (int p = 0; p < spec.num_parts(); ++p) {
-            const auto i = static_cast<std::size_t>(l) *
-                               static_cast<std::size_t>(spec.num_parts()) +
-                           static_cast<std::size_t>(p);
+            const auto i =
+                static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
+                static_cast<std::size_t>(p);
             const auto offset = static_cast<std::uint64_t>(block * spec.BlockBytes(p));
             const auto bytes = static_cast<std::uint64_t>(spec.BlockBytes(p));
             auto* host =
@@ -258,8 +256,8 @@ std::uint64_t Instance::Verify(const Running& r, Tokens tokens, Status* status) 
     if (std::memcmp(row.data, expect.data(), row_bytes) != 0) {
       *status = Status::Internal("request " + r.request.request_id + ": KV byte mismatch at rank " +
                                  std::to_string(row.rank) + " group " + std::to_string(row.group) +
-                                 " layer " + std::to_string(row.layer) +
-                                 " part " + std::to_string(row.part) + " block index " +
+                                 " layer " + std::to_string(row.layer) + " part " +
+                                 std::to_string(row.part) + " block index " +
                                  std::to_string(row.block_index) + " token " +
                                  std::to_string(row.slot) + " head " + std::to_string(row.head));
       return false;
