@@ -3,6 +3,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <optional>
 
 #include "kvferry/cache_spec.h"
 #include "kvferry/transport.h"
@@ -33,6 +34,15 @@ Result<CacheSpecOptions> BuildModel(const ModelArgs& model);
 /// Every KV cache group of the model: --groups (or --hybrid's), else the one group BuildModel
 /// makes.
 Result<std::vector<CacheSpecOptions>> BuildGroups(const ModelArgs& model);
+/// The --groups spec of the model, --hybrid's resolved; empty for a uniform model.
+std::string GroupsSpec(const ModelArgs& model);
+/// The model vLLM runs without its hybrid KV cache manager: every sliding window full attention
+/// (vLLM's unify_hybrid_kv_cache_specs); nullopt for a model with no window.
+std::optional<ModelArgs> FullAttentionFallback(const ModelArgs& model);
+/// The most bytes one request of `prompt` tokens should read across `decode_tp` decode ranks:
+/// every block of a full-attention group, a sliding window's tokens and one block more.
+Result<std::uint64_t> BoundBytesPerRequest(const ModelArgs& model, int decode_tp,
+                                           std::int64_t prompt);
 /// "mha 8 layers", or a hybrid's groups ("groups full:12,swa@128:12 (hybrid swa)").
 std::string ModelText(const ModelArgs& model);
 /// The --groups spec `--hybrid NAME` stands for, or an empty string and InvalidArgument.

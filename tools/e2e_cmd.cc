@@ -177,6 +177,55 @@ Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
   return RunGnuplot(script, data);
 }
 
+// A hybrid model's point: the bytes per request against the bound of what it needs, and against
+// vLLM's full-attention fallback run now on the same prompts (a model with a window only).
+Result<Json> HybridFigures(const E2eArgs& a, const PipelineArgs& p,
+                           const std::vector<std::vector<std::int32_t>>& prompts, int warmup,
+                           int len, const ConnectorFigures& conn) {
+  KVFERRY_ASSIGN_OR_RETURN(std::uint64_t bound,
+                           BoundBytesPerRequest(RoleModel(p, false), p.decode_tp, len));
+  Json out = {{"groups", GroupsSpec(a.pipeline.model)},
+              {"bytes_per_request_p50", conn.bytes_p50},
+              {"bound_bytes_per_request", bound},
+              {"within_bound", conn.bytes_p50 > 0 && conn.bytes_p50 <= bound},
+              {"fallback", nullptr}};
+  const std::optional<ModelArgs> fallback = FullAttentionFallback(a.pipeline.model);
+  if (!fallback) return out;
+  PipelineArgs f = p;
+  f.model = *fallback;
+  KVFERRY_ASSIGN_OR_RETURN(PipelineResult r, RunPipeline(f, prompts));
+  std::vector<RequestTiming> measured;
+  for (const RequestTiming& t : r.timings) {
+    if (t.index >= static_cast<std::size_t>(warmup)) measured.push_back(t);
+  }
+  const ConnectorFigures fc = FiguresOf(measured);
+  out["fallback"] = {{"groups", fallback->groups},
+                     {"bytes_per_request_p50", fc.bytes_p50},
+                     {"failed", r.failed},
+                     {"leaked", r.leaked}};
+  out["bytes_vs_fallback"] =
+      fc.bytes_p50 > 0 ? static_cast<double>(conn.bytes_p50) / static_cast<double>(fc.bytes_p50)
+                       : 0.0;
+  return out;
+}
+
+void PrintHybrid(int len, const char* mode, const Json& h) {
+  std::fprintf(stdout,
+               "prompt %6d tokens, %-9s: hybrid %s: %.2f MiB per request (bound %.2f MiB%s)", len,
+               mode, h["groups"].get<std::string>().c_str(),
+               static_cast<double>(h["bytes_per_request_p50"].get<std::uint64_t>()) / 1048576.0,
+               static_cast<double>(h["bound_bytes_per_request"].get<std::uint64_t>()) / 1048576.0,
+               h["within_bound"].get<bool>() ? "" : ", EXCEEDED");
+  if (h["fallback"].is_null()) {
+    std::fprintf(stdout, "\n");
+    return;
+  }
+  std::fprintf(
+      stdout, "; full-attention fallback %.2f MiB in the same run: %.1f %% of it\n",
+      static_cast<double>(h["fallback"]["bytes_per_request_p50"].get<std::uint64_t>()) / 1048576.0,
+      100.0 * h["bytes_vs_fallback"].get<double>());
+}
+
 int RunE2e(const E2eArgs& a) {
   Json points = Json::array();
   std::vector<bool> modes;
@@ -224,7 +273,17 @@ int RunE2e(const E2eArgs& a) {
       const double gb = static_cast<double>(r->bytes_moved) / 1e9;
       const ConnectorFigures conn = FiguresOf(measured);
       const char* mode = layerwise ? "layerwise" : "whole";
+      Json hybrid;
+      if (!GroupsSpec(a.pipeline.model).empty()) {
+        Result<Json> h = HybridFigures(a, p, prompts, warmup, len, conn);
+        if (!h.ok()) {
+          std::cerr << "kvferry bench e2e: " << h.status().ToString() << "\n";
+          return 1;
+        }
+        hybrid = *h;
+      }
       points.push_back({{"prompt_tokens", len},
+                        {"hybrid", hybrid},
                         {"mode", mode},
                         {"layerwise_requests", took_layerwise},
                         {"connector", FiguresJson(conn)},
@@ -255,6 +314,7 @@ int RunE2e(const E2eArgs& a) {
                      conn.ms_p50, conn.ms_p99, conn.gbps_p50, conn.gbps_p10, Percentile(ttft, 0.5),
                      Percentile(ttft, 0.99), Percentile(compute, 0.5), Percentile(first_step, 0.5),
                      Percentile(exposed, 0.5), Percentile(exposed, 0.99));
+        if (!hybrid.is_null()) PrintHybrid(len, mode, hybrid);
         std::fflush(stdout);
       }
     }
@@ -293,6 +353,7 @@ int RunE2e(const E2eArgs& a) {
   }
   for (const Json& pt : points) {
     if (pt["failed"].get<int>() != 0 || pt["leaked"].get<bool>()) return 1;
+    if (!pt["hybrid"].is_null() && !pt["hybrid"]["within_bound"].get<bool>()) return 1;
   }
   return 0;
 }

@@ -34,11 +34,12 @@ void AddModelOptions(CLI::App& cmd, ModelArgs& m) {
                  "sliding-window layers of a 128-token window, alternating); the same as --groups "
                  "full:12,swa@128:12")
       ->check(CLI::IsMember({"swa"}));
-  cmd.add_option("--groups", m.groups,
-                 "KV cache groups, comma-separated, each KIND[@WINDOW][:LAYERS] in vLLM's group "
-                 "order: full (the --kind geometry), swa@W (MHA of --kv-heads and --head-dim, a "
-                 "W-token sliding window); LAYERS defaults to --layers. Groups of one size "
-                 "interleave their layers, as vLLM's do");
+  cmd.add_option(
+      "--groups", m.groups,
+      "KV cache groups, comma-separated, each KIND[@WINDOW][:LAYERS] in vLLM's group "
+      "order: full (the --kind geometry), mha (MHA of --kv-heads and --head-dim), swa@W "
+      "(the same with a W-token sliding window); LAYERS defaults to --layers. Groups of one size "
+      "interleave their layers, as vLLM's do");
 }
 
 Result<std::string> HybridSpec(const std::string& name) {
@@ -81,10 +82,10 @@ Result<CacheSpecOptions> ParseGroup(std::string_view item, const ModelArgs& m,
                                      "': full attention has no window; write swa@" +
                                      std::to_string(window));
     }
-  } else if (kind == "swa") {
-    if (window == 0) {
+  } else if (kind == "swa" || kind == "mha") {
+    if ((kind == "swa") != (window != 0)) {
       return Status::InvalidArgument("--groups item '" + std::string(item) +
-                                     "': a sliding window needs its size in tokens, swa@128");
+                                     "': swa takes a window in tokens (swa@128), mha none");
     }
     LayerSpec layer;
     layer.kind = CacheKind::kMha;
@@ -93,7 +94,7 @@ Result<CacheSpecOptions> ParseGroup(std::string_view item, const ModelArgs& m,
     o.sliding_window = window;
   } else {
     return Status::InvalidArgument("--groups item '" + std::string(item) + "': unknown kind '" +
-                                   std::string(kind) + "'; expected full or swa@WINDOW");
+                                   std::string(kind) + "'; expected full, mha or swa@WINDOW");
   }
   o.layers.assign(static_cast<std::size_t>(layers), o.layers.front());
   KVFERRY_RETURN_IF_ERROR(
@@ -155,16 +156,11 @@ Result<CacheSpecOptions> BuildModel(const ModelArgs& m) {
   return o;
 }
 
-namespace {
-
-// The --groups spec of the model, --hybrid's resolved; empty for a uniform model.
 std::string GroupsSpec(const ModelArgs& m) {
   if (m.hybrid.empty()) return m.groups;
   Result<std::string> spec = HybridSpec(m.hybrid);
   return spec.ok() ? *spec : std::string();
 }
-
-}  // namespace
 
 std::string ModelText(const ModelArgs& m) {
   const std::string spec = GroupsSpec(m);
