@@ -40,7 +40,8 @@ std::string GroupsSpec(const ModelArgs& model);
 /// (vLLM's unify_hybrid_kv_cache_specs); nullopt for a model with no window.
 std::optional<ModelArgs> FullAttentionFallback(const ModelArgs& model);
 /// The most bytes one request of `prompt` tokens should read across `decode_tp` decode ranks:
-/// every block of a full-attention group, a sliding window's tokens and one block more.
+/// every block of a full-attention group, a sliding window's tokens and one block more, a
+/// state group's one block.
 Result<std::uint64_t> BoundBytesPerRequest(const ModelArgs& model, int decode_tp,
                                            std::int64_t prompt);
 /// "mha 8 layers", or a hybrid's groups ("groups full:12,swa@128:12 (hybrid swa)").

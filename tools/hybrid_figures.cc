@@ -47,8 +47,10 @@ Result<std::uint64_t> BoundBytesPerRequest(const ModelArgs& m, int decode_tp, st
       o.tp_rank = r;
       KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
       for (int p = 0; p < spec.num_parts(); ++p) {
-        total += static_cast<std::uint64_t>(spec.BlockBytes(p) / tpb * tokens) *
-                 static_cast<std::uint64_t>(spec.num_layers());
+        // A state group moves one block, the request's state.
+        const std::int64_t bytes =
+            spec.is_state() ? spec.BlockBytes(p) : spec.BlockBytes(p) / tpb * tokens;
+        total += static_cast<std::uint64_t>(bytes) * static_cast<std::uint64_t>(spec.num_layers());
       }
     }
   }

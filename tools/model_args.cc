@@ -1,5 +1,6 @@
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <string>
 #include <string_view>
@@ -31,20 +32,24 @@ void AddModelOptions(CLI::App& cmd, ModelArgs& m) {
   cmd.add_option("--layout", m.layout, "token_major|head_major")->capture_default_str();
   cmd.add_option("--hybrid", m.hybrid,
                  "A hybrid model's KV cache groups: swa (gpt-oss-like: 12 full-attention and 12 "
-                 "sliding-window layers of a 128-token window, alternating); the same as --groups "
-                 "full:12,swa@128:12")
-      ->check(CLI::IsMember({"swa"}));
+                 "sliding-window layers of a 128-token window, alternating; --groups "
+                 "full:12,swa@128:12), mamba (Qwen3-Next-like: of every four layers three "
+                 "gated-delta-net state layers and one full attention; --groups "
+                 "mamba:6,mamba:6,mamba:6,full:6)")
+      ->check(CLI::IsMember({"swa", "mamba"}));
   cmd.add_option(
       "--groups", m.groups,
       "KV cache groups, comma-separated, each KIND[@WINDOW][:LAYERS] in vLLM's group "
       "order: full (the --kind geometry), mha (MHA of --kv-heads and --head-dim), swa@W "
-      "(the same with a W-token sliding window); LAYERS defaults to --layers. Groups of one size "
+      "(the same with a W-token sliding window), mamba (a gated-delta-net state: conv state "
+      "and fp32 SSM state, one block per request); LAYERS defaults to --layers. Groups of one size "
       "interleave their layers, as vLLM's do");
 }
 
 Result<std::string> HybridSpec(const std::string& name) {
   if (name == "swa") return std::string("full:12,swa@128:12");
-  return Status::InvalidArgument("unknown --hybrid '" + name + "'; expected swa");
+  if (name == "mamba") return std::string("mamba:6,mamba:6,mamba:6,full:6");
+  return Status::InvalidArgument("unknown --hybrid '" + name + "'; expected swa or mamba");
 }
 
 namespace {
@@ -92,9 +97,27 @@ Result<CacheSpecOptions> ParseGroup(std::string_view item, const ModelArgs& m,
     layer.parts = {{"k", m.kv_heads, m.head_dim}, {"v", m.kv_heads, m.head_dim}};
     o.layers.assign(1, layer);
     o.sliding_window = window;
+  } else if (kind == "mamba") {
+    if (window != 0) {
+      return Status::InvalidArgument("--groups item '" + std::string(item) +
+                                     "': a state group has no window");
+    }
+    // A gated delta net layer as Qwen3-Next's, scaled down (4 key heads, 8 value heads, head
+    // dims 64, conv kernel 4): the conv state's Q, K and V channels in vLLM's DS layout
+    // (channels outermost, kernel - 1 taps each), then the SSM state of the value heads, fp32.
+    LayerSpec layer;
+    layer.kind = CacheKind::kState;
+    layer.parts = {{"conv_q", 4 * 64, 3},
+                   {"conv_k", 4 * 64, 3},
+                   {"conv_v", 8 * 64, 3},
+                   {"ssm", 8, 64 * 64, DType::kFloat32}};
+    o.layers.assign(1, layer);
+    // One state per request: a pool of a sixteenth of the attention blocks' count.
+    o.num_blocks = std::max<std::int64_t>(16, m.num_blocks / 16);
   } else {
     return Status::InvalidArgument("--groups item '" + std::string(item) + "': unknown kind '" +
-                                   std::string(kind) + "'; expected full, mha or swa@WINDOW");
+                                   std::string(kind) +
+                                   "'; expected full, mha, swa@WINDOW or mamba");
   }
   o.layers.assign(static_cast<std::size_t>(layers), o.layers.front());
   KVFERRY_RETURN_IF_ERROR(

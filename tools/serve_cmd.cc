@@ -183,6 +183,7 @@ int RunServe(const ServeArgs& a) {
   bool running = true;
   std::size_t max_prompt_tokens = 0;
   for (const CacheSpecOptions& g : *model) {
+    if (g.layers.front().kind == CacheKind::kState) continue;  // one block holds any prompt
     const auto tokens = static_cast<std::size_t>(g.num_blocks * g.tokens_per_block);
     max_prompt_tokens = max_prompt_tokens == 0 ? tokens : std::min(max_prompt_tokens, tokens);
   }

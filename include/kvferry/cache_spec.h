@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -42,11 +43,22 @@ enum class CacheKind : std::uint8_t {
   /// `(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)` tensor): one part whose
   /// `fields` name the two widths, replicated on every TP rank.
   kMlaFused = 3,
+  /// Recurrent state of a Mamba or linear-attention layer (vLLM's MambaSpec: Mamba 1 and 2, gated
+  /// delta net): per request one state block, holding the state as of the request's last
+  /// computed token, not one row per token. Its parts (vLLM's conv-state sub-projections Q, K,
+  /// V or x, B, C, and the SSM state) lie side by side in one page per block (block_strides),
+  /// each with its own element type (PartSpec::dtype) and each split across TP along its outer
+  /// axis (PartSpec::num_heads: channels or heads), never replicated.
+  kState = 4,
 };
-const char* CacheKindName(CacheKind kind);  // "mha", "mla", "sparse_mla", "mla_fused"
+/// "mha", "mla", "sparse_mla", "mla_fused", "state"
+const char* CacheKindName(CacheKind kind);
+/// The names above; also "gqa", "sfa", "mamba".
 Result<CacheKind> ParseCacheKind(std::string_view name);
-/// Number of parts a layer of this kind has: 2, 2, 3, 1.
+/// Number of parts a layer of this kind has: 2, 2, 3, 1; kState: 0, any from 1 to
+/// kMaxStateParts.
 std::size_t CacheKindParts(CacheKind kind);
+inline constexpr std::size_t kMaxStateParts = 8;
 
 /// Which axis is outermost inside one block of one part.
 enum class BlockLayout : std::uint8_t {
@@ -66,6 +78,9 @@ struct PartSpec {
   /// on every rank and this is its head count on each rank (usually 1).
   std::int64_t num_heads = 0;
   std::int64_t head_dim = 0;
+  /// kState only: the part's element type where it is not the cache's (vLLM's MambaSpec.dtypes:
+  /// an fp32 SSM state beside a bf16 conv state). In the compatibility hash when set.
+  std::optional<DType> dtype{};
 
   friend bool operator==(const PartSpec&, const PartSpec&) = default;
 };
@@ -186,6 +201,12 @@ class CacheSpec {
   /// Heads of `part` this rank holds, and the model-wide index of the first.
   std::int64_t LocalHeads(int part) const;
   std::int64_t FirstLocalHead(int part) const;
+  /// Whether a block holds one state (kState) rather than tokens_per_block tokens' rows.
+  bool is_state() const { return kind() == CacheKind::kState; }
+  /// The element type of `part`: PartSpec::dtype where set, else the cache's.
+  DType PartDType(int part) const {
+    return parts()[static_cast<std::size_t>(part)].dtype.value_or(options_.dtype);
+  }
   /// Bytes of one block of one part on this rank.
   std::int64_t BlockBytes(int part) const { return block_bytes_[static_cast<std::size_t>(part)]; }
   /// Bytes from the start of one block of `part` to the start of the next.
@@ -198,8 +219,8 @@ class CacheSpec {
   std::int64_t PartBytes(int part) const { return part_bytes_[static_cast<std::size_t>(part)]; }
   /// Bytes of cache data on this rank: layers * num_blocks * the sum of BlockBytes.
   std::int64_t TotalBytes() const { return total_bytes_; }
-  /// Alignment every part's base address must have: the element size.
-  std::int64_t RequiredAlignment() const { return DTypeSize(options_.dtype); }
+  /// Alignment every part's base address must have: the largest element size of its parts.
+  std::int64_t RequiredAlignment() const;
 
   /// Hash of the model-level geometry: kind, the model's layer count, parts (names, model-wide
   /// heads, dims), fused fields, sliding window, dtype and layout. Block counts, tokens per block,

@@ -201,6 +201,13 @@ struct SchedulerConfig {
   /// Pipeline stages of this instance (after hold_lease, so positional initialisers of the
   /// fields above keep their meaning).
   int pp_size = 1;
+  /// The cache has a state group (CacheKind::kState: Mamba, linear attention). Then vLLM's token
+  /// rule for them holds (NixlConnector's _truncate_mamba_request_for_prefill and
+  /// _get_remote_prefill_token_count): the prefill side computes its prompt less the last token
+  /// (PrefillTokens), so its state is the state before that token; a load brings that many
+  /// (GetNumNewMatchedTokens: prompt - 1 - computed), and the decode side computes the last
+  /// prompt token from the loaded state. Both instances must agree (the groups' hash does).
+  bool state_groups = false;
 };
 
 /// The scheduler side. Pure bookkeeping, no I/O. Single-threaded by contract: call it from the
@@ -217,6 +224,10 @@ class Scheduler {
   std::pair<std::int64_t, bool> GetNumNewMatchedTokens(const KvTransferParams& params,
                                                        std::int64_t num_prompt_tokens,
                                                        std::int64_t num_computed_tokens) const;
+  /// Prefill side: the prompt tokens the engine computes for a request of `num_prompt_tokens`:
+  /// all of them, or, with state groups and params asking for remote decode, all but the last
+  /// (SchedulerConfig::state_groups; at least one).
+  std::int64_t PrefillTokens(const KvTransferParams& params, std::int64_t num_prompt_tokens) const;
 
   /// After the engine allocated blocks for a remote-prefill request: queues its load into
   /// `new_block_ids` (its newly allocated, unhashed blocks; none when the decode side's prefix
@@ -294,6 +305,10 @@ class Scheduler {
   Status SetRankHosts(std::vector<std::string> hosts);
 
  private:
+  // The prompt tokens the prefill side computes and a load brings (state_groups: less one).
+  std::int64_t LoadedPrompt(std::int64_t n) const {
+    return config_.state_groups && n > 1 ? n - 1 : n;
+  }
   SchedulerConfig config_;
   std::vector<std::string> rank_hosts_;  // SetRankHosts; empty: every rank on config_.host
   ConnectorMetadata pending_;

@@ -132,6 +132,7 @@ Status LoadRunner::AddGroupReads(const LoadSpec& load, const LoadPlan& plan, con
   const CacheSpec& remote = r.from->agent->metadata->caches[group];
   const std::vector<std::int64_t>& local_ids = load.LocalIds(group);
   const std::vector<std::int64_t>& remote_ids = load.RemoteIds(group);
+  if (local.is_state()) return AddStateReads(load, plan, r, group, batch);
   if (local.sliding_window() == 0 && remote.tokens_per_block() == local.tokens_per_block() &&
       remote.blocks_per_id() == 1 && local.blocks_per_id() == 1) {
     // The tail rule for decode-side prefix hits.
@@ -168,6 +169,37 @@ Status LoadRunner::AddGroupReads(const LoadSpec& load, const LoadPlan& plan, con
     tokens = {first, end - first};
   }
   return AddTokenReads(load, plan, r, group, tokens, batch);
+}
+
+namespace {
+
+// A state group's block of a request: its last id that names a block (vLLM's running-state
+// block; the ids before it are null or older states, as its "align" mode leaves them).
+std::optional<std::int64_t> StateBlock(const std::vector<std::int64_t>& ids) {
+  for (auto it = ids.rbegin(); it != ids.rend(); ++it) {
+    if (*it != kNoBlock) return *it;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+Status LoadRunner::AddStateReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r,
+                                 int group, PlannedBatch& batch) const {
+  // Rule 18: a state group moves one block, the prefill's state as of the last token it
+  // computed, into the decode side's state block.
+  const std::optional<std::int64_t> local = StateBlock(load.LocalIds(group));
+  if (!local) return Status::Ok();  // the decode side keeps no state of this request
+  const std::optional<std::int64_t> remote = StateBlock(load.RemoteIds(group));
+  if (!remote) {
+    return Status::InvalidArgument(
+        "request " + load.request_id + ": KV cache group " + std::to_string(group) +
+        " is a state group and the prefill side named no state block of it; expected the block "
+        "holding the request's state as of its last computed token");
+  }
+  const std::int64_t remote_id = *remote;
+  const std::int64_t local_id = *local;
+  return AddReads(plan, r, group, std::span(&remote_id, 1), std::span(&local_id, 1), batch);
 }
 
 Status LoadRunner::AddReads(const LoadPlan& plan, const StageRead& r, int group,

@@ -181,6 +181,9 @@ class LoadRunner {
   // gives, a sliding window's tokens only.
   Status AddGroupReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r, int group,
                        PlannedBatch& batch) const;
+  // A state group's read (rule 18): the request's state block, whole (its TP share of it).
+  Status AddStateReads(const LoadSpec& load, const LoadPlan& plan, const StageRead& r, int group,
+                       PlannedBatch& batch) const;
   // The reads of blocks `remote_ids` into `local_ids` of group `group`, the layers `r` gives.
   Status AddReads(const LoadPlan& plan, const StageRead& r, int group,
                   std::span<const std::int64_t> remote_ids, std::span<const std::int64_t> local_ids,

@@ -50,8 +50,14 @@ std::pair<std::int64_t, bool> Scheduler::GetNumNewMatchedTokens(
     const KvTransferParams& params, std::int64_t num_prompt_tokens,
     std::int64_t num_computed_tokens) const {
   if (!params.do_remote_prefill) return {0, false};
-  const std::int64_t count = std::max<std::int64_t>(num_prompt_tokens - num_computed_tokens, 0);
+  const std::int64_t count =
+      std::max<std::int64_t>(LoadedPrompt(num_prompt_tokens) - num_computed_tokens, 0);
   return {count, count > 0};
+}
+
+std::int64_t Scheduler::PrefillTokens(const KvTransferParams& params,
+                                      std::int64_t num_prompt_tokens) const {
+  return params.do_remote_decode ? LoadedPrompt(num_prompt_tokens) : num_prompt_tokens;
 }
 
 Status Scheduler::UpdateStateAfterAlloc(const std::string& request_id, KvTransferParams& params,
@@ -77,6 +83,9 @@ Status Scheduler::UpdateStateAfterAllocAllGroups(
   // Cleared first, whatever happens next, so the request is never loaded twice.
   params.do_remote_prefill = false;
   const bool tokens_known = num_external_tokens >= 0 || num_prompt_tokens >= 0;
+  // With state groups the prefill side computed the prompt less its last token: the load's
+  // tokens end there.
+  if (num_prompt_tokens > 0) num_prompt_tokens = LoadedPrompt(num_prompt_tokens);
   constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;  // what the metadata carries
   if (tokens_known && (num_external_tokens < 0 || num_prompt_tokens > kMaxTokens ||
                        num_external_tokens > num_prompt_tokens)) {

@@ -104,7 +104,7 @@ Status Instance::Init() {
     const std::pair<int, int> stage_layers = PipelineLayers(model_layers, stage, c.pp_size);
     std::vector<CacheSpec> specs;
     std::vector<std::vector<std::vector<std::uint64_t>>> group_bases;
-    std::vector<std::vector<std::vector<std::uint64_t>>> group_regions;
+    std::vector<GroupMemory> group_memory;
     MemoryKind kind;
     if (c.memory != "host") {
       // "sim" is short for "sim:0".
@@ -115,7 +115,6 @@ Status Instance::Init() {
         KVFERRY_ASSIGN_OR_RETURN(stream_, device_->CreateStream());
       }
     }
-    device_memory_.emplace_back();
     for (int g = 0; g < groups; ++g) {
       CacheSpecOptions o = group_options(g);
       const auto group_model_layers = static_cast<int>(o.layers.size());
@@ -127,11 +126,25 @@ Status Instance::Init() {
       o.tp_size = c.tp_size;
       o.tp_rank = r;
       KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
+      std::vector<std::int64_t> offsets;  // of each part in a state page
+      if (spec.is_state()) {
+        // vLLM's Mamba page: every part of a block side by side, one page per block
+        // (gpu_model_runner.py, _reshape_kv_cache_tensors: as_strided with a page's stride).
+        // Parts follow each other; the page ends in padding to 8 bytes (page_size_padded).
+        std::int64_t page = 0;
+        for (int p = 0; p < spec.num_parts(); ++p) {
+          offsets.push_back(page);
+          page += spec.BlockBytes(p);
+        }
+        page = (page + 7) / 8 * 8;
+        o.block_strides.assign(static_cast<std::size_t>(spec.num_parts()), page);
+        KVFERRY_ASSIGN_OR_RETURN(spec, CacheSpec::Create(o));
+      }
       for (int p = 0; p < spec.num_parts(); ++p) {
         // The verifier indexes blocks by HeadsHeldBy; the spec sized them by its own head count.
-        const std::int64_t want = HeadsHeldBy(spec, p).count * spec.tokens_per_block() *
-                                  spec.parts()[static_cast<std::size_t>(p)].head_dim *
-                                  DTypeSize(spec.dtype());
+        const std::int64_t want =
+            HeadsHeldBy(spec, p).count * (spec.is_state() ? 1 : spec.tokens_per_block()) *
+            spec.parts()[static_cast<std::size_t>(p)].head_dim * DTypeSize(spec.PartDType(p));
         if (spec.BlockBytes(p) != want) {
           return Status::Internal(
               "TP rank " + std::to_string(r) + " group " + std::to_string(g) + " part " +
@@ -141,26 +154,45 @@ Status Instance::Init() {
               "wrong");
         }
       }
-      std::vector<std::vector<std::uint64_t>> regions;
       std::vector<std::vector<std::uint64_t>> bases(static_cast<std::size_t>(spec.num_layers()));
-      device_memory_.back().emplace_back();
+      GroupMemory mem;
+      // One allocation of `bytes` on the host, and on the device where the caches are there.
+      auto allocate = [&](std::int64_t bytes) -> Result<std::pair<std::uint8_t*, std::uint64_t>> {
+        storage_.emplace_back(static_cast<std::size_t>((bytes + 7) / 8), 0);
+        auto* host = reinterpret_cast<std::uint8_t*>(storage_.back().data());
+        std::uint64_t device = 0;
+        if (device_ != nullptr) {
+          KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::DeviceAllocation> d,
+                                   device_->Allocate(static_cast<std::uint64_t>(bytes)));
+          device = d->address();
+          device_storage_.push_back(std::move(d));
+        }
+        return std::pair{host, device};
+      };
       for (int l = 0; l < spec.num_layers(); ++l) {
-        for (int p = 0; p < spec.num_parts(); ++p) {
-          regions.emplace_back(static_cast<std::size_t>((spec.PartBytes(p) + 7) / 8), 0);
-          std::uint64_t base = reinterpret_cast<std::uint64_t>(regions.back().data());
-          if (device_ != nullptr) {
-            KVFERRY_ASSIGN_OR_RETURN(
-                std::unique_ptr<device::DeviceAllocation> a,
-                device_->Allocate(static_cast<std::uint64_t>(spec.PartBytes(p))));
-            base = a->address();
-            device_memory_.back().back().push_back(std::move(a));
+        if (spec.is_state()) {
+          KVFERRY_ASSIGN_OR_RETURN(auto page, allocate(spec.BlockStride(0) * spec.num_blocks()));
+          for (int p = 0; p < spec.num_parts(); ++p) {
+            const std::int64_t at = offsets[static_cast<std::size_t>(p)];
+            mem.host.push_back(page.first + at);
+            mem.device.push_back(page.second + static_cast<std::uint64_t>(at));
           }
-          bases[static_cast<std::size_t>(l)].push_back(base);
+        } else {
+          for (int p = 0; p < spec.num_parts(); ++p) {
+            KVFERRY_ASSIGN_OR_RETURN(auto part, allocate(spec.PartBytes(p)));
+            mem.host.push_back(part.first);
+            mem.device.push_back(part.second);
+          }
+        }
+        for (int p = 0; p < spec.num_parts(); ++p) {
+          const std::size_t i = mem.host.size() - static_cast<std::size_t>(spec.num_parts() - p);
+          bases[static_cast<std::size_t>(l)].push_back(
+              device_ != nullptr ? mem.device[i] : reinterpret_cast<std::uint64_t>(mem.host[i]));
         }
       }
+      group_memory.push_back(std::move(mem));
       specs.push_back(std::move(spec));
       group_bases.push_back(std::move(bases));
-      group_regions.push_back(std::move(regions));
     }
     KVFERRY_ASSIGN_OR_RETURN(CacheGroups caches, CacheGroups::Create(std::move(specs)));
     WorkerConfig w;
@@ -186,7 +218,7 @@ Status Instance::Init() {
     KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(w));
     KVFERRY_RETURN_IF_ERROR(worker->RegisterKvCaches(caches, group_bases, kind));
     caches_.push_back(std::move(caches));
-    memory_.push_back(std::move(group_regions));
+    memory_.push_back(std::move(group_memory));
     workers_.push_back(std::move(worker));
   }
   SchedulerConfig s;
@@ -198,6 +230,9 @@ Status Instance::Init() {
   s.tp_size = c.tp_size;
   s.pp_size = c.pp_size;
   s.hold_lease = c.hold_lease;
+  for (int g = 0; g < groups; ++g) {
+    s.state_groups = s.state_groups || group_options(g).layers.front().kind == CacheKind::kState;
+  }
   scheduler_ = std::make_unique<Scheduler>(s);
   for (int g = 0; g < groups; ++g) {
     allocators_.push_back(std::make_unique<BlockAllocator>(group_options(g).num_blocks));
@@ -279,7 +314,9 @@ bool Instance::AllocateGroups(Running& r, std::int64_t prompt, bool window_only)
   r.blocks.clear();
   for (int g = 0; g < num_groups(); ++g) {
     const CacheSpecOptions& o = group_options(g);
-    const std::int64_t total = (prompt + o.tokens_per_block - 1) / o.tokens_per_block;
+    // A state group: one block, the request's state.
+    const bool state = o.layers.front().kind == CacheKind::kState;
+    const std::int64_t total = state ? 1 : (prompt + o.tokens_per_block - 1) / o.tokens_per_block;
     // The decode side's window: from the block holding the prompt's last `sliding_window` tokens
     // (the load reads them from that block's start).
     const std::int64_t first =
@@ -402,7 +439,9 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
     if (!AllocateGroups(r, prompt, /*window_only=*/false)) break;  // wait for holds to end
     r.scheduled = Clock::now();
     const bool layerwise = r.request.params.do_remote_decode && r.request.params.transfer_id;
-    Status s = layerwise ? ComputeLayerwise(r) : Compute(r, {0, prompt});
+    // With state groups, the prompt less its last token (the decode side computes that one).
+    Status s = layerwise ? ComputeLayerwise(r)
+                         : Compute(r, {0, scheduler_->PrefillTokens(r.request.params, prompt)});
     if (!s.ok()) {
       r.result.status = s;
       // Ends its transfer too: the blocks go back now.
@@ -502,6 +541,7 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
                                r.request.request_id, r.request.params, r.blocks, tokens, prompt)
                          : scheduler_->UpdateStateAfterAlloc(r.request.request_id, r.request.params,
                                                              fresh, tokens, prompt);
+    r.loaded_end = r.prefix_hit * tpb + tokens;
     r.result.queue_ms = Ms(r.submitted, r.scheduled);
     r.result.prefix_hit_blocks = r.prefix_hit;
     r.result.loaded_blocks = static_cast<std::int64_t>(fresh.size());
@@ -575,8 +615,9 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
       }
       Status verify;
       const Clock::time_point step = Clock::now();
-      r.result.verified_bytes =
-          Verify(r, {0, static_cast<std::int64_t>(r.request.prompt.size())}, &verify);
+      // What the load brought (with state groups, the prompt less the last token, which a real
+      // engine computes in this step from the loaded state).
+      r.result.verified_bytes = Verify(r, {0, r.loaded_end}, &verify);
       r.result.first_step_ms = Ms(step, Clock::now());
       r.result.status = verify;
       if (verify.ok()) {

@@ -189,6 +189,8 @@ class Instance {
     bool past_prompt = false;
     /// A sliding-window group's token before the window: the decode side need not hold it.
     bool before_window = false;
+    /// The row's token is in the range visited (the rest of its block is not).
+    bool in_range = false;
   };
   // Layers [first, end) of a cache; All() is every layer.
   struct Layers {
@@ -237,14 +239,19 @@ class Instance {
 
   InstanceConfig config_;
   std::vector<CacheGroups> caches_;  // [worker]
-  // [worker][group][layer*parts+part]
-  std::vector<std::vector<std::vector<std::vector<std::uint64_t>>>> memory_;
+  // Where each part of each layer of a group's cache starts, [layer * parts + part]: in the host
+  // memory the engine computes in, and on the device (config_.memory) when the caches are there.
+  struct GroupMemory {
+    std::vector<std::uint8_t*> host;
+    std::vector<std::uint64_t> device;
+  };
+  std::vector<std::vector<GroupMemory>> memory_;    // [worker][group]
+  std::deque<std::vector<std::uint64_t>> storage_;  // the host memory memory_ points into
   // config_.memory a device: the caches themselves, memory_ their host mirror. Before workers_,
   // so they are freed after the workers stop reading them.
   device::Device* device_ = nullptr;
   std::unique_ptr<device::Stream> stream_;
-  // [worker][group][layer*parts+part]
-  std::vector<std::vector<std::vector<std::unique_ptr<device::DeviceAllocation>>>> device_memory_;
+  std::vector<std::unique_ptr<device::DeviceAllocation>> device_storage_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<std::unique_ptr<BlockAllocator>> allocators_;  // [group]

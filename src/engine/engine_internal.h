@@ -25,6 +25,8 @@ struct Instance::Running {
   // a sliding-window group holds none.
   std::vector<std::vector<std::int64_t>> blocks;
   std::int64_t prefix_hit = 0;
+  // Decode: the prompt tokens the engine holds once the load is done (prefix hits and loaded).
+  std::int64_t loaded_end = 0;
   Clock::time_point submitted = Clock::now();
   Clock::time_point scheduled{};
   EngineResult result;

@@ -18,7 +18,7 @@ namespace kvferry::engine {
 // ranks each head is on tp / heads consecutive ranks. MLA parts are whole on every rank.
 HeldHeads HeadsHeldBy(const CacheSpec& spec, int part) {
   const std::int64_t heads = spec.parts()[static_cast<std::size_t>(part)].num_heads;
-  if (spec.kind() != CacheKind::kMha) return {0, heads};
+  if (spec.kind() != CacheKind::kMha && spec.kind() != CacheKind::kState) return {0, heads};
   const std::int64_t tp = spec.tp_size();
   const std::int64_t rank = spec.tp_rank();
   HeldHeads out{-1, 0};
@@ -66,22 +66,23 @@ void FillRow(std::uint8_t* out, std::uint64_t seed, std::int64_t dim, std::int64
   }
 }
 
-// Visits every (rank, group, layer, part, block, token slot, head) row of the blocks that hold
-// prompt tokens [tokens.first, tokens.end) of a request, in each group (kNoBlock skipped): `dim`
-// elements of `esize` bytes whose values derive from the token prefix at that slot, the group,
-// the layer, the part and the model-wide head. `fn` returns false to stop.
+// Visits every (rank, group, layer, part, block, token slot, head) row of prompt tokens
+// [tokens.first, tokens.end) of a request, in each group (kNoBlock skipped): `dim` elements of
+// `esize` bytes whose values derive from the token prefix at that slot, the group, the layer, the
+// part and the model-wide head. A state group has one row per layer, part and head: the state as
+// of token tokens.end - 1, in the request's state block. `fn` returns false to stop.
 template <typename Fn>
 bool Instance::ForEachRow(const Running& r, Tokens tokens, Layers layers, Fn&& fn) {
   const auto prompt = static_cast<std::int64_t>(r.hashes.size());
   for (std::size_t rank = 0; rank < caches_.size(); ++rank) {
     for (int g = 0; g < caches_[rank].size(); ++g) {
       const CacheSpec& spec = caches_[rank][g];
-      const std::int64_t tpb = spec.tokens_per_block();
+      const GroupMemory& mem = memory_[rank][static_cast<std::size_t>(g)];
+      const std::int64_t tpb = spec.is_state() ? prompt + 1 : spec.tokens_per_block();
       const std::vector<std::int64_t>& blocks = r.blocks[static_cast<std::size_t>(g)];
       KvRow row;
       row.rank = rank;
       row.group = g;
-      row.esize = DTypeSize(spec.dtype());
       const std::int64_t window_first =
           spec.sliding_window() > 0 ? prompt - spec.sliding_window() : 0;
       const std::int64_t end_block =
@@ -89,25 +90,27 @@ bool Instance::ForEachRow(const Running& r, Tokens tokens, Layers layers, Fn&& f
       for (std::int64_t bi = tokens.first / tpb; bi < end_block; ++bi) {
         row.block_index = bi;
         const std::int64_t block = blocks[static_cast<std::size_t>(bi)];
-        if (block == kNoBlock) continue;
+        if (block == kNoBlock || (spec.is_state() && tokens.end <= 0)) continue;
         for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
           for (int p = 0; p < spec.num_parts(); ++p) {
             row.layer = l;
             row.part = p;
+            row.esize = DTypeSize(spec.PartDType(p));
             std::uint8_t* base =
-                reinterpret_cast<std::uint8_t*>(memory_[rank][static_cast<std::size_t>(
-                    g)][static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
-                        static_cast<std::size_t>(p)]
-                                                    .data()) +
-                block * spec.BlockBytes(p);
+                mem.host[static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
+                         static_cast<std::size_t>(p)] +
+                block * spec.BlockStride(p);
             const HeldHeads held = HeadsHeldBy(spec, p);
             const std::int64_t heads = held.count;
             const std::int64_t first_head = held.first;
             row.dim = spec.parts()[static_cast<std::size_t>(p)].head_dim;
-            for (std::int64_t s = 0; s < tpb; ++s) {
-              const std::int64_t t = bi * tpb + s;
-              row.slot = s;
+            // A state block has one slot: the state after the range's last token.
+            const std::int64_t slots = spec.is_state() ? 1 : tpb;
+            for (std::int64_t slot = 0; slot < slots; ++slot) {
+              const std::int64_t t = spec.is_state() ? tokens.end - 1 : bi * tpb + slot;
+              row.slot = slot;
               row.past_prompt = t >= prompt;
+              row.in_range = t >= tokens.first && t < tokens.end;
               row.before_window = t < window_first;
               // The unfilled tail of the last block gets values too, from a fixed token.
               const std::uint64_t token =
@@ -121,8 +124,8 @@ bool Instance::ForEachRow(const Running& r, Tokens tokens, Layers layers, Fn&& f
                         (static_cast<std::uint64_t>(p) << 40) ^
                         static_cast<std::uint64_t>(row.head));
                 const std::int64_t idx = spec.layout() == BlockLayout::kTokenMajor
-                                             ? (s * heads + h) * row.dim
-                                             : (h * tpb + s) * row.dim;
+                                             ? (slot * heads + h) * row.dim
+                                             : (h * slots + slot) * row.dim;
                 row.data = base + idx * row.esize;
                 if (!fn(row)) return false;
               }
@@ -138,7 +141,7 @@ bool Instance::ForEachRow(const Running& r, Tokens tokens, Layers layers, Fn&& f
 // Writes the KV of the blocks holding `tokens` on every rank.
 Status Instance::Compute(const Running& r, Tokens tokens) {
   ForEachRow(r, tokens, Layers::All(), [](const KvRow& row) {
-    FillRow(row.data, row.seed, row.dim, row.esize);
+    if (row.in_range) FillRow(row.data, row.seed, row.dim, row.esize);
     return true;
   });
   return device_ == nullptr ? Status::Ok() : CopyBlocks(r, tokens, /*up=*/true);
@@ -168,7 +171,7 @@ Status Instance::ComputeLayerwise(const Running& r) {
     const Clock::time_point start = Clock::now();
     for (int l = 0; l < layers; ++l) {
       ForEachRow(r, {begin, end}, Layers{l, l + 1}, [](const KvRow& row) {
-        FillRow(row.data, row.seed, row.dim, row.esize);
+        if (row.in_range) FillRow(row.data, row.seed, row.dim, row.esize);
         return true;
       });
       std::this_thread::sleep_until(start + per_layer * l + per_layer / 2);
@@ -205,7 +208,9 @@ Status Instance::EnqueueCopies(const Running& r, Tokens tokens, bool up, Layers 
   for (std::size_t rank = 0; rank < caches_.size(); ++rank) {
     for (int g = 0; g < caches_[rank].size(); ++g) {
       const CacheSpec& spec = caches_[rank][g];
-      const std::int64_t tpb = spec.tokens_per_block();
+      const GroupMemory& mem = memory_[rank][static_cast<std::size_t>(g)];
+      // A state group's one block holds every token's state.
+      const std::int64_t tpb = spec.is_state() ? std::ssize(r.hashes) + 1 : spec.tokens_per_block();
       const std::vector<std::int64_t>& blocks = r.blocks[static_cast<std::size_t>(g)];
       const std::int64_t end_block =
           std::min<std::int64_t>((tokens.end + tpb - 1) / tpb, std::ssize(blocks));
@@ -217,13 +222,10 @@ Status Instance::EnqueueCopies(const Running& r, Tokens tokens, bool up, Layers 
             const auto i =
                 static_cast<std::size_t>(l) * static_cast<std::size_t>(spec.num_parts()) +
                 static_cast<std::size_t>(p);
-            const auto offset = static_cast<std::uint64_t>(block * spec.BlockBytes(p));
+            const auto offset = static_cast<std::uint64_t>(block * spec.BlockStride(p));
             const auto bytes = static_cast<std::uint64_t>(spec.BlockBytes(p));
-            auto* host =
-                reinterpret_cast<std::byte*>(memory_[rank][static_cast<std::size_t>(g)][i].data()) +
-                offset;
-            const device::DeviceAddress dev =
-                device_memory_[rank][static_cast<std::size_t>(g)][i]->address() + offset;
+            auto* host = reinterpret_cast<std::byte*>(mem.host[i]) + offset;
+            const device::DeviceAddress dev = mem.device[i] + offset;
             KVFERRY_RETURN_IF_ERROR(up ? stream_->CopyHostToDevice(dev, host, bytes)
                                        : stream_->CopyDeviceToHost(host, dev, bytes));
           }
@@ -249,7 +251,7 @@ std::uint64_t Instance::Verify(const Running& r, Tokens tokens, Status* status) 
   std::vector<std::uint8_t> expect;
   ForEachRow(r, tokens, Layers::All(), [&](const KvRow& row) {
     // Slots past the prompt are never read; the decode side attends to a window's tokens only.
-    if (row.past_prompt || row.before_window) return true;
+    if (!row.in_range || row.past_prompt || row.before_window) return true;
     const auto row_bytes = static_cast<std::size_t>(row.dim * row.esize);
     if (expect.size() < row_bytes) expect.resize(row_bytes);
     FillRow(expect.data(), row.seed, row.dim, row.esize);

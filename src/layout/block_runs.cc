@@ -101,7 +101,11 @@ PartRegion RegionOfPart(const CacheGroups& caches, int group, int layer, int par
   std::int64_t first = 0;
   for (int g = 0; g < group; ++g) {
     const CacheSpec& s = caches[g];
-    first += static_cast<std::int64_t>(s.num_layers()) * (PartsInterleaved(s) ? 1 : s.num_parts());
+    // Every group takes layers * parts ids, interleaved or not (an interleaved layer's region has
+    // the id of its part 0, RegionOfPart above), so ids never collide across groups. Before,
+    // an interleaved group counted one id per layer, colliding with the next group's ids: such
+    // caches failed to register, so no working peer numbered them otherwise.
+    first += static_cast<std::int64_t>(s.num_layers()) * s.num_parts();
   }
   PartRegion r = RegionOfPart(caches[group], layer, part);
   r.id += first;
@@ -115,14 +119,16 @@ std::int64_t RegionBytes(const CacheSpec& spec, int part) {
 
 Status CheckRegionLayout(const CacheSpec& spec) {
   if (!PartsInterleaved(spec)) return Status::Ok();
+  // A page may end in padding (vLLM's MambaSpec.page_size_padded), never start or gap with it.
   const std::int64_t sum = InterleavedOffset(spec, spec.num_parts());
   for (int p = 0; p < spec.num_parts(); ++p) {
-    if (spec.BlockStride(p) != sum) {
+    if (spec.BlockStride(p) != spec.BlockStride(0) || spec.BlockStride(p) < sum) {
       return Status::NotSupported(
           "part " + std::to_string(p) + " has block stride " + std::to_string(spec.BlockStride(p)) +
           " bytes; interleaved parts must each have the stride of one block of every part (" +
           std::to_string(sum) +
-          " bytes, as in a (num_blocks, parts, ...) tensor), or no part may be strided");
+          " bytes, as in a (num_blocks, parts, ...) tensor, or more where the page ends in "
+          "padding, one stride for every part), or no part may be strided");
     }
   }
   return Status::Ok();

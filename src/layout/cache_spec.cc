@@ -20,7 +20,9 @@ std::string Lower(std::string_view s) {
   return out;
 }
 
-bool IsSplitAcrossTp(CacheKind kind) { return kind == CacheKind::kMha; }
+bool IsSplitAcrossTp(CacheKind kind) {
+  return kind == CacheKind::kMha || kind == CacheKind::kState;
+}
 
 std::string JoinFields(const std::vector<std::int64_t>& fields) {
   std::string out;
@@ -82,12 +84,23 @@ Status ValidateLayerAgainstFirst(int index, const LayerSpec& layer, const LayerS
     if (a.head_dim != b.head_dim) {
       return mismatch("head_dim", std::to_string(a.head_dim), std::to_string(b.head_dim));
     }
+    if (a.dtype != b.dtype) {
+      return mismatch("dtype", a.dtype ? DTypeName(*a.dtype) : "the cache's",
+                      b.dtype ? DTypeName(*b.dtype) : "the cache's");
+    }
   }
   return Status::Ok();
 }
 
-Status ValidateTpSplit(const PartSpec& part, int tp_size) {
+Status ValidateTpSplit(CacheKind kind, const PartSpec& part, int tp_size) {
   const std::int64_t heads = part.num_heads;
+  if (kind == CacheKind::kState && heads % tp_size != 0) {
+    return Status::InvalidArgument("state part '" + part.name + "' has " + std::to_string(heads) +
+                                   " along its TP-split axis, which TP size " +
+                                   std::to_string(tp_size) +
+                                   " does not divide (a state is split across TP ranks, never "
+                                   "replicated)");
+  }
   const bool ok = tp_size <= heads ? heads % tp_size == 0 : tp_size % heads == 0;
   if (!ok) {
     return Status::InvalidArgument("part '" + part.name + "' has " + std::to_string(heads) +
@@ -170,6 +183,8 @@ const char* CacheKindName(CacheKind kind) {
       return "sparse_mla";
     case CacheKind::kMlaFused:
       return "mla_fused";
+    case CacheKind::kState:
+      return "state";
   }
   return "unknown";
 }
@@ -180,8 +195,9 @@ Result<CacheKind> ParseCacheKind(std::string_view name) {
   if (n == "mla") return CacheKind::kMla;
   if (n == "sparse_mla" || n == "sfa") return CacheKind::kSparseMla;
   if (n == "mla_fused") return CacheKind::kMlaFused;
+  if (n == "state" || n == "mamba") return CacheKind::kState;
   return Status::InvalidArgument("unknown cache kind '" + std::string(name) +
-                                 "': expected mha, mla, sparse_mla or mla_fused");
+                                 "': expected mha, mla, sparse_mla, mla_fused or state");
 }
 
 std::size_t CacheKindParts(CacheKind kind) {
@@ -193,6 +209,8 @@ std::size_t CacheKindParts(CacheKind kind) {
     case CacheKind::kMha:
     case CacheKind::kMla:
       return 2;
+    case CacheKind::kState:
+      return 0;
   }
   return 2;
 }
@@ -268,7 +286,13 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const LayerSpec& layer = layers[l];
     const int li = static_cast<int>(l);
-    if (layer.parts.size() != CacheKindParts(layer.kind)) {
+    const bool state = layer.kind == CacheKind::kState;
+    if (state && (layer.parts.empty() || layer.parts.size() > kMaxStateParts)) {
+      return Status::InvalidArgument(
+          "layer " + std::to_string(l) + " is a state layer and needs 1 to " +
+          std::to_string(kMaxStateParts) + " parts, found " + std::to_string(layer.parts.size()));
+    }
+    if (!state && layer.parts.size() != CacheKindParts(layer.kind)) {
       return Status::InvalidArgument("layer " + std::to_string(l) + " is " +
                                      CacheKindName(layer.kind) + " and needs " +
                                      std::to_string(CacheKindParts(layer.kind)) + " parts, found " +
@@ -282,6 +306,12 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
                                        std::to_string(part.num_heads) + " and " +
                                        std::to_string(part.head_dim));
       }
+      if (part.dtype && !state) {
+        return Status::InvalidArgument(PartLabel(li, static_cast<int>(p), part) + " is " +
+                                       CacheKindName(layer.kind) + " with its own dtype " +
+                                       DTypeName(*part.dtype) +
+                                       "; only state parts have element types of their own");
+      }
     }
     KVFERRY_RETURN_IF_ERROR(ValidateFields(li, layer));
     if (l > 0) KVFERRY_RETURN_IF_ERROR(ValidateLayerAgainstFirst(li, layer, first));
@@ -294,10 +324,15 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
   }
   if (IsSplitAcrossTp(first.kind)) {
     for (const PartSpec& part : first.parts) {
-      KVFERRY_RETURN_IF_ERROR(ValidateTpSplit(part, options.tp_size));
+      KVFERRY_RETURN_IF_ERROR(ValidateTpSplit(first.kind, part, options.tp_size));
     }
   }
 
+  if (first.kind == CacheKind::kState && options.blocks_per_id != 1) {
+    return Status::InvalidArgument(
+        "a state cache has one state per block id, found blocks_per_id " +
+        std::to_string(options.blocks_per_id) + "; expected 1");
+  }
   if (!options.block_strides.empty() && options.block_strides.size() != first.parts.size()) {
     return Status::InvalidArgument("expected one block stride per part (" +
                                    std::to_string(first.parts.size()) + "), found " +
@@ -306,16 +341,18 @@ Result<CacheSpec> CacheSpec::Create(CacheSpecOptions options) {
   }
 
   CacheSpec spec(std::move(options));
-  const std::int64_t elem = DTypeSize(spec.options_.dtype);
+  // A state block holds one row per head; an attention block one per token and head.
+  const std::int64_t rows = spec.is_state() ? 1 : spec.tokens_per_block();
   std::int64_t per_layer = 0;
   for (int p = 0; p < spec.num_parts(); ++p) {
     const PartSpec& part = spec.parts()[static_cast<std::size_t>(p)];
+    const std::int64_t elem = DTypeSize(spec.PartDType(p));
     auto overflow = [&](const char* what) {
       return Status::InvalidArgument(std::string(what) + " of part '" + part.name +
                                      "' overflows 64 bits: " + spec.CanonicalText() +
                                      " with num_blocks " + std::to_string(spec.num_blocks()));
     };
-    std::optional<std::int64_t> block = CheckedMul(spec.tokens_per_block(), spec.LocalHeads(p));
+    std::optional<std::int64_t> block = CheckedMul(rows, spec.LocalHeads(p));
     if (block) block = CheckedMul(*block, part.head_dim);
     if (block) block = CheckedMul(*block, elem);
     if (!block) return overflow("bytes per block");
@@ -421,6 +458,8 @@ std::string CacheSpec::CanonicalText() const {
     const PartSpec& p = parts()[i];
     if (i > 0) out += ",";
     out += p.name + ":" + std::to_string(p.num_heads) + "x" + std::to_string(p.head_dim);
+    // Only state parts have types of their own.
+    if (p.dtype) out += std::string("/") + DTypeName(*p.dtype);
   }
   // Only fused layers carry fields, so every other spec keeps the hash it always had.
   if (!fields().empty()) {
@@ -429,6 +468,12 @@ std::string CacheSpec::CanonicalText() const {
   }
   // Likewise only sliding-window layers name their window.
   if (sliding_window() != 0) out += " window=" + std::to_string(sliding_window());
+  return out;
+}
+
+std::int64_t CacheSpec::RequiredAlignment() const {
+  std::int64_t out = DTypeSize(options_.dtype);
+  for (int p = 0; p < num_parts(); ++p) out = std::max(out, DTypeSize(PartDType(p)));
   return out;
 }
 

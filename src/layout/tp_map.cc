@@ -12,6 +12,19 @@ Status CheckTpSizes(const CacheSpec& geometry, int prefill_tp, int decode_tp) {
                                    std::to_string(prefill_tp) + " and decode " +
                                    std::to_string(decode_tp));
   }
+  if (geometry.is_state()) {
+    for (const PartSpec& part : geometry.parts()) {
+      for (int tp : {prefill_tp, decode_tp}) {
+        if (part.num_heads % tp != 0) {
+          return Status::NotSupported(
+              "state part '" + part.name + "' has " + std::to_string(part.num_heads) +
+              " along its TP-split axis, which TP size " + std::to_string(tp) +
+              " does not divide: a state is split across TP ranks, never replicated");
+        }
+      }
+    }
+    return Status::Ok();
+  }
   if (geometry.kind() != CacheKind::kMha) return Status::Ok();
   const std::int64_t heads = geometry.parts().front().num_heads;
   for (int tp : {prefill_tp, decode_tp}) {
@@ -39,6 +52,39 @@ int PrefillRankForHead(std::int64_t heads, int prefill_tp, int decode_rank, std:
   return static_cast<int>(head * replicas + decode_rank % replicas);
 }
 
+// A state group (kState): every part split evenly across both TP sizes (CheckTpSizes), so the
+// prefill ranks that hold a decode rank's share are the same for every part; each part's share of
+// a block is one contiguous range (its split axis is outermost, as vLLM's DS conv layout and SSM
+// state have it), read from each of them.
+std::vector<TpSource> PlanStateSources(const CacheSpec& g, int prefill_tp, int decode_tp,
+                                       int decode_rank) {
+  std::vector<TpSource> sources;
+  const int first_q = decode_rank * prefill_tp / decode_tp;
+  const int end_q = std::max(first_q + 1, (decode_rank + 1) * prefill_tp / decode_tp);
+  for (int q = first_q; q < end_q; ++q) {
+    TpSource source{q, {}};
+    for (int p = 0; p < g.num_parts(); ++p) {
+      const PartSpec& part = g.parts()[static_cast<std::size_t>(p)];
+      const std::int64_t head = part.head_dim * DTypeSize(g.PartDType(p));
+      const HeadRange mine = SplitHeads(part.num_heads, decode_tp, decode_rank);
+      const HeadRange theirs = SplitHeads(part.num_heads, prefill_tp, q);
+      const std::int64_t h = std::max(mine.first, theirs.first);
+      const std::int64_t end = std::min(mine.first + mine.count, theirs.first + theirs.count);
+      const bool whole =
+          h == mine.first && h == theirs.first && end - h == mine.count && end - h == theirs.count;
+      source.part_slices.push_back(
+          {(h - theirs.first) * head, (h - mine.first) * head, (end - h) * head, whole, 1, 0, 0});
+      if (p == 0) {
+        source.remote_first_head = h - theirs.first;
+        source.local_first_head = h - mine.first;
+        source.heads = end - h;
+      }
+    }
+    sources.push_back(std::move(source));
+  }
+  return sources;
+}
+
 }  // namespace
 
 Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefill_tp,
@@ -49,6 +95,7 @@ Result<std::vector<TpSource>> PlanTpSources(const CacheSpec& geometry, int prefi
                                    " is outside decode TP size " + std::to_string(decode_tp));
   }
   const int parts = geometry.num_parts();
+  if (geometry.is_state()) return PlanStateSources(geometry, prefill_tp, decode_tp, decode_rank);
   if (geometry.kind() != CacheKind::kMha) {
     TpSource source{decode_rank % prefill_tp, {}};
     for (int p = 0; p < parts; ++p) {

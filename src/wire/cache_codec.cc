@@ -26,13 +26,18 @@ void PackCacheSpec(Packer& pk, const CacheSpec& spec) {
   PackStr(pk, "parts");
   pk.pack_array(static_cast<std::uint32_t>(spec.num_parts()));
   for (const PartSpec& p : spec.parts()) {
-    pk.pack_map(3);
+    // A state part's own element type (kind "state", which an older peer refuses by name).
+    pk.pack_map(p.dtype ? 4 : 3);
     PackStr(pk, "name");
     PackStr(pk, p.name);
     PackStr(pk, "heads");
     pk.pack_int64(p.num_heads);
     PackStr(pk, "dim");
     pk.pack_int64(p.head_dim);
+    if (p.dtype) {
+      PackStr(pk, "dtype");
+      PackStr(pk, DTypeName(*p.dtype));
+    }
   }
   PackStr(pk, "num_blocks");
   pk.pack_int64(spec.num_blocks());
@@ -93,6 +98,10 @@ Result<CacheSpec> DecodeCacheSpec(const MapView& parent, const char* key) {
     KVFERRY_ASSIGN_OR_RETURN(std::uint64_t dim, pm.Uint("dim", kMaxI64));
     part.num_heads = static_cast<std::int64_t>(heads);
     part.head_dim = static_cast<std::int64_t>(dim);
+    if (pm.Find("dtype") != nullptr) {
+      KVFERRY_ASSIGN_OR_RETURN(std::string part_dtype, pm.Str("dtype", kMaxIdBytes));
+      KVFERRY_ASSIGN_OR_RETURN(part.dtype, ParseDType(part_dtype));
+    }
     layer.parts.push_back(std::move(part));
   }
   CacheSpecOptions options;

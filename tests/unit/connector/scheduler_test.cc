@@ -516,5 +516,33 @@ TEST(SchedulerBlockSizes, TokensOfALoadFromItsCountsOrItsBlocks) {
   EXPECT_THAT(st.message(), HasSubstr("num_external_tokens"));
 }
 
+// Issue 29, state groups: vLLM's token rule for Mamba / linear-attention models, as NixlConnector
+// has it (vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py,
+// _truncate_mamba_request_for_prefill: the prefill side drops the last prompt token;
+// _get_remote_prefill_token_count: the decode side loads num_prompt_tokens - 1 and computes
+// the last one from the loaded state). The load's tokens end one before the prompt's.
+TEST(SchedulerStateGroups, PrefillComputesAndALoadBringsThePromptLessItsLastToken) {
+  SchedulerConfig dc{Role::kDecode, "decode-0"};
+  dc.state_groups = true;
+  Scheduler d(dc);
+  KvTransferParams p = CompleteRemotePrefill();
+  EXPECT_EQ(d.GetNumNewMatchedTokens(p, 100, 0), Matched(99, true));
+  EXPECT_EQ(d.GetNumNewMatchedTokens(p, 100, 32), Matched(67, true));
+  EXPECT_EQ(d.GetNumNewMatchedTokens(p, 1, 0), Matched(1, true));  // nothing to drop
+  ASSERT_TRUE(d.UpdateStateAfterAlloc("d-req", p, std::vector<std::int64_t>{3, 4}, 99, 100).ok());
+  ConnectorMetadata m = d.BuildConnectorMeta();
+  ASSERT_EQ(m.loads.size(), 1u);
+  EXPECT_EQ(m.loads[0].first_token, 0);
+  EXPECT_EQ(m.loads[0].num_tokens, 99);
+  SchedulerConfig pc{Role::kPrefill, "prefill-0"};
+  pc.state_groups = true;
+  Scheduler prefill(pc);
+  KvTransferParams remote_decode;
+  remote_decode.do_remote_decode = true;
+  EXPECT_EQ(prefill.PrefillTokens(remote_decode, 100), 99);
+  EXPECT_EQ(prefill.PrefillTokens(KvTransferParams{}, 100), 100);  // not a P/D request
+  EXPECT_EQ(Scheduler({Role::kPrefill, "p"}).PrefillTokens(remote_decode, 100), 100);
+}
+
 }  // namespace
 }  // namespace kvferry

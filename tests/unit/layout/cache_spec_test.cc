@@ -334,5 +334,46 @@ TEST(CacheSpecFusedMlaTest, RejectsBadFieldsAndFieldsOnOtherKinds) {
               HasSubstr("only mla_fused layers pack fields"));
 }
 
+// Issue 29, state groups (vLLM's MambaSpec): one state per block, parts of their own element types,
+// split across TP along their outer axis and never replicated; the part types are in the hash.
+TEST(CacheSpecTest, StateLayersHoldOneStatePerBlockWithTypesOfTheirOwn) {
+  LayerSpec layer;
+  layer.kind = CacheKind::kState;
+  layer.parts = {{"conv", 32, 3}, {"ssm", 4, 16, DType::kFloat32}};
+  CacheSpecOptions o;
+  o.layers.assign(2, layer);
+  o.num_blocks = 8;
+  o.tokens_per_block = 1024;
+  o.dtype = DType::kBFloat16;
+  o.tp_size = 2;
+  o.tp_rank = 1;
+  Result<CacheSpec> s = CacheSpec::Create(o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_TRUE(s->is_state());
+  EXPECT_EQ(s->BlockBytes(0), 16 * 3 * 2);  // no token rows: one state
+  EXPECT_EQ(s->BlockBytes(1), 2 * 16 * 4);
+  EXPECT_EQ(s->FirstLocalHead(1), 2);
+  EXPECT_EQ(s->RequiredAlignment(), 4);
+  EXPECT_THAT(s->CanonicalText(), HasSubstr("kind=state"));
+  EXPECT_THAT(s->CanonicalText(), HasSubstr("ssm:4x16/fp32"));
+  CacheSpecOptions bf16 = o;
+  bf16.layers.assign(2, layer);
+  for (LayerSpec& l : bf16.layers) l.parts[1].dtype = DType::kBFloat16;
+  EXPECT_NE(CacheSpec::Create(bf16)->Hash(), s->Hash());
+  CacheSpecOptions odd = o;
+  odd.tp_size = 8;
+  odd.tp_rank = 0;
+  EXPECT_THAT(CacheSpec::Create(odd).status().message(),
+              HasSubstr("state part 'ssm' has 4 along its TP-split axis, which TP size 8"));
+  CacheSpecOptions mha_typed = o;
+  mha_typed.layers.assign(1, {CacheKind::kMha, {{"k", 2, 8, DType::kFloat32}, {"v", 2, 8}}, {}});
+  EXPECT_THAT(CacheSpec::Create(mha_typed).status().message(),
+              HasSubstr("only state parts have element types of their own"));
+  CacheSpecOptions per_id = o;
+  per_id.blocks_per_id = 2;
+  EXPECT_THAT(CacheSpec::Create(per_id).status().message(), HasSubstr("one state per block id"));
+  EXPECT_EQ(*ParseCacheKind("mamba"), CacheKind::kState);
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -374,3 +374,67 @@ TEST(TpMapTest, DecodeTpSmallerThanPrefillLeavesUnreadRanksWithZeroReaders) {
 
 }  // namespace
 }  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// Issue 29, state groups: a gated-delta-net layer's conv state Q, K, V channels and SSM state
+// heads, each split across TP along its outer axis. Every decode rank's block is rebuilt from the
+// prefill ranks' blocks, every byte once, for TP sizes 1, 2, 4 both ways; a part TP cannot split
+// is refused, naming it.
+CacheSpec StateSpec(int tp, int rank) {
+  LayerSpec layer;
+  layer.kind = CacheKind::kState;
+  layer.parts = {{"conv_q", 8, 3}, {"conv_v", 16, 3}, {"ssm", 4, 6, DType::kFloat32}};
+  CacheSpecOptions o;
+  o.layers = {layer};
+  o.num_blocks = 4;
+  o.tokens_per_block = 4096;  // vLLM's block size of a Mamba group: max_model_len
+  o.dtype = DType::kBFloat16;
+  o.tp_size = tp;
+  o.tp_rank = rank;
+  Result<CacheSpec> s = CacheSpec::Create(o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return *s;
+}
+
+TEST(TpMapTest, StatePartsAreSlicedAlongTheirOuterAxisEveryWay) {
+  for (int ptp : {1, 2, 4}) {
+    for (int dtp : {1, 2, 4}) {
+      for (int d = 0; d < dtp; ++d) {
+        const CacheSpec local = StateSpec(dtp, d);
+        Result<std::vector<TpSource>> sources = PlanTpSources(local, ptp, dtp, d);
+        ASSERT_TRUE(sources.ok()) << sources.status().ToString();
+        for (int p = 0; p < local.num_parts(); ++p) {
+          const std::int64_t unit =
+              local.parts()[static_cast<std::size_t>(p)].head_dim * DTypeSize(local.PartDType(p));
+          // Each byte of the decode block, written with the model-wide head it must hold.
+          std::vector<std::int64_t> got(static_cast<std::size_t>(local.BlockBytes(p)), -1);
+          for (const TpSource& s : *sources) {
+            const CacheSpec remote = StateSpec(ptp, s.prefill_rank);
+            const BlockSlice& sl = s.part_slices[static_cast<std::size_t>(p)];
+            for (std::int64_t b = 0; b < sl.length; ++b) {
+              const std::int64_t head = remote.FirstLocalHead(p) + (sl.remote_offset + b) / unit;
+              std::int64_t& at = got[static_cast<std::size_t>(sl.local_offset + b)];
+              EXPECT_EQ(at, -1) << "written twice";
+              at = head;
+            }
+          }
+          for (std::int64_t b = 0; b < local.BlockBytes(p); ++b) {
+            EXPECT_EQ(got[static_cast<std::size_t>(b)], local.FirstLocalHead(p) + b / unit)
+                << "P" << ptp << " D" << dtp << " rank " << d << " part " << p << " byte " << b;
+          }
+        }
+        Result<int> readers = ExpectedReaders(local, ptp, dtp, 0);
+        ASSERT_TRUE(readers.ok());
+        EXPECT_EQ(*readers, dtp >= ptp ? dtp / ptp : 1);
+      }
+    }
+  }
+  Status s = PlanTpSources(StateSpec(1, 0), 8, 1, 0).status();
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported);
+  EXPECT_THAT(s.message(), HasSubstr("state part 'ssm' has 4"));
+}
+
+}  // namespace
+}  // namespace kvferry

@@ -435,5 +435,25 @@ TEST(WireTest, CacheGroupsRoundTripAndAnOlderPeerRefusesThem) {
               HasSubstr("every group of a worker's cache is its rank's"));
 }
 
+// A state group travels with its kind and its parts' own types; a peer before state groups refuses
+// the kind by name instead of misreading the page.
+TEST(WireTest, AStateGroupRoundTripsWithItsPartTypes) {
+  AgentMetadata m = SampleMetadata();
+  LayerSpec layer;
+  layer.kind = CacheKind::kState;
+  layer.parts = {{"conv", 32, 3}, {"ssm", 4, 16, DType::kFloat32}};
+  CacheSpecOptions o = m.caches[0].options();
+  o.layers.assign(2, layer);
+  o.block_strides = {512, 512};
+  m.caches = *CacheGroups::Create({m.caches[0], *CacheSpec::Create(o)});
+  m.cache_hash = m.caches.Hash();
+  Result<Message> back = Decode(Encode(m));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(std::get<AgentMetadata>(*back), m);
+  EXPECT_EQ(std::get<AgentMetadata>(*back).caches[1].PartDType(1), DType::kFloat32);
+  EXPECT_THAT(std::string(ParseCacheKind("linear").status().message()),
+              HasSubstr("expected mha, mla, sparse_mla, mla_fused or state"));
+}
+
 }  // namespace
 }  // namespace kvferry::wire
