@@ -267,8 +267,7 @@ PYBIND11_MODULE(_kvferry, m) {
           py::arg("tp_size") = 1, py::arg("tp_rank") = 0)
       .def_static(
           "create",
-          [](const std::string& kind, int layers,
-             const std::vector<std::tuple<std::string, std::int64_t, std::int64_t>>& parts,
+          [](const std::string& kind, int layers, const std::vector<py::tuple>& parts,
              std::int64_t num_blocks, std::int64_t tokens_per_block, const std::string& dtype,
              const std::string& layout, int tp_size, int tp_rank,
              const std::vector<std::int64_t>& fields,
@@ -277,7 +276,18 @@ PYBIND11_MODULE(_kvferry, m) {
             CacheSpecOptions o;
             LayerSpec layer;
             layer.kind = Unwrap(ParseCacheKind(kind));
-            for (const auto& [name, heads, dim] : parts) layer.parts.push_back({name, heads, dim});
+            for (const py::tuple& t : parts) {
+              if (t.size() != 3 && t.size() != 4) {
+                throw py::value_error(
+                    "a part is (name, model-wide heads, head_dim) or, for a state part, (name, "
+                    "heads, dim, dtype); found a tuple of " +
+                    std::to_string(t.size()));
+              }
+              PartSpec part{t[0].cast<std::string>(), t[1].cast<std::int64_t>(),
+                            t[2].cast<std::int64_t>()};
+              if (t.size() == 4) part.dtype = Unwrap(ParseDType(t[3].cast<std::string>()));
+              layer.parts.push_back(std::move(part));
+            }
             layer.fields = fields;
             o.layers.assign(static_cast<std::size_t>(std::max(layers, 0)), layer);
             o.num_blocks = num_blocks;
@@ -293,7 +303,9 @@ PYBIND11_MODULE(_kvferry, m) {
             o.sliding_window = sliding_window;
             return MakeSpec(std::move(o));
           },
-          "Any uniform cache: parts are (name, model-wide heads, head_dim); names enter the hash. "
+          "Any uniform cache: parts are (name, model-wide heads, head_dim), or for kind 'state' "
+          "(Mamba / linear attention: one state per block) (name, model-wide extent of its "
+          "TP-split axis, elements per unit of it, dtype); names and dtypes enter the hash. "
           "fields: for kind 'mla_fused', the widths packed in each row (kv_lora_rank, "
           "qk_rope_head_dim); they enter the hash. block_strides: bytes from one block of a part "
           "to the next, one per part (empty: packed); parts interleaved block by block, as in "
@@ -373,8 +385,9 @@ PYBIND11_MODULE(_kvferry, m) {
                         "The scheduler side: pure bookkeeping; call it from one thread.")
       .def(py::init([](const std::string& role, const std::string& engine_id,
                        const std::string& host, int base_port, int dp_rank, int tp_size,
-                       int hold_lease_ms, int pp_size) {
+                       int hold_lease_ms, int pp_size, bool state_groups) {
              SchedulerConfig c;
+             c.state_groups = state_groups;
              c.role = Unwrap(ParseRole(role));
              c.engine_id = engine_id;
              c.host = host;
@@ -387,7 +400,18 @@ PYBIND11_MODULE(_kvferry, m) {
            }),
            py::arg("role"), py::arg("engine_id"), py::arg("host") = "127.0.0.1",
            py::arg("base_port") = 5557, py::arg("dp_rank") = 0, py::arg("tp_size") = 1,
-           py::arg("hold_lease_ms") = 120000, py::arg("pp_size") = 1)
+           py::arg("hold_lease_ms") = 120000, py::arg("pp_size") = 1,
+           py::arg("state_groups") = false,
+           "state_groups: the cache has a state group (Mamba, linear attention): vLLM's token "
+           "rule for them (the prefill side computes the prompt less its last token, a load "
+           "brings that many; prefill_tokens, get_num_new_matched_tokens)")
+      .def(
+          "prefill_tokens",
+          [](const Scheduler& s, const py::dict& params, std::int64_t prompt) {
+            return s.PrefillTokens(ParamsFromDict(params), prompt);
+          },
+          "Prefill side: the prompt tokens to compute (state groups and remote decode: one "
+          "fewer).")
       .def("get_num_new_matched_tokens",
            [](const Scheduler& s, const py::dict& params, std::int64_t prompt,
               std::int64_t computed) {

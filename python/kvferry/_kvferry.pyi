@@ -1,5 +1,5 @@
 # Type stubs for the native module.
-from typing import Optional
+from typing import Any, Optional
 
 class Error(RuntimeError): ...
 class InvalidArgumentError(Error): ...
@@ -15,7 +15,7 @@ class UnauthenticatedError(Error): ...
 
 class CacheSpec:
     @staticmethod
-    def create(kind: str, layers: int, parts: list[tuple[str, int, int]], num_blocks: int,
+    def create(kind: str, layers: int, parts: list[tuple[Any, ...]], num_blocks: int,
                tokens_per_block: int, dtype: str = ..., layout: str = ..., tp_size: int = ...,
                tp_rank: int = ..., fields: list[int] = ...,
                block_strides: list[int] = ..., first_layer: int = ...,
@@ -63,7 +63,8 @@ class RankTable:
 class Scheduler:
     def __init__(self, role: str, engine_id: str, host: str = ..., base_port: int = ...,
                  dp_rank: int = ..., tp_size: int = ..., hold_lease_ms: int = ...,
-                 pp_size: int = ...) -> None: ...
+                 pp_size: int = ..., state_groups: bool = ...) -> None: ...
+    def prefill_tokens(self, params: dict[str, Any], prompt: int) -> int: ...
     def get_num_new_matched_tokens(self, params: dict, num_prompt_tokens: int, num_computed_tokens: int) -> tuple[int, bool]: ...
     def update_state_after_alloc(self, request_id: str, params: dict, block_ids: list[int],
                                  num_external_tokens: int = -1,

@@ -45,7 +45,7 @@ from typing import Any, Optional
 from . import _kvferry
 from . import vllm_ascend, vllm_groups
 from .vllm_hostcopy import copy_blocks
-from .vllm_layout import host_mirrors, is_host_tensor, read_caches, tensor_info
+from .vllm_layout import host_mirrors, is_host_tensor, memory_kind, read_caches, tensor_info
 from .vllm_stats import KvferryConnectorStats, KvferryPromMetrics, StatsTaker
 
 try:  # pragma: no cover - depends on the environment
@@ -439,6 +439,64 @@ class _Settings:
             "worker's TP rank; run inside vLLM's worker processes")
 
 
+def _state_group(g: Any, caches: dict[str, Any], tp_size: int, tp_rank: int
+                 ) -> tuple[Any, list[list[int]], str]:
+    """A Mamba / linear-attention group's cache as vLLM's model runner makes it
+    (gpu_model_runner.py _reshape_kv_cache_tensors): per layer its state tensors, views of one
+    page per block (the conv state at the page's start, the SSM state right after it, a stride
+    of one page). Its spec, its bases per layer and part, and the memory they are in."""
+    conv_first = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").upper() == "DS"
+    parts = vllm_groups.state_parts(g, tp_size, conv_first)
+    bases, memory, num_blocks, page = [], None, None, None
+    for name in g.layer_names:
+        if name not in caches:
+            continue
+        tensors = caches[name]
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
+            raise _kvferry.InvalidArgumentError(
+                f"KV cache group {g.index} layer {name}: expected its state tensors [conv, ssm] "
+                f"(vLLM's MambaSpec), found {type(tensors).__name__}")
+        conv, ssm = tensor_info(tensors[0]), tensor_info(tensors[1])
+        layer_page = conv.strides[0] * conv.itemsize
+        conv_bytes = 1
+        for x in conv.shape[1:]:
+            conv_bytes *= x
+        conv_bytes *= conv.itemsize
+        if (ssm.strides[0] * ssm.itemsize != layer_page or ssm.address != conv.address +
+                conv_bytes or ssm.shape[0] != conv.shape[0]):
+            raise _kvferry.NotSupportedError(
+                f"KV cache group {g.index} layer {name}: its conv and SSM states are not one "
+                "page per block with the SSM state right after the conv state (vLLM's Mamba "
+                "layout); kvferry cannot tell where each block's state is")
+        if (num_blocks, page) not in ((None, None), (conv.shape[0], layer_page)):
+            raise _kvferry.InvalidArgumentError(
+                f"KV cache group {g.index} layer {name} has {conv.shape[0]} pages of "
+                f"{layer_page} bytes and an earlier layer {num_blocks} of {page}; a group's "
+                "layers have one geometry")
+        num_blocks, page = conv.shape[0], layer_page
+        where = memory_kind(name, conv)
+        if memory is not None and where != memory:
+            raise _kvferry.InvalidArgumentError(
+                f"KV cache group {g.index} layer {name} is in {where} memory, an earlier one in "
+                f"{memory}")
+        memory = where
+        offsets, at = [], conv.address
+        for part in parts:
+            offsets.append(at)
+            at += part[1] // tp_size * part[2] * _dtype_size(part[3])
+        bases.append(offsets)
+    spec = _kvferry.CacheSpec.create(
+        "state", len(bases), list(parts), int(num_blocks or 0), g.block_size, parts[0][3],
+        "token_major", tp_size, tp_rank, [], [int(page or 0)] * len(parts), 0, 1, 0, 0)
+    return spec, bases, memory or "host"
+
+
+def _dtype_size(dtype: str) -> int:
+    d = dtype.replace("torch.", "")
+    return {"float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float32": 4,
+            "float": 4, "fp32": 4, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}[d]
+
+
 class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
     """vLLM KV connector backed by kvferry. One instance per role per process. SupportsHMA:
     hybrid models (full attention with sliding-window layers) keep vLLM's hybrid KV cache
@@ -485,7 +543,7 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
                 s.native_role, s.engine_id, s.host, s.base_port, s.dp_rank, s.tp_size,
-                s.hold_lease_ms, s.pp_size)
+                s.hold_lease_ms, s.pp_size, vllm_groups.has_state(self._groups))
 
     if _Base is object:
         @property
@@ -542,11 +600,38 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
                            "locally", rid, _get(request, "kv_transfer_params"), why)
         return params
 
+    def _loaded_prompt(self, request: Any) -> int:
+        """The prompt tokens a load brings: with a state group the prompt less its last token,
+        which the decode side computes from the loaded state (NixlConnector's
+        _get_remote_prefill_token_count)."""
+        prompt = _prompt_tokens(request)
+        return prompt - 1 if vllm_groups.has_state(self._groups) and prompt > 1 else prompt
+
+    def _truncate_for_state(self, request: Any) -> None:
+        """Prefill side of a model with a state group, a request for remote decode: it computes
+        its prompt less the last token and stops after one, so that its state is the one before
+        that token (NixlConnector's _truncate_mamba_request_for_prefill, once per request)."""
+        raw = _get(request, "kv_transfer_params")
+        if (not vllm_groups.has_state(self._groups) or not isinstance(raw, dict)
+                or raw.get("do_remote_decode") is not True or raw.get("_p_side_truncated")
+                or _prompt_tokens(request) <= 1):
+            return
+        prompt = _get(request, "prompt_token_ids")
+        if prompt is not None:
+            prompt.pop()
+        all_ids = _get(request, "_all_token_ids")
+        if all_ids is not None and all_ids is not prompt:
+            all_ids.pop()
+        request.num_prompt_tokens = int(_get(request, "num_prompt_tokens", 1)) - 1
+        request.max_tokens = 1
+        raw["_p_side_truncated"] = True
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._truncate_for_state(request)
         params = self._params(request)
         if params is None:
             return 0, False
-        count = _prompt_tokens(request) - int(num_computed_tokens)
+        count = self._loaded_prompt(request) - int(num_computed_tokens)
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -580,7 +665,7 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
             # request's whole KVCacheBlocks: prefix hits, new blocks, a window's null blocks).
             prompt, ext = _prompt_tokens(request), max(int(num_external_tokens), 0)
             groups = (vllm_groups.group_block_ids(blocks.get_block_ids(), self._groups,
-                                                  prompt - ext)
+                                                  self._loaded_prompt(request) - ext)
                       if ext > 0 else [[] for _ in self._groups])
             self._scheduler.update_state_after_alloc_all_groups(rid, params, groups, ext, prompt)
             if ext > 0:
@@ -896,6 +981,16 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
                 raise _kvferry.InvalidArgumentError(
                     f"KV cache group {g.index} names layers {list(g.layer_names)[:3]}, none of "
                     "which register_kv_caches was given")
+            if g.state is not None:
+                spec, group_bases, where = _state_group(g, caches, tp_size, tp_rank)
+                if memory is not None and where != memory:
+                    raise _kvferry.InvalidArgumentError(
+                        f"KV cache group {g.index} is in {where} memory and an earlier group in "
+                        f"{memory}; a worker's caches are in one memory")
+                memory = where
+                specs.append(spec)
+                bases.append(group_bases)
+                continue
             reg = read_caches(caches, g.block_size, s.total_kv_heads, tp_size, False,
                               s.mla_split)
             if memory is not None and reg.memory != memory:
@@ -917,6 +1012,10 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         worker.register_kv_cache_groups(specs, bases, memory or "host")
         self._worker = worker
         self._spec = specs[0]
+        if first_reg is None:
+            raise _kvferry.NotSupportedError(
+                "every KV cache group is Mamba / linear-attention state; kvferry moves state "
+                "groups beside at least one attention group")
         self._registration = first_reg
         logger.info("kvferry: %d KV cache groups registered (%s)", len(specs),
                     ", ".join(f"{g.kind} of {len(g.layer_names)} layers"

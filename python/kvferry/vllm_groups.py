@@ -8,8 +8,11 @@ for the blocks before its window (SlidingWindowManager.remove_skipped_blocks). k
 group it can as a KV cache group of its own (a full-attention group every block, a sliding window
 its window's); groups vLLM does not transfer (`enable_kv_transfer` False, the EAGLE/MTP draft
 groups, which the decode side recomputes, as NixlConnector leaves them) are left out on both
-sides. Other kinds (Mamba and linear-attention state, chunked local attention, ...) are refused
-at registration, naming the group.
+sides. Mamba and linear-attention groups (MambaSpec) move as state groups: per request the block
+holding its state, as NixlConnector moves them (nixl/base_scheduler.py get_exchange_clipped_blocks:
+the last block, speculative slots dropped), with vLLM's token rule (the prefill side computes the
+prompt less its last token). Other kinds (chunked local attention, ...) are refused at
+registration, naming the group.
 """
 
 from __future__ import annotations
@@ -24,7 +27,18 @@ NO_BLOCK = -1  # kvferry's kNoBlock
 
 # vLLM's spec classes kvferry moves (vllm/v1/kv_cache_interface.py); any other is refused by name.
 _MOVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec",
-                "SlidingWindowMLASpec")
+                "SlidingWindowMLASpec", "MambaSpec")
+
+
+@dataclass(frozen=True)
+class StateGeometry:
+    """A MambaSpec's state (vllm/v1/kv_cache_interface.py): the per-rank shapes and dtypes of
+    its tensors (conv state first, then the SSM state), its mamba_type, and the speculative
+    blocks trailing a request's state block."""
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    mamba_type: str
+    num_speculative_blocks: int
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,7 @@ class TransferGroup:
     kind: str
     sliding_window: int
     block_size: int
+    state: Optional[StateGeometry] = None
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -65,10 +80,23 @@ def transfer_groups(kv_cache_config: Any, block_size: int) -> Optional[list[Tran
             continue
         spec = _get(g, "kv_cache_spec")
         window = _get(spec, "sliding_window") or 0
+        state = None
+        if type(spec).__name__ == "MambaSpec":
+            state = StateGeometry(
+                tuple(tuple(int(x) for x in shape) for shape in _get(spec, "shapes", ())),
+                tuple(str(d).replace("torch.", "") for d in _get(spec, "dtypes", ())),
+                str(getattr(_get(spec, "mamba_type", "mamba2"), "value",
+                            _get(spec, "mamba_type", "mamba2"))).lower(),
+                int(_get(spec, "num_speculative_blocks", 0) or 0))
         out.append(TransferGroup(i, tuple(_get(g, "layer_names", ()) or ()), type(spec).__name__,
                                  int(window), int(_get(spec, "block_size", block_size) or
-                                                  block_size)))
+                                                  block_size), state))
     return out
+
+
+def has_state(groups: Optional[Sequence[TransferGroup]]) -> bool:
+    """Whether a state group moves: vLLM's token rule for them then holds on both sides."""
+    return any(g.state is not None for g in groups or ())
 
 
 def refuse_unmovable(groups: Sequence[TransferGroup]) -> None:
@@ -76,8 +104,7 @@ def refuse_unmovable(groups: Sequence[TransferGroup]) -> None:
     attention, ...) is refused before the first request, naming it."""
     for g in groups:
         if g.kind not in _MOVED_SPECS:
-            what = ("Mamba / linear-attention state" if "Mamba" in g.kind else
-                    "a kind of KV cache kvferry does not move")
+            what = "a kind of KV cache kvferry does not move"
             raise _kvferry.NotSupportedError(
                 f"KV cache group {g.index} ({g.kind}, layers {', '.join(g.layer_names[:3])}"
                 f"{', ...' if len(g.layer_names) > 3 else ''}) holds {what} (kvferry moves "
@@ -92,7 +119,58 @@ def group_block_ids(block_ids: Sequence[Sequence[int]], groups: Sequence[Transfe
     kvferry's "no block"."""
     out = []
     for g in groups:
-        ids = block_ids[g.index] if g.index < len(block_ids) else ()
+        ids = list(block_ids[g.index] if g.index < len(block_ids) else ())
+        if g.state is not None:
+            # The request's state block: its last, less the speculative slots after it and
+            # vLLM's null blocks before it ("align" mode), as get_exchange_clipped_blocks.
+            spec = min(g.state.num_speculative_blocks, max(len(ids) - 1, 0))
+            real = [int(b) for b in ids[:len(ids) - spec] if int(b) != NULL_BLOCK]
+            out.append(real[-1:])
+            continue
         first = first_token // max(g.block_size, 1)
-        out.append([NO_BLOCK if int(b) == NULL_BLOCK else int(b) for b in list(ids)[first:]])
+        out.append([NO_BLOCK if int(b) == NULL_BLOCK else int(b) for b in ids[first:]])
+    return out
+
+
+def state_parts(g: TransferGroup, tp_size: int, conv_dim_first: bool
+                ) -> list[tuple[str, int, int, str]]:
+    """A state group's parts as kvferry takes them, (name, model-wide extent of the TP-split
+    axis, elements per unit of it, dtype), in page order. The conv state in vLLM's DS layout
+    (channels outermost, VLLM_SSM_CONV_STATE_LAYOUT=DS) splits into its sub-projections (gated
+    delta net Q, K, V; Mamba 2 x, B, C; as NixlConnector's derive_mamba_conv_split), each its
+    channels across TP; in the SD layout (kernel taps outermost) it is one part whole per rank,
+    so the two sides need one TP size (a different one is refused at the handshake). The SSM
+    state splits by its heads."""
+    st = g.state
+    if st is None or len(st.shapes) != 2 or len(st.dtypes) != 2 or len(st.shapes[0]) != 2:
+        raise _kvferry.NotSupportedError(
+            f"KV cache group {g.index} (MambaSpec, {st.mamba_type if st else '?'}) has state "
+            f"shapes {st.shapes if st else ()}; kvferry moves a 2-D conv state and an SSM state")
+    conv, ssm = st.shapes
+    conv_dt, ssm_dt = st.dtypes
+    ssm_part = ("ssm", ssm[0] * tp_size, _prod(ssm[1:]), ssm_dt)
+    if not conv_dim_first:
+        return [("conv", tp_size, _prod(conv), conv_dt), ssm_part]
+    channels, taps = conv
+    if "gdn" in st.mamba_type or "delta" in st.mamba_type:
+        value = ssm[0] * ssm[1]  # value heads * head_v_dim
+        names = ("conv_q", "conv_k", "conv_v")
+    elif "mamba1" in st.mamba_type:
+        return [("conv_x", channels * tp_size, taps, conv_dt), ssm_part]
+    else:  # Mamba 2: x (heads * head_dim), then B and C
+        value = ssm[0] * ssm[1]
+        names = ("conv_x", "conv_b", "conv_c")
+    key = (channels - value) // 2
+    dims = (key, key, value) if names[0] == "conv_q" else (value, key, key)
+    if key <= 0 or 2 * key + value != channels:
+        raise _kvferry.NotSupportedError(
+            f"KV cache group {g.index} ({st.mamba_type}) has a conv state of {channels} channels "
+            f"and an SSM state of {ssm}, which do not decompose into its sub-projections")
+    return [(n, d * tp_size, taps, conv_dt) for n, d in zip(names, dims)] + [ssm_part]
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for x in shape:
+        out *= int(x)
     return out

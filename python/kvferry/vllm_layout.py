@@ -28,6 +28,8 @@ width disagrees with them, any other shape or stride pattern.
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -286,6 +288,14 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
     suffix = f":{tag}" if tag else ""
     if not is_tuple:
         s = first.shape
+        if len(s) == 5 and s[0] == 2 and first.strides[0] < first.strides[1]:
+            # vLLM's attention layers beside Mamba layers (gpu_model_runner.py
+            # _update_hybrid_attention_mamba_layout): still (2, num_blocks, ...), re-strided so K
+            # and V of a block sit side by side in one page; read as (num_blocks, 2, ...).
+            first = dataclasses.replace(
+                first, shape=(s[1], s[0], *s[2:]),
+                strides=(first.strides[1], first.strides[0], *first.strides[2:]))
+            s = first.shape
         if len(s) == 5 and s[0] == 2:
             local = None
             if total_kv_heads is not None:

@@ -228,7 +228,8 @@ TEST_F(ServeControlTest, EveryFieldIsTypeChecked) {
                 "kv_transfer_params.remote_block_ids: expected an array");
   ExpectRefused(p + R"({"remote_block_ids":[1,"2"]}})",
                 "kv_transfer_params.remote_block_ids[1]: expected an integer");
-  ExpectRefused(p + R"({"remote_block_ids":[-1]}})",
+  // -1 is kNoBlock (a sliding window's freed block); below it nothing.
+  ExpectRefused(p + R"({"remote_block_ids":[-2]}})",
                 "kv_transfer_params.remote_block_ids[0]: expected an integer");
   ExpectRefused(p + R"({"remote_engine_id":5}})",
                 "kv_transfer_params.remote_engine_id: expected a non-empty string");

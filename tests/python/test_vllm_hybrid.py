@@ -161,17 +161,141 @@ def test_the_connector_supports_hma_and_a_gpt_oss_like_model_moves_its_window_on
     assert d_work._worker.stats()["bytes_read"] == (8 + 2.5) * block * 2 * 2
 
 
-def test_a_mamba_group_is_refused_at_registration_naming_it():
-    """Qwen3-Next-like: a linear-attention state group beside full attention. kvferry does not
-    move state yet: refused before the first request, naming the group."""
-    kcc = gpt_oss_like()
-    kcc.kv_cache_groups[1] = SimpleNamespace(
-        layer_names=kcc.kv_cache_groups[1].layer_names,
-        kv_cache_spec=MambaSpec(block_size=BS, shapes=((4, 8), (2, 8, 8)),
-                                dtypes=("float32", "float32")))
+PAGE = 2 * BS * HEADS * DIM * 4  # one attention block, K and V: vLLM pads the state to it
+CONV, TAPS, VHEADS, HV, HK = 32, 3, 2, 8, 2  # GDN: Q, K 8 channels each, V 16; state (2, 8, 2)
+MAX_LEN = 1024
+
+
+def qwen3_next_like(layers=8):
+    """A Qwen3-Next-like model: of every four layers three gated-delta-net state layers and one
+    full attention (vllm/model_executor/models/qwen3_next.py), as vLLM's hybrid allocator groups
+    them (kv_cache_utils.py _get_kv_cache_groups_uniform_page_size): one full-attention group and
+    three MambaSpec groups of equal size, layer i of every group one KVCacheTensor, the attention
+    block size raised so that a block of K and V fills one state page. MambaSpec: shapes
+    ((conv_dim, kernel - 1), (value heads, head_v_dim, head_k_dim)) per rank in the DS layout
+    (mamba_utils.py gated_delta_net_state_shape), mamba_cache_mode "none" (block size
+    max_model_len: one state block per request)."""
+    names = [f"model.layers.{i}" for i in range(layers)]
+    full = [n + ".self_attn.attn" for n in names[3::4]]
+    lin = [[n + ".linear_attn" for n in names[k::4]] for k in range(3)]
+    attn = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype="int32")
+    state = MambaSpec(block_size=MAX_LEN, shapes=((CONV, TAPS), (VHEADS, HV, HK)),
+                      dtypes=("float32", "float32"), mamba_type="gdn_attention",
+                      num_speculative_blocks=0, mamba_cache_mode="none")
+    groups = [SimpleNamespace(layer_names=full, kv_cache_spec=attn)] + [
+        SimpleNamespace(layer_names=g, kv_cache_spec=state) for g in lin]
+    tensors = [SimpleNamespace(size=NB * PAGE, shared_by=[full[i]] + [g[i] for g in lin])
+               for i in range(len(full))]
+    return SimpleNamespace(num_blocks=NB, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def state_caches_for(kcc, seed=None):
+    """What vLLM's model runner binds for a Mamba-hybrid model (gpu_model_runner.py
+    _reshape_kv_cache_tensors and _update_hybrid_attention_mamba_layout): each KVCacheTensor one
+    raw buffer of NB pages; an attention layer's (2, NB, BS, HEADS, DIM) view with K and V side by
+    side in each page; a state layer's [conv (NB, CONV, TAPS), ssm (NB, VHEADS, HV, HK)], both a
+    page apart per block, the SSM state right after the conv state."""
+    out, raws = {}, []
+    for i, t in enumerate(kcc.kv_cache_tensors):
+        raw = np.zeros(NB * PAGE, np.uint8)
+        if seed is not None:
+            raw[...] = np.random.default_rng(seed + i).integers(0, 256, raw.size, dtype=np.uint8)
+        raws.append(raw)
+        block = BS * HEADS * DIM * 4
+        attn = np.lib.stride_tricks.as_strided(
+            raw.view(np.int32), (2, NB, BS, HEADS, DIM), (block, PAGE, HEADS * DIM * 4, DIM * 4, 4))
+        conv = np.lib.stride_tricks.as_strided(raw.view(np.float32), (NB, CONV, TAPS),
+                                               (PAGE, TAPS * 4, 4))
+        ssm = np.lib.stride_tricks.as_strided(raw[CONV * TAPS * 4:].view(np.float32),
+                                              (NB, VHEADS, HV, HK), (PAGE, HV * HK * 4, HK * 4, 4))
+        out[t.shared_by[0]] = attn
+        for name in t.shared_by[1:]:
+            out[name] = [conv, ssm]
+    return out, raws
+
+
+def test_a_qwen3_next_like_model_starts_and_moves_every_group_with_vllms_token_rule(monkeypatch):
+    """The hybrid SSM model registers and starts (before, vLLM refused it at startup), and a P/D
+    transfer moves each group as vLLM's NixlConnector does (nixl/base_scheduler.py): the prefill
+    side computes the prompt less its last token (_truncate_mamba_request_for_prefill, once), the
+    decode side loads that many (_get_remote_prefill_token_count) and each state group's one
+    block, the state as of that token (get_exchange_clipped_blocks); request_finished_all_groups
+    holds every group's blocks until the decode side read them; nothing is left held."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # NixlConnector asserts it too
+    kcc = qwen3_next_like()
+    pport, dport = free_port(), free_port()
+    (p_sched, p_work), (d_sched, d_work) = [
+        tuple(kvferry.vllm.KvferryConnector(config(role, port), r, kcc)
+              for r in ("SCHEDULER", "WORKER"))
+        for role, port in (("kv_producer", pport), ("kv_consumer", dport))]
+    p_caches, p_raw = state_caches_for(kcc, seed=3)
+    d_caches, d_raw = state_caches_for(kcc)
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches(d_caches)
+    prompt = 30
+    req = request("r-1", {"do_remote_decode": True}, prompt)
+    req.max_tokens = 16
+    # vLLM's scheduler asks every new request (Scheduler.schedule); the prefill side drops the
+    # last prompt token and generates one token, once.
+    assert p_sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert p_sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert (len(req.prompt_token_ids), req.num_prompt_tokens, req.max_tokens) == (29, 29, 1)
+    req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    p_blocks = ([1, 2, 3, 4, 5, 6, 7, 8], [9], [10], [11])  # 29 tokens: 8 blocks; a state each
+    delay, params = p_sched.request_finished_all_groups(req, p_blocks)
+    assert delay and params["remote_group_block_ids"] == [[9], [10], [11]]
+    worker_step(p_work, p_sched.build_connector_meta(None), sched=p_sched)
+    dreq = request("d-1", dict(params), prompt)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt - 1, True)
+    d_blocks = ([8, 7, 6, 5, 4, 3, 2, 1], [12], [13], [14])
+    d_sched.update_state_after_alloc(dreq, KVCacheBlocks(d_blocks), prompt - 1)
+    mds = [d_sched.build_connector_meta(None)]
+    assert mds[0].awaited == ("d-1",)
+    got = poll(lambda: worker_step(d_work, mds.pop() if mds else
+                                   d_sched.build_connector_meta(None), sched=d_sched)[1],
+               "the load")
+    assert got == {"d-1"}
+    assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
+                                    finished={"r-1"}, sched=p_sched)[0],
+                "the prefill release") == {"r-1"}
+    for full in kcc.kv_cache_groups[0].layer_names:
+        for pb, db in zip(p_blocks[0][:7], d_blocks[0][:7]):
+            assert np.array_equal(d_caches[full][:, db], p_caches[full][:, pb]), (full, db)
+        # Token 28, the prompt's 29th, is slot 0 of the last block; the 30th is the decode's to
+        # compute (the block is read whole, as a one-group load reads it: the decode side
+        # writes its slots from 1 on).
+        assert np.array_equal(d_caches[full][:, 1, 0], p_caches[full][:, 8, 0]), full
+    for g in (1, 2, 3):
+        for name in kcc.kv_cache_groups[g].layer_names:
+            pb, db = p_blocks[g][0], d_blocks[g][0]
+            for part in (0, 1):
+                # As bits: random bytes make NaNs, which compare unequal as floats.
+                assert np.array_equal(d_caches[name][part][db].view(np.uint32),
+                                      p_caches[name][part][pb].view(np.uint32)), name
+    # Pages no group wrote stay zero (shared tensors: one group's block is not another's).
+    written = set(d_blocks[0]) | {12, 13, 14}
+    for raw in d_raw:
+        for b in range(NB):
+            if b not in written:
+                assert not raw[b * PAGE:(b + 1) * PAGE].any(), b
+    # Bytes: 8 whole blocks (32 tokens) of 2 parts of 2 full layers (64 bytes a part a token),
+    # and 3 state groups of 2 layers one page each.
+    assert d_work._worker.stats()["bytes_read"] == 32 * 64 * 2 * 2 + 3 * 2 * PAGE
+    assert d_work._worker.stats()["loads_outstanding"] == 0
+    assert p_work._worker.stats()["holds_outstanding"] == 0
+
+
+def test_a_state_group_not_in_vllms_page_layout_is_refused_naming_it(monkeypatch):
+    """A state layer whose tensors are not vLLM's page layout (the SSM state right after the conv
+    state, a page apart per block) is refused at registration, naming the group and the layer."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    kcc = qwen3_next_like()
+    caches, _ = state_caches_for(kcc)
+    name = kcc.kv_cache_groups[2].layer_names[1]
+    caches[name] = [caches[name][0], np.zeros((NB, VHEADS, HV, HK), np.float32)]
     work = kvferry.vllm.KvferryConnector(config("kv_consumer", free_port()), "WORKER", kcc)
-    with pytest.raises(kvferry.NotSupportedError, match="KV cache group 1 .MambaSpec"):
-        work.register_kv_caches(caches_for(kcc))
+    with pytest.raises(kvferry.NotSupportedError, match=f"KV cache group 2 layer {name}"):
+        work.register_kv_caches(caches)
 
 
 def test_groups_vllm_does_not_transfer_are_left_out_and_eagle_groups_move():

@@ -299,11 +299,17 @@ TEST(RegionOfPartTest, InterleavedPartsShareTheLayersRegion) {
 
 TEST(RegionOfPartTest, StridesThatAreNotOneBlockOfEveryPartAreRefused) {
   CacheSpecOptions o = CacheSpec::Mha(1, 2, 8, 4, 4, DType::kFloat16)->options();
-  o.block_strides = {384, 384};  // a gap after every K/V pair: no scheme names it
-  CacheSpec spec = *CacheSpec::Create(o);
-  Status s = CheckRegionLayout(spec);
+  o.block_strides = {384, 256};  // one part's stride not the other's: no scheme names it
+  Status s = CheckRegionLayout(*CacheSpec::Create(o));
   EXPECT_EQ(s.code(), StatusCode::kNotSupported);
   EXPECT_THAT(std::string(s.message()), HasSubstr("256"));
+  // A page that ends in padding (vLLM's Mamba pages, page_size_padded) is one region per layer,
+  // the parts at their offsets in it.
+  o.block_strides = {384, 384};
+  const CacheSpec padded = *CacheSpec::Create(o);
+  ASSERT_TRUE(CheckRegionLayout(padded).ok());
+  EXPECT_EQ(RegionOfPart(padded, 0, 1).offset, 128);
+  EXPECT_EQ(RegionBytes(padded, 0), 4 * 384);
 }
 
 }  // namespace
