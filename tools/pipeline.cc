@@ -632,6 +632,13 @@ Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
 
 Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                    const std::vector<std::vector<std::int32_t>>& prompts) {
+  if (a.layerwise && !GroupsSpec(a.model).empty()) {
+    return Status::NotSupported(
+        "--layerwise with KV cache groups (" + GroupsSpec(a.model) +
+        "): kvferry's layer-wise transfer announces the layers of one group, so every load of a "
+        "hybrid model would fail and be recomputed; drop --layerwise (whole-request legs move "
+        "every group)");
+  }
   if (a.layerwise && a.prefill_pp != a.decode_pp) {
     return Status::NotSupported(
         "--prefill-pp " + std::to_string(a.prefill_pp) + " and --decode-pp " +

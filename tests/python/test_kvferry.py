@@ -52,8 +52,9 @@ def test_cache_spec_and_hash():
 
 
 def test_interleaved_parts_register_only_in_the_documented_scheme():
-    # docs/transport.md, "Region ids": interleaved parts need stride = K block + V block and V
-    # one block after K; anything else is refused at registration, before any peer sees it.
+    # docs/transport.md, "Region ids": interleaved parts need one stride, at least K block + V
+    # block (a page may end in padding, as vLLM's Mamba pages), and V one block after K;
+    # anything else is refused at registration, before any peer sees it.
     parts = [("k", 2, 8), ("v", 2, 8)]
     block = TOKENS * 2 * 8 * 2  # fp16
     buf = np.zeros(BLOCKS * 3 * block, dtype=np.uint8)
@@ -65,11 +66,15 @@ def test_interleaved_parts_register_only_in_the_documented_scheme():
         "mha", 1, parts, BLOCKS, TOKENS, "fp16").canonical_text  # strides not in the hash
     kvferry.Worker("kv_consumer", "w-ok", base_port=free_port()).register_kv_caches(
         good, [[base, base + block]])
-    gap = kvferry.CacheSpec.create("mha", 1, parts, BLOCKS, TOKENS, "fp16",
-                                   block_strides=[3 * block, 3 * block])
+    padded = kvferry.CacheSpec.create("mha", 1, parts, BLOCKS, TOKENS, "fp16",
+                                      block_strides=[3 * block, 3 * block])
+    kvferry.Worker("kv_consumer", "w-pad", base_port=free_port()).register_kv_caches(
+        padded, [[base, base + block]])
+    uneven = kvferry.CacheSpec.create("mha", 1, parts, BLOCKS, TOKENS, "fp16",
+                                      block_strides=[3 * block, 2 * block])
     with pytest.raises(kvferry.NotSupportedError, match="stride"):
         kvferry.Worker("kv_consumer", "w-gap", base_port=free_port()).register_kv_caches(
-            gap, [[base, base + block]])
+            uneven, [[base, base + block]])
     with pytest.raises(kvferry.NotSupportedError, match="layer 0 part 1 starts"):
         kvferry.Worker("kv_consumer", "w-far", base_port=free_port()).register_kv_caches(
             good, [[base + block, base]])
