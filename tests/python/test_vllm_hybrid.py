@@ -166,7 +166,7 @@ CONV, TAPS, VHEADS, HV, HK = 32, 3, 2, 8, 2  # GDN: Q, K 8 channels each, V 16; 
 MAX_LEN = 1024
 
 
-def qwen3_next_like(layers=8):
+def qwen3_next_like(layers=8, tp=1):
     """A Qwen3-Next-like model: of every four layers three gated-delta-net state layers and one
     full attention (vllm/model_executor/models/qwen3_next.py), as vLLM's hybrid allocator groups
     them (kv_cache_utils.py _get_kv_cache_groups_uniform_page_size): one full-attention group and
@@ -178,36 +178,39 @@ def qwen3_next_like(layers=8):
     names = [f"model.layers.{i}" for i in range(layers)]
     full = [n + ".self_attn.attn" for n in names[3::4]]
     lin = [[n + ".linear_attn" for n in names[k::4]] for k in range(3)]
-    attn = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype="int32")
-    state = MambaSpec(block_size=MAX_LEN, shapes=((CONV, TAPS), (VHEADS, HV, HK)),
+    # A spec's shapes are a TP rank's (vLLM divides heads and channels by the TP size).
+    attn = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM,
+                             dtype="int32")
+    state = MambaSpec(block_size=MAX_LEN, shapes=((CONV // tp, TAPS), (VHEADS // tp, HV, HK)),
                       dtypes=("float32", "float32"), mamba_type="gdn_attention",
                       num_speculative_blocks=0, mamba_cache_mode="none")
     groups = [SimpleNamespace(layer_names=full, kv_cache_spec=attn)] + [
         SimpleNamespace(layer_names=g, kv_cache_spec=state) for g in lin]
-    tensors = [SimpleNamespace(size=NB * PAGE, shared_by=[full[i]] + [g[i] for g in lin])
+    tensors = [SimpleNamespace(size=NB * PAGE // tp, shared_by=[full[i]] + [g[i] for g in lin])
                for i in range(len(full))]
     return SimpleNamespace(num_blocks=NB, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-def state_caches_for(kcc, seed=None):
+def state_caches_for(kcc, seed=None, tp=1):
     """What vLLM's model runner binds for a Mamba-hybrid model (gpu_model_runner.py
     _reshape_kv_cache_tensors and _update_hybrid_attention_mamba_layout): each KVCacheTensor one
     raw buffer of NB pages; an attention layer's (2, NB, BS, HEADS, DIM) view with K and V side by
     side in each page; a state layer's [conv (NB, CONV, TAPS), ssm (NB, VHEADS, HV, HK)], both a
     page apart per block, the SSM state right after the conv state."""
     out, raws = {}, []
+    page, heads, conv_dim, vheads = PAGE // tp, HEADS // tp, CONV // tp, VHEADS // tp
     for i, t in enumerate(kcc.kv_cache_tensors):
-        raw = np.zeros(NB * PAGE, np.uint8)
+        raw = np.zeros(NB * page, np.uint8)
         if seed is not None:
             raw[...] = np.random.default_rng(seed + i).integers(0, 256, raw.size, dtype=np.uint8)
         raws.append(raw)
-        block = BS * HEADS * DIM * 4
+        block = BS * heads * DIM * 4
         attn = np.lib.stride_tricks.as_strided(
-            raw.view(np.int32), (2, NB, BS, HEADS, DIM), (block, PAGE, HEADS * DIM * 4, DIM * 4, 4))
-        conv = np.lib.stride_tricks.as_strided(raw.view(np.float32), (NB, CONV, TAPS),
-                                               (PAGE, TAPS * 4, 4))
-        ssm = np.lib.stride_tricks.as_strided(raw[CONV * TAPS * 4:].view(np.float32),
-                                              (NB, VHEADS, HV, HK), (PAGE, HV * HK * 4, HK * 4, 4))
+            raw.view(np.int32), (2, NB, BS, heads, DIM), (block, page, heads * DIM * 4, DIM * 4, 4))
+        conv = np.lib.stride_tricks.as_strided(raw.view(np.float32), (NB, conv_dim, TAPS),
+                                               (page, TAPS * 4, 4))
+        ssm = np.lib.stride_tricks.as_strided(raw[conv_dim * TAPS * 4:].view(np.float32),
+                                              (NB, vheads, HV, HK), (page, HV * HK * 4, HK * 4, 4))
         out[t.shared_by[0]] = attn
         for name in t.shared_by[1:]:
             out[name] = [conv, ssm]
@@ -282,6 +285,70 @@ def test_a_qwen3_next_like_model_starts_and_moves_every_group_with_vllms_token_r
     # and 3 state groups of 2 layers one page each.
     assert d_work._worker.stats()["bytes_read"] == 32 * 64 * 2 * 2 + 3 * 2 * PAGE
     assert d_work._worker.stats()["loads_outstanding"] == 0
+    assert p_work._worker.stats()["holds_outstanding"] == 0
+
+
+def test_state_groups_move_from_prefill_tp1_to_decode_tp2_sliced_by_channels_and_heads(
+        monkeypatch):
+    """Heterogeneous TP for state groups (NixlConnector's "3-read" Mamba transfer, DS conv
+    layout): each decode rank reads its share of the prefill's Q, K and V conv channels and of
+    its SSM heads (mamba_utils.py: conv_dim and the value heads divided by the TP size), and its
+    attention heads; the prefill rank frees once both decode ranks have read it."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    p_kcc, d_kcc = qwen3_next_like(), qwen3_next_like(tp=2)
+    pport, dport = free_port(), free_port()
+    p_sched = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "SCHEDULER", p_kcc)
+    p_work = kvferry.vllm.KvferryConnector(config("kv_producer", pport), "WORKER", p_kcc)
+    d_sched = kvferry.vllm.KvferryConnector(config("kv_consumer", dport, tp=2), "SCHEDULER",
+                                            d_kcc)
+    d_works = [kvferry.vllm.KvferryConnector(
+        config("kv_consumer", dport, extra={"tp_rank": r}, tp=2), "WORKER", d_kcc)
+        for r in (0, 1)]
+    p_caches, _ = state_caches_for(p_kcc, seed=5)
+    p_work.register_kv_caches(p_caches)
+    d_caches = [state_caches_for(d_kcc, tp=2)[0] for _ in (0, 1)]
+    for w, c in zip(d_works, d_caches):
+        w.register_kv_caches(c)
+    prompt = 13
+    req = request("r-2", {"do_remote_decode": True}, prompt)
+    assert p_sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    p_blocks = ([1, 2, 3], [4], [5], [6])  # 12 tokens computed: 3 blocks
+    _, params = p_sched.request_finished_all_groups(req, p_blocks)
+    worker_step(p_work, p_sched.build_connector_meta(None), sched=p_sched)
+    dreq = request("d-2", dict(params), prompt)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt - 1, True)
+    d_blocks = ([9, 10, 11], [12], [13], [14])
+    d_sched.update_state_after_alloc(dreq, KVCacheBlocks(d_blocks), prompt - 1)
+    md = d_sched.build_connector_meta(None)
+    done = [set(), set()]
+
+    def step():
+        for r, w in enumerate(d_works):
+            done[r] |= worker_step(w, md, caches=d_caches[r])[1] or set()
+        return done[0] & done[1]
+
+    assert poll(step, "both decode ranks' loads") == {"d-2"}
+    assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
+                                    finished={"r-2"}, sched=p_sched)[0],
+                "the prefill release") == {"r-2"}
+    q = CONV // 4  # Q and K channels each; V is half the channels
+    for r in (0, 1):
+        for g in (1, 2, 3):
+            for name in p_kcc.kv_cache_groups[g].layer_names:
+                conv = p_caches[name][0][p_blocks[g][0]].view(np.uint32)
+                ssm = p_caches[name][1][p_blocks[g][0]].view(np.uint32)
+                got_conv = d_caches[r][name][0][d_blocks[g][0]].view(np.uint32)
+                got_ssm = d_caches[r][name][1][d_blocks[g][0]].view(np.uint32)
+                half = q // 2
+                want = np.concatenate([conv[r * half:(r + 1) * half],
+                                       conv[q + r * half:q + (r + 1) * half],
+                                       conv[2 * q + r * q:2 * q + (r + 1) * q]])
+                assert np.array_equal(got_conv, want), (r, name)
+                assert np.array_equal(got_ssm[0], ssm[r]), (r, name)
+        for name in p_kcc.kv_cache_groups[0].layer_names:
+            for pb, db in zip(p_blocks[0], d_blocks[0]):
+                assert np.array_equal(d_caches[r][name][:, db, :, 0], p_caches[name][:, pb, :, r])
     assert p_work._worker.stats()["holds_outstanding"] == 0
 
 
