@@ -34,6 +34,8 @@ Result<CacheSpecOptions> BuildModel(const ModelArgs& model);
 /// Every KV cache group of the model: --groups (or --hybrid's), else the one group BuildModel
 /// makes.
 Result<std::vector<CacheSpecOptions>> BuildGroups(const ModelArgs& model);
+/// The items of a --groups spec, split at its commas.
+std::vector<std::string> GroupItems(std::string_view spec);
 /// The --groups spec of the model, --hybrid's resolved; empty for a uniform model.
 std::string GroupsSpec(const ModelArgs& model);
 /// The model vLLM runs without its hybrid KV cache manager: every sliding window full attention

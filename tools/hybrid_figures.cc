@@ -14,11 +14,7 @@ std::optional<ModelArgs> FullAttentionFallback(const ModelArgs& m) {
   if (spec.empty()) return std::nullopt;
   std::string out;
   bool windowed = false;
-  std::string_view rest = spec;
-  while (!rest.empty()) {
-    const auto comma = rest.find(',');
-    std::string item(rest.substr(0, comma));
-    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  for (std::string item : GroupItems(spec)) {
     if (item.rfind("swa@", 0) == 0) {
       // vLLM's unify_hybrid_kv_cache_specs: a sliding window becomes full attention.
       const auto colon = item.find(':');

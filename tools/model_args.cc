@@ -127,6 +127,16 @@ Result<CacheSpecOptions> ParseGroup(std::string_view item, const ModelArgs& m,
 
 }  // namespace
 
+std::vector<std::string> GroupItems(std::string_view spec) {
+  std::vector<std::string> out;
+  while (!spec.empty()) {
+    const auto comma = spec.find(',');
+    out.emplace_back(spec.substr(0, comma));
+    spec = comma == std::string_view::npos ? std::string_view() : spec.substr(comma + 1);
+  }
+  return out;
+}
+
 Result<std::vector<CacheSpecOptions>> BuildGroups(const ModelArgs& m) {
   KVFERRY_ASSIGN_OR_RETURN(CacheSpecOptions base, BuildModel(m));
   std::string spec = m.groups;
@@ -139,16 +149,20 @@ Result<std::vector<CacheSpecOptions>> BuildGroups(const ModelArgs& m) {
   }
   if (spec.empty()) return std::vector<CacheSpecOptions>{base};
   std::vector<CacheSpecOptions> out;
-  std::string_view rest = spec;
-  while (!rest.empty()) {
-    const auto comma = rest.find(',');
-    KVFERRY_ASSIGN_OR_RETURN(CacheSpecOptions g, ParseGroup(rest.substr(0, comma), m, base));
+  bool attention = false;
+  for (const std::string& item : GroupItems(spec)) {
+    KVFERRY_ASSIGN_OR_RETURN(CacheSpecOptions g, ParseGroup(item, m, base));
+    attention = attention || g.layers.front().kind != CacheKind::kState;
     out.push_back(std::move(g));
-    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
   }
   if (out.size() > static_cast<std::size_t>(kMaxCacheGroups)) {
     return Status::InvalidArgument("--groups names " + std::to_string(out.size()) +
                                    " KV cache groups; at most " + std::to_string(kMaxCacheGroups));
+  }
+  if (!attention) {
+    return Status::InvalidArgument("--groups " + spec +
+                                   ": every group is a state group; a hybrid model has attention "
+                                   "layers too (add full, mha or swa@W)");
   }
   return out;
 }
@@ -158,6 +172,12 @@ Result<CacheSpecOptions> BuildModel(const ModelArgs& m) {
   KVFERRY_ASSIGN_OR_RETURN(DType dtype, ParseDType(m.dtype));
   KVFERRY_ASSIGN_OR_RETURN(BlockLayout layout, ParseBlockLayout(m.layout));
   if (m.layers < 1) return Status::InvalidArgument("--layers must be positive");
+  if (kind == CacheKind::kState) {
+    return Status::InvalidArgument(
+        "--kind " + m.kind +
+        ": a state cache is a group of a hybrid model beside attention "
+        "layers; give it with --groups (e.g. mamba:6,mamba:6,mamba:6,full:6) or --hybrid mamba");
+  }
   LayerSpec layer;
   layer.kind = kind;
   if (kind == CacheKind::kMha) {

@@ -632,6 +632,10 @@ Result<std::uint64_t> BytesPerBlock(const ModelArgs& m, int tp) {
 
 Result<PipelineResult> RunPipeline(const PipelineArgs& a,
                                    const std::vector<std::vector<std::int32_t>>& prompts) {
+  // A model the instances would refuse is refused here, before any process starts.
+  for (bool prefill : {true, false}) {
+    KVFERRY_RETURN_IF_ERROR(BuildGroups(RoleModel(a, prefill)).status());
+  }
   if (a.layerwise && !GroupsSpec(a.model).empty()) {
     return Status::NotSupported(
         "--layerwise with KV cache groups (" + GroupsSpec(a.model) +

@@ -286,7 +286,7 @@ class CacheGroups {
   /// One group: that group's CacheSpec::Hash, so a uniform cache hashes as it always did; several:
   /// the digest of CanonicalText. Covers every group's geometry and their order.
   CompatibilityHash Hash() const;
-  /// One group: its CacheSpec::CanonicalText; several: "kvferry-groups-v1 n=<groups>" followed
+  /// One group: its CacheSpec::CanonicalText; several: "kvferry-groups-v2 n=<groups>" followed
   /// by " | " and each group's text, in order.
   std::string CanonicalText() const;
   /// Bytes of every group together.

@@ -493,8 +493,12 @@ def _state_group(g: Any, caches: dict[str, Any], tp_size: int, tp_rank: int
 
 def _dtype_size(dtype: str) -> int:
     d = dtype.replace("torch.", "")
-    return {"float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float32": 4,
-            "float": 4, "fp32": 4, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}[d]
+    sizes = {"float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float32": 4,
+             "float": 4, "fp32": 4, "int8": 1, "int32": 4, "int64": 8}
+    if d not in sizes:
+        raise _kvferry.NotSupportedError(
+            f"a state part of dtype {dtype}; kvferry moves state of {', '.join(sorted(sizes))}")
+    return sizes[d]
 
 
 class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
@@ -619,6 +623,8 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         prompt = _get(request, "prompt_token_ids")
         if prompt is not None:
             prompt.pop()
+        elif _get(request, "prompt_embeds") is not None:
+            request.prompt_embeds = request.prompt_embeds[:-1]
         all_ids = _get(request, "_all_token_ids")
         if all_ids is not None and all_ids is not prompt:
             all_ids.pop()
@@ -968,6 +974,10 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         s = self._settings
         groups = self._groups or []
         vllm_groups.refuse_unmovable(groups)
+        if all(g.state is not None for g in groups):
+            raise _kvferry.NotSupportedError(
+                "every KV cache group is Mamba / linear-attention state; kvferry moves state "
+                "groups beside at least one attention group")
         if pp_size > 1 or s.use_host_buffer:
             raise _kvferry.NotSupportedError(
                 f"a hybrid model ({len(groups)} KV cache groups) with "
@@ -1012,10 +1022,6 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         worker.register_kv_cache_groups(specs, bases, memory or "host")
         self._worker = worker
         self._spec = specs[0]
-        if first_reg is None:
-            raise _kvferry.NotSupportedError(
-                "every KV cache group is Mamba / linear-attention state; kvferry moves state "
-                "groups beside at least one attention group")
         self._registration = first_reg
         logger.info("kvferry: %d KV cache groups registered (%s)", len(specs),
                     ", ".join(f"{g.kind} of {len(g.layer_names)} layers"

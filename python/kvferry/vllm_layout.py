@@ -288,7 +288,8 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
     suffix = f":{tag}" if tag else ""
     if not is_tuple:
         s = first.shape
-        if len(s) == 5 and s[0] == 2 and first.strides[0] < first.strides[1]:
+        per_block = len(s) == 5 and s[0] == 2 and first.strides[0] < first.strides[1]
+        if per_block:
             # vLLM's attention layers beside Mamba layers (gpu_model_runner.py
             # _update_hybrid_attention_mamba_layout): still (2, num_blocks, ...), re-strided so K
             # and V of a block sit side by side in one page; read as (num_blocks, 2, ...).
@@ -296,7 +297,7 @@ def _read_layer(name: str, infos: list[TensorInfo], block_size: int,
                 first, shape=(s[1], s[0], *s[2:]),
                 strides=(first.strides[1], first.strides[0], *first.strides[2:]))
             s = first.shape
-        if len(s) == 5 and s[0] == 2:
+        if len(s) == 5 and s[0] == 2 and not per_block:
             local = None
             if total_kv_heads is not None:
                 local = max(total_kv_heads // tp_size, 1)

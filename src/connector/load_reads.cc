@@ -151,7 +151,12 @@ Status LoadRunner::AddGroupReads(const LoadSpec& load, const LoadPlan& plan, con
     // partly written (NixlConnector reads cdiv(window, block) + 1 whole blocks), unless the
     // prefill side freed that block's first tokens (its blocks are smaller).
     const std::int64_t end = tokens.first + tokens.count;
-    const std::int64_t window_first = std::max<std::int64_t>(end - local.sliding_window(), 0);
+    // Measured from the whole prompt: with state groups the load ends one token before it
+    // (vLLM's rule), and the prefill side keeps the window of the whole prompt.
+    bool state = false;
+    for (int g = 0; g < plan.caches.size(); ++g) state = state || plan.caches[g].is_state();
+    const std::int64_t window_first =
+        std::max<std::int64_t>(end + (state ? 1 : 0) - local.sliding_window(), 0);
     const std::int64_t block_first = window_first / local.tokens_per_id() * local.tokens_per_id();
     const auto remote_at = static_cast<std::size_t>(block_first / remote.tokens_per_id());
     const bool held = remote_at < remote_ids.size() && remote_ids[remote_at] != kNoBlock;
@@ -189,7 +194,14 @@ Status LoadRunner::AddStateReads(const LoadSpec& load, const LoadPlan& plan, con
   // Rule 18: a state group moves one block, the prefill's state as of the last token it
   // computed, into the decode side's state block.
   const std::optional<std::int64_t> local = StateBlock(load.LocalIds(group));
-  if (!local) return Status::Ok();  // the decode side keeps no state of this request
+  if (!local) {
+    // The attention groups' tokens would land without the state they go with: the decode side
+    // would compute on from a stale state.
+    return Status::InvalidArgument(
+        "request " + load.request_id + ": KV cache group " + std::to_string(group) +
+        " is a state group and this side named no state block of it; expected the block the "
+        "request's loaded state goes into");
+  }
   const std::optional<std::int64_t> remote = StateBlock(load.RemoteIds(group));
   if (!remote) {
     return Status::InvalidArgument(

@@ -93,6 +93,15 @@ Status Instance::Init() {
     }
     model_layers += layers;
   }
+  bool attention = false;
+  for (int g = 0; g < groups; ++g) {
+    attention = attention || group_options(g).layers.front().kind != CacheKind::kState;
+  }
+  if (!attention) {
+    return Status::InvalidArgument(
+        "every KV cache group is a state group; a model has attention layers too (a state "
+        "block holds no tokens, so nothing would say how long a prompt is)");
+  }
   if (c.pp_size < 1 || c.pp_size > model_layers / groups) {
     return Status::InvalidArgument("pipeline-parallel size " + std::to_string(c.pp_size) + " for " +
                                    std::to_string(model_layers) +
@@ -118,8 +127,11 @@ Status Instance::Init() {
     for (int g = 0; g < groups; ++g) {
       CacheSpecOptions o = group_options(g);
       const auto group_model_layers = static_cast<int>(o.layers.size());
-      const auto [first_layer, end_layer] =
-          groups == 1 ? stage_layers : GroupLayers(stage_layers, g, groups);
+      // One stage holds every layer of every group, whatever the groups' sizes; stages split
+      // the interleaved model layers (Init checked the groups' sizes are equal then).
+      const auto [first_layer, end_layer] = c.pp_size == 1
+                                                ? std::pair<int, int>{0, group_model_layers}
+                                                : GroupLayers(stage_layers, g, groups);
       o.layers.resize(static_cast<std::size_t>(end_layer - first_layer));
       o.first_layer = first_layer;
       o.model_layers = group_model_layers;
@@ -439,6 +451,19 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
     if (!AllocateGroups(r, prompt, /*window_only=*/false)) break;  // wait for holds to end
     r.scheduled = Clock::now();
     const bool layerwise = r.request.params.do_remote_decode && r.request.params.transfer_id;
+    if (layerwise && grouped()) {
+      // Layer-wise legs announce one group's layers (docs/connector.md, "KV cache groups").
+      r.result.status = Status::NotSupported(
+          "request " + r.request.request_id +
+          " is a layer-wise leg (its params have a transfer_id) of a model with KV cache "
+          "groups; layer-wise transfer moves one group: send it whole-request");
+      (void)Finish(r, FinishReason::kError);
+      FreeBlocks(r.blocks);
+      ++failed_;
+      out.push_back(r.result);
+      waiting_.pop_front();
+      continue;
+    }
     // With state groups, the prompt less its last token (the decode side computes that one).
     Status s = layerwise ? ComputeLayerwise(r)
                          : Compute(r, {0, scheduler_->PrefillTokens(r.request.params, prompt)});
@@ -544,7 +569,8 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
     r.loaded_end = r.prefix_hit * tpb + tokens;
     r.result.queue_ms = Ms(r.submitted, r.scheduled);
     r.result.prefix_hit_blocks = r.prefix_hit;
-    r.result.loaded_blocks = static_cast<std::int64_t>(fresh.size());
+    r.result.loaded_blocks =
+        std::count_if(fresh.begin(), fresh.end(), [](std::int64_t b) { return b != kNoBlock; });
     std::unique_ptr<Running> owned = std::move(waiting_.front());
     waiting_.pop_front();
     if (!s.ok()) {
@@ -605,9 +631,9 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
         // Recompute policy: the engine computes the blocks the load could not deliver.
         Log().warn("request {}: load failed ({}); recomputing {} blocks", id,
                    err->second.ToString(), r.result.loaded_blocks);
-        if (Status s = Compute(
-                r, {r.prefix_hit * tpb, static_cast<std::int64_t>(r.request.prompt.size())});
-            !s.ok()) {
+        // What the load should have brought (with state groups, the state after the prompt less
+        // its last token, which Verify checks).
+        if (Status s = Compute(r, {r.prefix_hit * tpb, r.loaded_end}); !s.ok()) {
           Log().error("request {}: recomputing failed: {}", id, s.ToString());
         }
         r.result.recomputed_blocks = r.result.loaded_blocks;

@@ -229,7 +229,10 @@ class Instance {
   Scheduler::FinishedResult Finish(const Running& r, FinishReason reason);
   // Several groups, or one with a sliding window: blocks per group, kNoBlock outside a window,
   // through the scheduler's AllGroups calls, and no decode prefix cache.
-  bool grouped() const { return num_groups() > 1 || config_.model.sliding_window > 0; }
+  bool grouped() const {
+    return num_groups() > 1 || config_.model.sliding_window > 0 ||
+           config_.model.layers.front().kind == CacheKind::kState;
+  }
   int num_groups() const { return 1 + static_cast<int>(config_.more_groups.size()); }
   const CacheSpecOptions& group_options(int g) const {
     return g == 0 ? config_.model : config_.more_groups[static_cast<std::size_t>(g - 1)];

@@ -27,7 +27,7 @@ Result<CacheGroups> CacheGroups::Create(std::vector<CacheSpec> groups) {
 
 std::string CacheGroups::CanonicalText() const {
   if (groups_.size() == 1) return groups_[0].CanonicalText();
-  std::string out = "kvferry-groups-v1 n=" + std::to_string(groups_.size());
+  std::string out = "kvferry-groups-v2 n=" + std::to_string(groups_.size());
   for (const CacheSpec& g : groups_) out += " | " + g.CanonicalText();
   return out;
 }

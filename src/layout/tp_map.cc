@@ -59,8 +59,10 @@ int PrefillRankForHead(std::int64_t heads, int prefill_tp, int decode_rank, std:
 std::vector<TpSource> PlanStateSources(const CacheSpec& g, int prefill_tp, int decode_tp,
                                        int decode_rank) {
   std::vector<TpSource> sources;
+  // The prefill ranks holding the first and the last unit of the decode rank's share (every
+  // part divides by both sizes, so its share's ends fall on these ranks for every part).
   const int first_q = decode_rank * prefill_tp / decode_tp;
-  const int end_q = std::max(first_q + 1, (decode_rank + 1) * prefill_tp / decode_tp);
+  const int end_q = ((decode_rank + 1) * prefill_tp + decode_tp - 1) / decode_tp;
   for (int q = first_q; q < end_q; ++q) {
     TpSource source{q, {}};
     for (int p = 0; p < g.num_parts(); ++p) {

@@ -34,8 +34,10 @@ CacheSpecOptions Model(std::int64_t num_blocks) {
 
 std::unique_ptr<Instance> MakeInstance(Role role, std::int64_t num_blocks, int tp,
                                        std::chrono::milliseconds lease = milliseconds(30000),
-                                       const std::string& memory = "host") {
+                                       const std::string& memory = "host",
+                                       const std::vector<CacheSpecOptions>& more_groups = {}) {
   InstanceConfig c;
+  c.more_groups = more_groups;
   c.memory = memory;
   c.role = role;
   c.engine_id = std::string(RoleName(role)) + "-" + std::to_string(FreeLoopbackPorts(1));
@@ -61,10 +63,12 @@ class Pair {
  public:
   Pair(std::int64_t prefill_blocks, std::int64_t decode_blocks, int tp = 1,
        std::chrono::milliseconds lease = milliseconds(30000),
-       const std::string& prefill_memory = "host", const std::string& decode_memory = "host")
-      : prefill_(MakeInstance(Role::kPrefill, prefill_blocks, tp, lease, prefill_memory)),
-        decode_(
-            MakeInstance(Role::kDecode, decode_blocks, tp, milliseconds(30000), decode_memory)) {}
+       const std::string& prefill_memory = "host", const std::string& decode_memory = "host",
+       const std::vector<CacheSpecOptions>& more_groups = {})
+      : prefill_(
+            MakeInstance(Role::kPrefill, prefill_blocks, tp, lease, prefill_memory, more_groups)),
+        decode_(MakeInstance(Role::kDecode, decode_blocks, tp, milliseconds(30000), decode_memory,
+                             more_groups)) {}
   bool ok() const { return prefill_ != nullptr && decode_ != nullptr; }
 
   void SubmitPrefill(const std::string& id, std::vector<std::int32_t> prompt) {
@@ -224,6 +228,38 @@ TEST(EngineTest, AbortDuringALoadReleasesBothSides) {
   EXPECT_TRUE(pair.RunUntil([&] { return pair.AllReleased(); }, milliseconds(10000)))
       << pair.Held();
   EXPECT_EQ(pair.decode().Stats().requests_aborted, static_cast<std::uint64_t>(aborted));
+}
+
+// A hybrid model (full attention, a sliding window, a state group) whose load fails: the prefill
+// hold ended by its lease before the decode side read it. The decode engine recomputes what the
+// load should have brought, every group's (the state as of the prompt less its last token, vLLM's
+// rule), and verifies it; nothing is left allocated. Found by review: the recompute wrote the
+// state after the whole prompt, and the request failed verification.
+TEST(EngineTest, AHybridLoadThatFailsIsRecomputedGroupByGroupAndVerified) {
+  CacheSpecOptions swa = Model(64);
+  swa.sliding_window = 24;
+  CacheSpecOptions state;
+  state.layers.assign(2,
+                      {CacheKind::kState, {{"conv", 8, 3}, {"ssm", 2, 16, DType::kFloat32}}, {}});
+  state.num_blocks = 8;
+  state.tokens_per_block = 16;
+  Pair pair(64, 64, 1, milliseconds(50), "host", "host", {swa, state});
+  ASSERT_TRUE(pair.ok());
+  pair.SubmitPrefill("h", Prompt(100, 3));
+  pair.hold_back().insert("h");
+  ASSERT_TRUE(pair.RunUntil([&] { return pair.prefill_results().count("h") == 1; }));
+  const EngineResult held = pair.prefill_results().at("h");
+  ASSERT_TRUE(held.status.ok()) << held.status.ToString();
+  ASSERT_TRUE(held.params.remote_group_block_ids.has_value());
+  // The lease ends the hold: its blocks go back to the prefill pool.
+  ASSERT_TRUE(pair.RunUntil([&] { return pair.prefill().Stats().holds == 0; }));
+  pair.decode().Submit({"h", Prompt(100, 3), held.params});
+  ASSERT_TRUE(pair.RunUntil([&] { return pair.decode_results().count("h") == 1; }));
+  const EngineResult r = pair.decode_results().at("h");
+  EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_GT(r.recomputed_blocks, 0);
+  EXPECT_GT(r.verified_bytes, 0u);
+  EXPECT_TRUE(pair.RunUntil([&] { return pair.AllReleased(); })) << pair.Held();
 }
 
 }  // namespace

@@ -380,12 +380,13 @@ namespace {
 
 // Issue 29, state groups: a gated-delta-net layer's conv state Q, K, V channels and SSM state
 // heads, each split across TP along its outer axis. Every decode rank's block is rebuilt from the
-// prefill ranks' blocks, every byte once, for TP sizes 1, 2, 4 both ways; a part TP cannot split
-// is refused, naming it.
+// prefill ranks' blocks, every byte once, for TP sizes 1, 2, 3, 4, 6 both ways (3 against 2 or 4:
+// neither a multiple of the other, a share spanning two prefill ranks unevenly); reader counts
+// equal the plans' use of each prefill rank; a part TP cannot split is refused, naming it.
 CacheSpec StateSpec(int tp, int rank) {
   LayerSpec layer;
   layer.kind = CacheKind::kState;
-  layer.parts = {{"conv_q", 8, 3}, {"conv_v", 16, 3}, {"ssm", 4, 6, DType::kFloat32}};
+  layer.parts = {{"conv_q", 12, 3}, {"conv_v", 24, 3}, {"ssm", 12, 6, DType::kFloat32}};
   CacheSpecOptions o;
   o.layers = {layer};
   o.num_blocks = 4;
@@ -399,8 +400,9 @@ CacheSpec StateSpec(int tp, int rank) {
 }
 
 TEST(TpMapTest, StatePartsAreSlicedAlongTheirOuterAxisEveryWay) {
-  for (int ptp : {1, 2, 4}) {
-    for (int dtp : {1, 2, 4}) {
+  for (int ptp : {1, 2, 3, 4, 6}) {
+    for (int dtp : {1, 2, 3, 4, 6}) {
+      std::map<int, int> uses;
       for (int d = 0; d < dtp; ++d) {
         const CacheSpec local = StateSpec(dtp, d);
         Result<std::vector<TpSource>> sources = PlanTpSources(local, ptp, dtp, d);
@@ -411,6 +413,7 @@ TEST(TpMapTest, StatePartsAreSlicedAlongTheirOuterAxisEveryWay) {
           // Each byte of the decode block, written with the model-wide head it must hold.
           std::vector<std::int64_t> got(static_cast<std::size_t>(local.BlockBytes(p)), -1);
           for (const TpSource& s : *sources) {
+            if (p == 0) ++uses[s.prefill_rank];
             const CacheSpec remote = StateSpec(ptp, s.prefill_rank);
             const BlockSlice& sl = s.part_slices[static_cast<std::size_t>(p)];
             for (std::int64_t b = 0; b < sl.length; ++b) {
@@ -425,15 +428,17 @@ TEST(TpMapTest, StatePartsAreSlicedAlongTheirOuterAxisEveryWay) {
                 << "P" << ptp << " D" << dtp << " rank " << d << " part " << p << " byte " << b;
           }
         }
-        Result<int> readers = ExpectedReaders(local, ptp, dtp, 0);
+      }
+      for (int q = 0; q < ptp; ++q) {
+        Result<int> readers = ExpectedReaders(StateSpec(dtp, 0), ptp, dtp, q);
         ASSERT_TRUE(readers.ok());
-        EXPECT_EQ(*readers, dtp >= ptp ? dtp / ptp : 1);
+        EXPECT_EQ(*readers, uses[q]) << "P" << ptp << " D" << dtp << " prefill rank " << q;
       }
     }
   }
   Status s = PlanTpSources(StateSpec(1, 0), 8, 1, 0).status();
   EXPECT_EQ(s.code(), StatusCode::kNotSupported);
-  EXPECT_THAT(s.message(), HasSubstr("state part 'ssm' has 4"));
+  EXPECT_THAT(s.message(), HasSubstr("state part 'conv_q' has 12"));
 }
 
 }  // namespace

@@ -417,7 +417,7 @@ TEST(WireTest, CacheGroupsRoundTripAndAnOlderPeerRefusesThem) {
   m.caches = *CacheGroups::Create({m.caches[0], window});
   m.cache_hash = m.caches.Hash();
   EXPECT_NE(m.cache_hash, m.caches[0].Hash());
-  EXPECT_THAT(m.caches.CanonicalText(), HasSubstr("kvferry-groups-v1 n=2"));
+  EXPECT_THAT(m.caches.CanonicalText(), HasSubstr("kvferry-groups-v2 n=2"));
   EXPECT_THAT(m.caches.CanonicalText(), HasSubstr(" window=128"));
   Result<Message> back = Decode(Encode(m));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
