@@ -443,6 +443,16 @@ Scheduler::FinishedResult Instance::Finish(const Running& r, FinishReason reason
                                               r.blocks);
 }
 
+void Instance::FailPrefill(Running& r, Status status, std::vector<EngineResult>& out) {
+  r.result.status = std::move(status);
+  // Ends its transfer too: the blocks go back now.
+  (void)Finish(r, FinishReason::kError);
+  FreeBlocks(r.blocks);
+  ++failed_;
+  out.push_back(r.result);
+  waiting_.pop_front();
+}
+
 void Instance::StepPrefill(std::vector<EngineResult>& out) {
   // Schedule what fits; "compute" it; finish it on its length cap (max_tokens 1).
   while (!waiting_.empty()) {
@@ -453,28 +463,19 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
     const bool layerwise = r.request.params.do_remote_decode && r.request.params.transfer_id;
     if (layerwise && grouped()) {
       // Layer-wise legs announce one group's layers (docs/connector.md, "KV cache groups").
-      r.result.status = Status::NotSupported(
-          "request " + r.request.request_id +
-          " is a layer-wise leg (its params have a transfer_id) of a model with KV cache "
-          "groups; layer-wise transfer moves one group: send it whole-request");
-      (void)Finish(r, FinishReason::kError);
-      FreeBlocks(r.blocks);
-      ++failed_;
-      out.push_back(r.result);
-      waiting_.pop_front();
+      FailPrefill(r,
+                  Status::NotSupported(
+                      "request " + r.request.request_id +
+                      " is a layer-wise leg (its params have a transfer_id) of a model with KV "
+                      "cache groups; layer-wise transfer moves one group: send it whole-request"),
+                  out);
       continue;
     }
     // With state groups, the prompt less its last token (the decode side computes that one).
     Status s = layerwise ? ComputeLayerwise(r)
                          : Compute(r, {0, scheduler_->PrefillTokens(r.request.params, prompt)});
     if (!s.ok()) {
-      r.result.status = s;
-      // Ends its transfer too: the blocks go back now.
-      (void)Finish(r, FinishReason::kError);
-      FreeBlocks(r.blocks);
-      ++failed_;
-      out.push_back(r.result);
-      waiting_.pop_front();
+      FailPrefill(r, s, out);
       continue;
     }
     if (!layerwise) {

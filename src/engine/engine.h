@@ -225,6 +225,8 @@ class Instance {
   // Prefill, once the prompt is computed: a sliding-window group's blocks wholly before its
   // window go back to the pool, kNoBlock in their place (vLLM's remove_skipped_blocks).
   void FreeOutsideWindow(Running& r);
+  // Prefill: the request at the front of waiting_ ends failed with `status`, its blocks freed.
+  void FailPrefill(Running& r, Status status, std::vector<EngineResult>& out);
   // Prefill: the scheduler's RequestFinished, every group's blocks.
   Scheduler::FinishedResult Finish(const Running& r, FinishReason reason);
   // Several groups, or one with a sliding window: blocks per group, kNoBlock outside a window,

@@ -65,6 +65,21 @@ class KVCacheBlocks:
         raise AssertionError("get_unhashed_block_ids asserts one group in vLLM")
 
 
+def load_and_release(d_sched, d_work, d_id, p_sched, p_work, p_id):
+    """The decode side's steps until its load of `d_id` finished (it is awaited in the first
+    step's metadata), then the prefill side's until its hold of `p_id` ended, each as vLLM's
+    workers and scheduler step (worker_step)."""
+    mds = [d_sched.build_connector_meta(None)]
+    assert mds[0].awaited == (d_id,)
+    got = poll(lambda: worker_step(d_work, mds.pop() if mds else
+                                   d_sched.build_connector_meta(None), sched=d_sched)[1],
+               "the load")
+    assert got == {d_id}
+    assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
+                                    finished={p_id}, sched=p_sched)[0],
+                "the prefill release") == {p_id}
+
+
 WINDOW = 2 * BS  # tokens
 
 
@@ -128,15 +143,7 @@ def test_the_connector_supports_hma_and_a_gpt_oss_like_model_moves_its_window_on
     dreq = request("d-1", dict(params), prompt)
     assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt, True)
     d_sched.update_state_after_alloc(dreq, KVCacheBlocks((d_full, d_swa)), prompt)
-    mds = [d_sched.build_connector_meta(None)]
-    assert mds[0].awaited == ("d-1",)
-    got = poll(lambda: worker_step(d_work, mds.pop() if mds else
-                                   d_sched.build_connector_meta(None), sched=d_sched)[1],
-               "the load")
-    assert got == {"d-1"}
-    assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
-                                    finished={"r-1"}, sched=p_sched)[0],
-                "the prefill release") == {"r-1"}
+    load_and_release(d_sched, d_work, "d-1", p_sched, p_work, "r-1")
     full = [f"model.layers.{i}.self_attn.attn" for i in (0, 2)]
     swa = [f"model.layers.{i}.self_attn.attn" for i in (1, 3)]
     for name in full:
@@ -252,15 +259,7 @@ def test_a_qwen3_next_like_model_starts_and_moves_every_group_with_vllms_token_r
     assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt - 1, True)
     d_blocks = ([8, 7, 6, 5, 4, 3, 2, 1], [12], [13], [14])
     d_sched.update_state_after_alloc(dreq, KVCacheBlocks(d_blocks), prompt - 1)
-    mds = [d_sched.build_connector_meta(None)]
-    assert mds[0].awaited == ("d-1",)
-    got = poll(lambda: worker_step(d_work, mds.pop() if mds else
-                                   d_sched.build_connector_meta(None), sched=d_sched)[1],
-               "the load")
-    assert got == {"d-1"}
-    assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
-                                    finished={"r-1"}, sched=p_sched)[0],
-                "the prefill release") == {"r-1"}
+    load_and_release(d_sched, d_work, "d-1", p_sched, p_work, "r-1")
     for full in kcc.kv_cache_groups[0].layer_names:
         for pb, db in zip(p_blocks[0][:7], d_blocks[0][:7]):
             assert np.array_equal(d_caches[full][:, db], p_caches[full][:, pb]), (full, db)
