@@ -33,6 +33,22 @@ HeldHeads HeadsHeldBy(const CacheSpec& spec, int part) {
   return out;
 }
 
+namespace {
+
+// The block indexes [first, end) of a group's `num_blocks` blocks of a request that hold prompt
+// tokens [first_token, end_token) of its `prompt`; a state group's one block holds them all.
+struct BlockSpan {
+  std::int64_t first = 0;
+  std::int64_t end = 0;
+};
+BlockSpan BlocksOf(const CacheSpec& spec, std::int64_t num_blocks, std::int64_t first_token,
+                   std::int64_t end_token, std::int64_t prompt) {
+  const std::int64_t tpb = spec.is_state() ? prompt + 1 : spec.tokens_per_block();
+  return {first_token / tpb, std::min<std::int64_t>((end_token + tpb - 1) / tpb, num_blocks)};
+}
+
+}  // namespace
+
 // The value of element d of a row whose seed is `seed`.
 inline std::uint64_t RowValue(std::uint64_t seed, std::int64_t d) {
   return seed + static_cast<std::uint64_t>(d) * 0x9e3779b97f4a7c15ull;
@@ -85,9 +101,8 @@ bool Instance::ForEachRow(const Running& r, Tokens tokens, Layers layers, Fn&& f
       row.group = g;
       const std::int64_t window_first =
           spec.sliding_window() > 0 ? prompt - spec.sliding_window() : 0;
-      const std::int64_t end_block =
-          std::min<std::int64_t>((tokens.end + tpb - 1) / tpb, std::ssize(blocks));
-      for (std::int64_t bi = tokens.first / tpb; bi < end_block; ++bi) {
+      const BlockSpan span = BlocksOf(spec, std::ssize(blocks), tokens.first, tokens.end, prompt);
+      for (std::int64_t bi = span.first; bi < span.end; ++bi) {
         row.block_index = bi;
         const std::int64_t block = blocks[static_cast<std::size_t>(bi)];
         if (block == kNoBlock || (spec.is_state() && tokens.end <= 0)) continue;
@@ -209,12 +224,10 @@ Status Instance::EnqueueCopies(const Running& r, Tokens tokens, bool up, Layers 
     for (int g = 0; g < caches_[rank].size(); ++g) {
       const CacheSpec& spec = caches_[rank][g];
       const GroupMemory& mem = memory_[rank][static_cast<std::size_t>(g)];
-      // A state group's one block holds every token's state.
-      const std::int64_t tpb = spec.is_state() ? std::ssize(r.hashes) + 1 : spec.tokens_per_block();
       const std::vector<std::int64_t>& blocks = r.blocks[static_cast<std::size_t>(g)];
-      const std::int64_t end_block =
-          std::min<std::int64_t>((tokens.end + tpb - 1) / tpb, std::ssize(blocks));
-      for (std::int64_t bi = tokens.first / tpb; bi < end_block; ++bi) {
+      const BlockSpan span =
+          BlocksOf(spec, std::ssize(blocks), tokens.first, tokens.end, std::ssize(r.hashes));
+      for (std::int64_t bi = span.first; bi < span.end; ++bi) {
         const std::int64_t block = blocks[static_cast<std::size_t>(bi)];
         if (block == kNoBlock) continue;
         for (int l = layers.first; l < std::min(layers.end, spec.num_layers()); ++l) {
