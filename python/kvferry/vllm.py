@@ -45,7 +45,7 @@ from typing import Any, Optional
 from . import _kvferry
 from . import vllm_ascend, vllm_groups
 from .vllm_hostcopy import copy_blocks
-from .vllm_layout import host_mirrors, is_host_tensor, memory_kind, read_caches, tensor_info
+from .vllm_layout import host_mirrors, is_host_tensor, read_caches, tensor_info
 from .vllm_stats import KvferryConnectorStats, KvferryPromMetrics, StatsTaker
 
 try:  # pragma: no cover - depends on the environment
@@ -437,68 +437,6 @@ class _Settings:
         raise _kvferry.InvalidArgumentError(
             f"TP size {self.tp_size} but vLLM's parallel state is not available to tell this "
             "worker's TP rank; run inside vLLM's worker processes")
-
-
-def _state_group(g: Any, caches: dict[str, Any], tp_size: int, tp_rank: int
-                 ) -> tuple[Any, list[list[int]], str]:
-    """A Mamba / linear-attention group's cache as vLLM's model runner makes it
-    (gpu_model_runner.py _reshape_kv_cache_tensors): per layer its state tensors, views of one
-    page per block (the conv state at the page's start, the SSM state right after it, a stride
-    of one page). Its spec, its bases per layer and part, and the memory they are in."""
-    conv_first = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").upper() == "DS"
-    parts = vllm_groups.state_parts(g, tp_size, conv_first)
-    bases, memory, num_blocks, page = [], None, None, None
-    for name in g.layer_names:
-        if name not in caches:
-            continue
-        tensors = caches[name]
-        if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
-            raise _kvferry.InvalidArgumentError(
-                f"KV cache group {g.index} layer {name}: expected its state tensors [conv, ssm] "
-                f"(vLLM's MambaSpec), found {type(tensors).__name__}")
-        conv, ssm = tensor_info(tensors[0]), tensor_info(tensors[1])
-        layer_page = conv.strides[0] * conv.itemsize
-        conv_bytes = 1
-        for x in conv.shape[1:]:
-            conv_bytes *= x
-        conv_bytes *= conv.itemsize
-        if (ssm.strides[0] * ssm.itemsize != layer_page or ssm.address != conv.address +
-                conv_bytes or ssm.shape[0] != conv.shape[0]):
-            raise _kvferry.NotSupportedError(
-                f"KV cache group {g.index} layer {name}: its conv and SSM states are not one "
-                "page per block with the SSM state right after the conv state (vLLM's Mamba "
-                "layout); kvferry cannot tell where each block's state is")
-        if (num_blocks, page) not in ((None, None), (conv.shape[0], layer_page)):
-            raise _kvferry.InvalidArgumentError(
-                f"KV cache group {g.index} layer {name} has {conv.shape[0]} pages of "
-                f"{layer_page} bytes and an earlier layer {num_blocks} of {page}; a group's "
-                "layers have one geometry")
-        num_blocks, page = conv.shape[0], layer_page
-        where = memory_kind(name, conv)
-        if memory is not None and where != memory:
-            raise _kvferry.InvalidArgumentError(
-                f"KV cache group {g.index} layer {name} is in {where} memory, an earlier one in "
-                f"{memory}")
-        memory = where
-        offsets, at = [], conv.address
-        for part in parts:
-            offsets.append(at)
-            at += part[1] // tp_size * part[2] * _dtype_size(part[3])
-        bases.append(offsets)
-    spec = _kvferry.CacheSpec.create(
-        "state", len(bases), list(parts), int(num_blocks or 0), g.block_size, parts[0][3],
-        "token_major", tp_size, tp_rank, [], [int(page or 0)] * len(parts), 0, 1, 0, 0)
-    return spec, bases, memory or "host"
-
-
-def _dtype_size(dtype: str) -> int:
-    d = dtype.replace("torch.", "")
-    sizes = {"float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float32": 4,
-             "float": 4, "fp32": 4, "int8": 1, "int32": 4, "int64": 8}
-    if d not in sizes:
-        raise _kvferry.NotSupportedError(
-            f"a state part of dtype {dtype}; kvferry moves state of {', '.join(sorted(sizes))}")
-    return sizes[d]
 
 
 class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
@@ -992,7 +930,7 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
                     f"KV cache group {g.index} names layers {list(g.layer_names)[:3]}, none of "
                     "which register_kv_caches was given")
             if g.state is not None:
-                spec, group_bases, where = _state_group(g, caches, tp_size, tp_rank)
+                spec, group_bases, where = vllm_groups.state_cache(g, caches, tp_size, tp_rank)
                 if memory is not None and where != memory:
                     raise _kvferry.InvalidArgumentError(
                         f"KV cache group {g.index} is in {where} memory and an earlier group in "

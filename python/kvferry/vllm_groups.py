@@ -17,10 +17,12 @@ registration, naming the group.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from . import _kvferry
+from .vllm_layout import memory_kind, tensor_info
 
 NULL_BLOCK = 0  # vLLM's null block id
 NO_BLOCK = -1  # kvferry's kNoBlock
@@ -174,3 +176,65 @@ def _prod(shape: Sequence[int]) -> int:
     for x in shape:
         out *= int(x)
     return out
+
+
+def state_cache(g: Any, caches: dict[str, Any], tp_size: int, tp_rank: int
+                 ) -> tuple[Any, list[list[int]], str]:
+    """A Mamba / linear-attention group's cache as vLLM's model runner makes it
+    (gpu_model_runner.py _reshape_kv_cache_tensors): per layer its state tensors, views of one
+    page per block (the conv state at the page's start, the SSM state right after it, a stride
+    of one page). Its spec, its bases per layer and part, and the memory they are in."""
+    conv_first = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").upper() == "DS"
+    parts = state_parts(g, tp_size, conv_first)
+    bases, memory, num_blocks, page = [], None, None, None
+    for name in g.layer_names:
+        if name not in caches:
+            continue
+        tensors = caches[name]
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
+            raise _kvferry.InvalidArgumentError(
+                f"KV cache group {g.index} layer {name}: expected its state tensors [conv, ssm] "
+                f"(vLLM's MambaSpec), found {type(tensors).__name__}")
+        conv, ssm = tensor_info(tensors[0]), tensor_info(tensors[1])
+        layer_page = conv.strides[0] * conv.itemsize
+        conv_bytes = 1
+        for x in conv.shape[1:]:
+            conv_bytes *= x
+        conv_bytes *= conv.itemsize
+        if (ssm.strides[0] * ssm.itemsize != layer_page or ssm.address != conv.address +
+                conv_bytes or ssm.shape[0] != conv.shape[0]):
+            raise _kvferry.NotSupportedError(
+                f"KV cache group {g.index} layer {name}: its conv and SSM states are not one "
+                "page per block with the SSM state right after the conv state (vLLM's Mamba "
+                "layout); kvferry cannot tell where each block's state is")
+        if (num_blocks, page) not in ((None, None), (conv.shape[0], layer_page)):
+            raise _kvferry.InvalidArgumentError(
+                f"KV cache group {g.index} layer {name} has {conv.shape[0]} pages of "
+                f"{layer_page} bytes and an earlier layer {num_blocks} of {page}; a group's "
+                "layers have one geometry")
+        num_blocks, page = conv.shape[0], layer_page
+        where = memory_kind(name, conv)
+        if memory is not None and where != memory:
+            raise _kvferry.InvalidArgumentError(
+                f"KV cache group {g.index} layer {name} is in {where} memory, an earlier one in "
+                f"{memory}")
+        memory = where
+        offsets, at = [], conv.address
+        for part in parts:
+            offsets.append(at)
+            at += part[1] // tp_size * part[2] * _dtype_size(part[3])
+        bases.append(offsets)
+    spec = _kvferry.CacheSpec.create(
+        "state", len(bases), list(parts), int(num_blocks or 0), g.block_size, parts[0][3],
+        "token_major", tp_size, tp_rank, [], [int(page or 0)] * len(parts), 0, 1, 0, 0)
+    return spec, bases, memory or "host"
+
+
+def _dtype_size(dtype: str) -> int:
+    d = dtype.replace("torch.", "")
+    sizes = {"float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float32": 4,
+             "float": 4, "fp32": 4, "int8": 1, "int32": 4, "int64": 8}
+    if d not in sizes:
+        raise _kvferry.NotSupportedError(
+            f"a state part of dtype {dtype}; kvferry moves state of {', '.join(sorted(sizes))}")
+    return sizes[d]
