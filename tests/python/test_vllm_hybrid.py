@@ -23,7 +23,7 @@ import kvferry.vllm
 import kvferry.vllm_groups
 from common import free_port
 from test_vllm_adapter import BS, DIM, HEADS, NB, config, request
-from test_vllm_today import poll
+from test_vllm_today import aggregate, poll
 from test_vllm_today import worker_step as _worker_step
 
 
@@ -65,19 +65,29 @@ class KVCacheBlocks:
         raise AssertionError("get_unhashed_block_ids asserts one group in vLLM")
 
 
-def load_and_release(d_sched, d_work, d_id, p_sched, p_work, p_id):
+def load_and_release(d_sched, d_work, d_id, p_sched, p_work, p_id, d_caches=None,
+                     p_caches=None):
     """The decode side's steps until its load of `d_id` finished (it is awaited in the first
     step's metadata), then the prefill side's until its hold of `p_id` ended, each as vLLM's
-    workers and scheduler step (worker_step)."""
+    workers and scheduler step (worker_step; with caches, the layer hooks for those layers)."""
     mds = [d_sched.build_connector_meta(None)]
     assert mds[0].awaited == (d_id,)
     got = poll(lambda: worker_step(d_work, mds.pop() if mds else
-                                   d_sched.build_connector_meta(None), sched=d_sched)[1],
+                                   d_sched.build_connector_meta(None), caches=d_caches,
+                                   sched=d_sched)[1],
                "the load")
     assert got == {d_id}
     assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
-                                    finished={p_id}, sched=p_sched)[0],
+                                    finished={p_id}, caches=p_caches, sched=p_sched)[0],
                 "the prefill release") == {p_id}
+
+
+def attention_layers(kcc, caches):
+    """The layers vLLM's attention ops call wait_for_layer_load and save_kv_layer for
+    (attention/layer.py unified_attention_with_output); Mamba mixers call neither."""
+    names = {n for g in kcc.kv_cache_groups if type(g.kv_cache_spec).__name__ != "MambaSpec"
+             for n in g.layer_names}
+    return {n: c for n, c in caches.items() if n in names}
 
 
 WINDOW = 2 * BS  # tokens
@@ -259,7 +269,8 @@ def test_a_qwen3_next_like_model_starts_and_moves_every_group_with_vllms_token_r
     assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt - 1, True)
     d_blocks = ([8, 7, 6, 5, 4, 3, 2, 1], [12], [13], [14])
     d_sched.update_state_after_alloc(dreq, KVCacheBlocks(d_blocks), prompt - 1)
-    load_and_release(d_sched, d_work, "d-1", p_sched, p_work, "r-1")
+    load_and_release(d_sched, d_work, "d-1", p_sched, p_work, "r-1",
+                     attention_layers(kcc, d_caches), attention_layers(kcc, p_caches))
     for full in kcc.kv_cache_groups[0].layer_names:
         for pb, db in zip(p_blocks[0][:7], d_blocks[0][:7]):
             assert np.array_equal(d_caches[full][:, db], p_caches[full][:, pb]), (full, db)
@@ -319,13 +330,28 @@ def test_state_groups_move_from_prefill_tp1_to_decode_tp2_sliced_by_channels_and
     assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt - 1, True)
     d_blocks = ([9, 10, 11], [12], [13], [14])
     d_sched.update_state_after_alloc(dreq, KVCacheBlocks(d_blocks), prompt - 1)
-    md = d_sched.build_connector_meta(None)
+    mds = [d_sched.build_connector_meta(None)]
+    assert mds[0].awaited == ("d-2",)
     done = [set(), set()]
+    reported = set()
 
     def step():
-        for r, w in enumerate(d_works):
-            done[r] |= worker_step(w, md, caches=d_caches[r])[1] or set()
-        return done[0] & done[1]
+        # One engine step: fresh metadata for both ranks, then the scheduler's hooks on their
+        # aggregated output (vllm/distributed/kv_transfer/kv_connector/utils.py
+        # KVOutputAggregator: a request is finished once every rank reported it).
+        md = mds.pop() if mds else d_sched.build_connector_meta(None)
+        outs = [worker_step(w, md, caches=attention_layers(d_kcc, d_caches[r]))
+                for r, w in enumerate(d_works)]
+        for r, out in enumerate(outs):
+            done[r] |= out[1] or set()
+        both = (done[0] & done[1]) - reported
+        reported.update(both)
+        assert tuple(d_sched.take_events()) == ()
+        d_sched.update_connector_output(SimpleNamespace(
+            finished_sending=None, finished_recving=both or None,
+            invalid_block_ids=set().union(*(out[2] for out in outs)),
+            kv_connector_stats=aggregate(outs)))
+        return reported
 
     assert poll(step, "both decode ranks' loads") == {"d-2"}
     assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
