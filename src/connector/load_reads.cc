@@ -178,13 +178,18 @@ Status LoadRunner::AddGroupReads(const LoadSpec& load, const LoadPlan& plan, con
 
 namespace {
 
-// A state group's block of a request: its last id that names a block (vLLM's running-state
-// block; the ids before it are null or older states, as its "align" mode leaves them).
-std::optional<std::int64_t> StateBlock(const std::vector<std::int64_t>& ids) {
+// A state group's block of a request on one side: its last id that names a block (vLLM's
+// running-state block; the ids before it are null or older states, as its "align" mode leaves
+// them), or InvalidArgument saying which side named none and which block it should have named.
+Result<std::int64_t> StateBlock(const LoadSpec& load, int group,
+                                const std::vector<std::int64_t>& ids, const char* side,
+                                const char* expected) {
   for (auto it = ids.rbegin(); it != ids.rend(); ++it) {
     if (*it != kNoBlock) return *it;
   }
-  return std::nullopt;
+  return Status::InvalidArgument("request " + load.request_id + ": KV cache group " +
+                                 std::to_string(group) + " is a state group and " + side +
+                                 " named no state block of it; expected the block " + expected);
 }
 
 }  // namespace
@@ -193,24 +198,14 @@ Status LoadRunner::AddStateReads(const LoadSpec& load, const LoadPlan& plan, con
                                  int group, PlannedBatch& batch) const {
   // Rule 18: a state group moves one block, the prefill's state as of the last token it
   // computed, into the decode side's state block.
-  const std::optional<std::int64_t> local = StateBlock(load.LocalIds(group));
-  if (!local) {
-    // The attention groups' tokens would land without the state they go with: the decode side
-    // would compute on from a stale state.
-    return Status::InvalidArgument(
-        "request " + load.request_id + ": KV cache group " + std::to_string(group) +
-        " is a state group and this side named no state block of it; expected the block the "
-        "request's loaded state goes into");
-  }
-  const std::optional<std::int64_t> remote = StateBlock(load.RemoteIds(group));
-  if (!remote) {
-    return Status::InvalidArgument(
-        "request " + load.request_id + ": KV cache group " + std::to_string(group) +
-        " is a state group and the prefill side named no state block of it; expected the block "
-        "holding the request's state as of its last computed token");
-  }
-  const std::int64_t remote_id = *remote;
-  const std::int64_t local_id = *local;
+  // Without a local one the attention groups' tokens would land without the state they go with:
+  // the decode side would compute on from a stale state.
+  KVFERRY_ASSIGN_OR_RETURN(const std::int64_t local_id,
+                           StateBlock(load, group, load.LocalIds(group), "this side",
+                                      "the request's loaded state goes into"));
+  KVFERRY_ASSIGN_OR_RETURN(const std::int64_t remote_id,
+                           StateBlock(load, group, load.RemoteIds(group), "the prefill side",
+                                      "holding the request's state as of its last computed token"));
   return AddReads(plan, r, group, std::span(&remote_id, 1), std::span(&local_id, 1), batch);
 }
 
