@@ -7,6 +7,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "engine/engine_internal.h"
+#include "layout/block_runs.h"
 
 namespace kvferry::engine {
 namespace {
@@ -101,16 +102,13 @@ Status Instance::Init() {
       o.tp_size = c.tp_size;
       o.tp_rank = r;
       KVFERRY_ASSIGN_OR_RETURN(CacheSpec spec, CacheSpec::Create(o));
-      std::vector<std::int64_t> offsets;  // of each part in a state page
       if (spec.is_state()) {
         // vLLM's Mamba page: every part of a block side by side, one page per block
         // (gpu_model_runner.py, _reshape_kv_cache_tensors: as_strided with a page's stride).
-        // Parts follow each other; the page ends in padding to 8 bytes (page_size_padded).
+        // Parts follow each other (their offsets are the interleaved scheme's, RegionOfPart);
+        // the page ends in padding to 8 bytes (page_size_padded).
         std::int64_t page = 0;
-        for (int p = 0; p < spec.num_parts(); ++p) {
-          offsets.push_back(page);
-          page += spec.BlockBytes(p);
-        }
+        for (int p = 0; p < spec.num_parts(); ++p) page += spec.BlockBytes(p);
         page = (page + 7) / 8 * 8;
         o.block_strides.assign(static_cast<std::size_t>(spec.num_parts()), page);
         KVFERRY_ASSIGN_OR_RETURN(spec, CacheSpec::Create(o));
@@ -148,7 +146,7 @@ Status Instance::Init() {
         if (spec.is_state()) {
           KVFERRY_ASSIGN_OR_RETURN(auto page, allocate(spec.BlockStride(0) * spec.num_blocks()));
           for (int p = 0; p < spec.num_parts(); ++p) {
-            const std::int64_t at = offsets[static_cast<std::size_t>(p)];
+            const std::int64_t at = RegionOfPart(spec, l, p).offset;
             mem.host.push_back(page.first + at);
             mem.device.push_back(page.second + static_cast<std::uint64_t>(at));
           }
