@@ -457,6 +457,21 @@ PYBIND11_MODULE(_kvferry, m) {
           py::arg("num_computed_tokens"), py::arg("num_scheduled_tokens"),
           py::arg("num_prompt_tokens"))
       .def(
+          "request_scheduled_all_groups",
+          [](Scheduler& s, const std::string& request_id, const py::dict& params,
+             const std::vector<std::vector<std::int64_t>>& group_block_ids,
+             std::int64_t num_computed_tokens, std::int64_t num_scheduled_tokens,
+             std::int64_t num_prompt_tokens) {
+            s.RequestScheduledAllGroups(request_id, ParamsFromDict(params), group_block_ids,
+                                        num_computed_tokens, num_scheduled_tokens,
+                                        num_prompt_tokens);
+          },
+          "A cache of several KV cache groups: each group's block ids so far in prompt order "
+          "(-1 where the engine freed one); the prompt is what the prefill side computes.",
+          py::arg("request_id"), py::arg("params"), py::arg("group_block_ids"),
+          py::arg("num_computed_tokens"), py::arg("num_scheduled_tokens"),
+          py::arg("num_prompt_tokens"))
+      .def(
           "set_rank_hosts",
           [](Scheduler& s, std::vector<std::string> hosts) {
             ThrowIfError(s.SetRankHosts(std::move(hosts)));

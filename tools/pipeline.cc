@@ -636,13 +636,6 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
   for (bool prefill : {true, false}) {
     KVFERRY_RETURN_IF_ERROR(BuildGroups(RoleModel(a, prefill)).status());
   }
-  if (a.layerwise && !GroupsSpec(a.model).empty()) {
-    return Status::NotSupported(
-        "--layerwise with KV cache groups (" + GroupsSpec(a.model) +
-        "): kvferry's layer-wise transfer announces the layers of one group, so every load of a "
-        "hybrid model would fail and be recomputed; drop --layerwise (whole-request legs move "
-        "every group)");
-  }
   if (a.layerwise && a.prefill_pp != a.decode_pp) {
     return Status::NotSupported(
         "--prefill-pp " + std::to_string(a.prefill_pp) + " and --decode-pp " +

@@ -158,6 +158,9 @@ struct LayerwiseSave {
   std::int64_t first_token = 0;
   std::int64_t end_token = 0;
   std::int64_t prompt_tokens = 0;
+  /// A cache of several KV cache groups: groups 1, 2, ...'s blocks, positioned as block_ids
+  /// (kNoBlock where the engine holds none, a sliding window's freed blocks). Empty for one.
+  std::vector<std::vector<std::int64_t>> group_block_ids{};
 
   friend bool operator==(const LayerwiseSave&, const LayerwiseSave&) = default;
 };
@@ -267,6 +270,13 @@ class Scheduler {
   void RequestScheduled(const std::string& request_id, const KvTransferParams& params,
                         std::span<const std::int64_t> block_ids, std::int64_t num_computed_tokens,
                         std::int64_t num_scheduled_tokens, std::int64_t num_prompt_tokens);
+  /// The same for a cache of several KV cache groups: `group_block_ids[g]` are group g's blocks
+  /// so far in prompt order (kNoBlock where the engine freed one). With state groups the prompt
+  /// is what the prefill side computes (PrefillTokens).
+  void RequestScheduledAllGroups(const std::string& request_id, const KvTransferParams& params,
+                                 std::span<const std::vector<std::int64_t>> group_block_ids,
+                                 std::int64_t num_computed_tokens,
+                                 std::int64_t num_scheduled_tokens, std::int64_t num_prompt_tokens);
 
   /// The loads, holds and layer-wise saves queued since the last call, for this step's workers
   /// (every TP rank gets the same metadata); clears them. Call once per engine step (rule 3).

@@ -479,6 +479,9 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         self._layerwise: dict[str, tuple[Any, dict, list[int]]] = {}
         self._ended_transfers: set[str] = set()  # scheduler: layer-wise legs ended by preemption
         self._layer_index: dict[str, int] = {}
+        # A hybrid's state layers (Mamba, linear attention), with their names: vLLM's mixers call
+        # no save_kv_layer, so wait_for_save announces them at the end of each step's forward.
+        self._state_layers: list[tuple[int, str, Any]] = []
         self._saved_layers: set[int] = set()
         self._save_warned = False
         self._applied = False  # worker: the bound metadata went to the native worker
@@ -585,10 +588,13 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
                 and str(_get(request, "request_id")) not in self._ended_transfers):
             # Layer-wise prefill leg: each step that writes its prompt is announced layer by
             # layer; build_connector_meta tells the workers which blocks and tokens.
-            ids = blocks.get_block_ids()[0] if hasattr(blocks, "get_block_ids") else blocks
+            # A hybrid's every group (vLLM's KVCacheBlocks.get_block_ids(): one list per group).
+            all_ids = (blocks.get_block_ids() if hasattr(blocks, "get_block_ids")
+                       else (blocks,))
+            groups = all_ids if self._groups is not None else all_ids[:1]
             self._layerwise[str(_get(request, "request_id"))] = (
                 request, {"do_remote_decode": True, "transfer_id": transfer},
-                [int(b) for b in ids or ()])
+                [[int(b) for b in ids or ()] for ids in groups])
         if (self._settings.use_host_buffer and isinstance(raw, dict)
                 and raw.get("do_remote_decode") is True and not raw.get("do_remote_prefill")):
             # Host-buffer mode, prefill side (as NixlConnector): its blocks are copied to the
@@ -666,14 +672,15 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
             return out
         scheduled = _get(scheduler_output, "num_scheduled_tokens")
         cached = _get(scheduler_output, "scheduled_cached_reqs")
-        new_ids: dict[str, list[int]] = {}
+        new_ids: dict[str, list[list[int]]] = {}
         if cached is not None:
             for rid, ids in zip(_get(cached, "req_ids") or (), _get(cached, "new_block_ids") or ()):
-                if ids and isinstance(ids[0], (list, tuple)):
-                    ids = ids[0]  # one list per KV cache group: the attention group
-                new_ids[str(rid)] = [int(b) for b in ids or ()]
+                # One list per KV cache group (vLLM's tuple), or one list of a uniform model.
+                per_group = ids if ids and isinstance(ids[0], (list, tuple)) else (ids,)
+                new_ids[str(rid)] = [[int(b) for b in g or ()] for g in per_group]
         for rid, (req, params, ids) in self._layerwise.items():
-            ids.extend(new_ids.get(rid, ()))
+            for mine, more in zip(ids, new_ids.get(rid, ())):
+                mine.extend(more)
             count = _prompt_tokens(req)
             if isinstance(scheduled, dict):
                 if rid not in scheduled:
@@ -681,9 +688,16 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
                 computed, step = int(_get(req, "num_computed_tokens", 0) or 0), int(scheduled[rid])
             else:
                 computed, step = 0, count
-            self._scheduler.request_scheduled(rid, params, ids, computed, step, count)
+            if self._groups is not None:
+                # The groups kvferry moves (a window's freed blocks as -1, a state group's state
+                # block); the prompt is the truncated one with state groups (vLLM's rule).
+                self._scheduler.request_scheduled_all_groups(
+                    rid, params, vllm_groups.group_block_ids(ids, self._groups), computed, step,
+                    count)
+            else:
+                self._scheduler.request_scheduled(rid, params, ids[0], computed, step, count)
             if computed < count:
-                out[rid] = list(ids)
+                out[rid] = list(ids[0])
         return out
 
     def build_connector_meta(self, scheduler_output: Any = None) -> KvferryConnectorMetadata:
@@ -958,6 +972,18 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
             s.transfer_timeout_ms, s.hold_lease_ms, s.failure_policy,
             transport_options=s.transport_options, pp_size=pp_size, pp_rank=pp_rank)
         worker.register_kv_cache_groups(specs, bases, memory or "host")
+        # kvferry's layer index of each of vLLM's layer names: group 0's layers, then group 1's
+        # (Worker.save_kv_layer); a state group's layers are saved at the step's end.
+        offset = 0
+        for g in groups:
+            names = [n for n in g.layer_names if n in kv_caches]
+            for i, name in enumerate(names):
+                self._layer_index[name] = offset + i
+                if g.state is not None:
+                    cache = kv_caches[name]  # [conv, ssm]: the stream is the conv state's device's
+                    self._state_layers.append(
+                        (offset + i, name, cache[0] if isinstance(cache, (list, tuple)) else cache))
+            offset += len(names)
         self._worker = worker
         self._spec = specs[0]
         self._registration = first_reg
@@ -1039,6 +1065,9 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         failing copy (a broken device) raises, as NixlConnector's does: offering the stale host
         copy would corrupt the decode side."""
         md = self._connector_metadata
+        if (self._state_layers and md is not None and getattr(md, "layerwise", None)
+                and self._worker is not None):
+            self._save_state_layers()
         if self._host_caches is None or md is None:
             return
         for rid, ids in getattr(md, "saves", {}).items():
@@ -1051,6 +1080,23 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         if layerwise and self._worker is not None:
             for layer in range(len(self._registration.bases)):
                 self._worker.save_kv_layer(layer, 0)
+
+    def _save_state_layers(self) -> None:
+        """Layer-wise, a hybrid's state layers: written by this step's forward pass, which has
+        queued its last kernels by the time vLLM calls wait_for_save; announced once each step
+        (a layer an engine already saved, as vllm-ascend's GDN op does, is not saved again).
+        The decode side reads a state only once written to the prompt's end."""
+        for layer, name, tensor in self._state_layers:
+            if layer in self._saved_layers:
+                continue
+            self._saved_layers.add(layer)
+            try:
+                self._worker.save_kv_layer(layer, current_stream_handle(tensor))
+            except Exception as e:  # never into vLLM's forward pass
+                if not self._save_warned:
+                    self._save_warned = True
+                    logger.error("save_kv_layer(%s): %s: %s; layer-wise announcements of this "
+                                 "worker may be missing (logged once)", name, type(e).__name__, e)
 
     def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self._worker is None:

@@ -14,27 +14,10 @@ using wire::Packer;
 using wire::PackIds;
 using wire::PackStr;
 
+// Block ids, kNoBlock (-1) allowed: a group's position without a block (a sliding window's).
 Result<std::vector<std::int64_t>> DecodeIds(const wire::MapView& m, const char* key) {
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* v, m.Require(key));
-  if (v->type != msgpack::type::ARRAY) {
-    return Status::InvalidArgument(m.At(key) + ": expected an array of block ids");
-  }
-  std::vector<std::int64_t> out;
-  out.reserve(v->via.array.size);
-  for (std::uint32_t i = 0; i < v->via.array.size; ++i) {
-    const msgpack::object& e = v->via.array.ptr[i];
-    if (e.type == msgpack::type::NEGATIVE_INTEGER && e.via.i64 == kNoBlock) {
-      out.push_back(kNoBlock);  // a group's position without a block (a sliding window's)
-      continue;
-    }
-    if (e.type != msgpack::type::POSITIVE_INTEGER ||
-        e.via.u64 > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
-      return Status::InvalidArgument(m.At(key) + "[" + std::to_string(i) +
-                                     "]: expected a non-negative block id or -1 (no block)");
-    }
-    out.push_back(static_cast<std::int64_t>(e.via.u64));
-  }
-  return out;
+  return wire::BlockIdsOf(*v, m.At(key), 1u << 22);
 }
 
 constexpr std::uint64_t kMaxInt = std::numeric_limits<int>::max();
@@ -131,7 +114,7 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
   PackStr(pk, "saves");
   pk.pack_array(static_cast<std::uint32_t>(saves.size()));
   for (const LayerwiseSave& sv : saves) {
-    pk.pack_map(6);
+    pk.pack_map(sv.group_block_ids.empty() ? 6 : 7);
     PackStr(pk, "request_id");
     PackStr(pk, sv.request_id);
     PackStr(pk, "transfer_id");
@@ -144,6 +127,11 @@ std::vector<std::uint8_t> ConnectorMetadata::Encode() const {
     pk.pack_int64(sv.end_token);
     PackStr(pk, "prompt_tokens");
     pk.pack_int64(sv.prompt_tokens);
+    if (!sv.group_block_ids.empty()) {
+      PackStr(pk, "group_block_ids");
+      pk.pack_array(static_cast<std::uint32_t>(sv.group_block_ids.size()));
+      for (const std::vector<std::int64_t>& ids : sv.group_block_ids) PackIds(pk, ids);
+    }
   }
   PackStr(pk, "transfer_ends");
   pk.pack_array(static_cast<std::uint32_t>(transfer_ends.size()));
@@ -269,6 +257,21 @@ Result<ConnectorMetadata> ConnectorMetadata::Decode(std::span<const std::uint8_t
     sv.first_token = static_cast<std::int64_t>(first);
     sv.end_token = static_cast<std::int64_t>(end);
     sv.prompt_tokens = static_cast<std::int64_t>(prompt);
+    if (const msgpack::object* more = sm.Find("group_block_ids")) {
+      if (more->type != msgpack::type::ARRAY ||
+          more->via.array.size > static_cast<std::uint32_t>(kMaxCacheGroups - 1)) {
+        return Status::InvalidArgument(sm.At("group_block_ids") +
+                                       ": expected an array of at most " +
+                                       std::to_string(kMaxCacheGroups - 1) + " groups' block ids");
+      }
+      for (std::uint32_t g = 0; g < more->via.array.size; ++g) {
+        KVFERRY_ASSIGN_OR_RETURN(
+            std::vector<std::int64_t> ids,
+            wire::BlockIdsOf(more->via.array.ptr[g],
+                             sm.At("group_block_ids") + "[" + std::to_string(g) + "]", 1u << 22));
+        sv.group_block_ids.push_back(std::move(ids));
+      }
+    }
     md.saves.push_back(std::move(sv));
   }
   KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* ends, OptionalArray(m, "transfer_ends"));

@@ -15,17 +15,38 @@ namespace {
 
 std::string Ms(std::chrono::milliseconds d) { return std::to_string(d.count()) + " ms"; }
 
-// What a rank's announcements so far brought every layer to: the cursor CheckLayerwiseProgress
-// holds a newer announcement against.
-LayerwiseCursor AnnouncedCursor(const wire::Progress& p, int num_layers) {
-  LayerwiseCursor c;
-  c.prompt_tokens = static_cast<std::int64_t>(p.prompt_tokens);
-  c.tokens_read.resize(static_cast<std::size_t>(num_layers));
-  for (int l = 0; l < num_layers; ++l) {
-    c.tokens_read[static_cast<std::size_t>(l)] = static_cast<std::int64_t>(
-        static_cast<std::uint32_t>(l) < p.layers_cur ? p.tokens_cur : p.tokens_all);
+// How the load reads each KV cache group layer by layer: full attention as announced, a sliding
+// window and a state once written to the prompt's end; local blocks from the load's first token
+// where it gives it (else the tail rule).
+// `load` with the remote blocks of every group `p` names.
+LoadSpec WithAnnouncedBlocks(const LoadSpec& load, const wire::Progress& p) {
+  LoadSpec out = load;
+  out.remote_block_ids = p.block_ids;
+  for (std::size_t g = 0; g < out.more_groups.size() && g < p.group_block_ids.size(); ++g) {
+    out.more_groups[g].remote = p.group_block_ids[g];
   }
-  return c;
+  return out;
+}
+
+std::vector<LayerwiseGroup> LayerwiseGroupsOf(const LoadSpec& load, const CacheGroups& caches) {
+  std::vector<LayerwiseGroup> out;
+  for (int g = 0; g < caches.size(); ++g) {
+    const CacheSpec& spec = caches[g];
+    LayerwiseGroup lg;
+    lg.num_layers = spec.num_layers();
+    lg.tokens_per_block = spec.tokens_per_id();  // announcements name engine block ids
+    lg.state = spec.is_state();
+    lg.progressive = !spec.is_state() && spec.sliding_window() == 0;
+    lg.local_block_ids = load.LocalIds(g);
+    if (load.first_token >= 0 && load.first_token % lg.tokens_per_block == 0) {
+      lg.first_block = load.first_token / lg.tokens_per_block;
+    }
+    if (load.first_token >= 0 && load.num_tokens >= 0) {
+      lg.end_token = load.first_token + load.num_tokens;
+    }
+    out.push_back(std::move(lg));
+  }
+  return out;
 }
 
 }  // namespace
@@ -40,8 +61,6 @@ void LoadRunner::WakeWatch(const std::string& transfer_id) {
 
 wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
   std::shared_ptr<ProgressWatch> watch;
-  int num_layers = 0;
-  std::int64_t tokens_per_block = 1;
   {
     MutexLock lock(mu_);
     auto it = watches_.find(p.transfer_id);
@@ -52,8 +71,6 @@ wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
                                   "stop sending its progress"};
     }
     watch = it->second;
-    num_layers = (*caches_)[0].num_layers();
-    tokens_per_block = (*caches_)[0].tokens_per_id();  // announcements name engine block ids
   }
   MutexLock lock(watch->mu);
   auto source = watch->latest.find(static_cast<int>(p.from.tp_rank));
@@ -70,9 +87,10 @@ wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
     const bool running = source->second.state == wire::Progress::State::kRunning;
     auto blocks = watch->remote_blocks.find(source->first);
     if (Status s = CheckLayerwiseProgress(
-            p, watch->local_blocks, tokens_per_block, num_layers,
-            running ? AnnouncedCursor(source->second, num_layers) : LayerwiseCursor{},
-            blocks == watch->remote_blocks.end() ? 0 : blocks->second);
+            p, watch->groups,
+            blocks == watch->remote_blocks.end() ? std::span<const std::int64_t>()
+                                                 : std::span<const std::int64_t>(blocks->second),
+            running ? AnnouncedCursor(source->second, watch->groups) : LayerwiseCursor{});
         !s.ok()) {
       return wire::ErrorReply{s.code(), std::string(s.message())};
     }
@@ -87,7 +105,7 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
   const Clock::time_point start = Clock::now();
   auto watch = std::make_shared<ProgressWatch>();
   watch->engine_id = load.remote_engine_id;
-  watch->local_blocks = load.local_block_ids.size();
+  watch->groups = LayerwiseGroupsOf(load, plan.caches);
   std::string listener;
   {
     MutexLock w(watch->mu);
@@ -112,47 +130,62 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
     }
   } unwatch{this, load.transfer_id};
 
-  KVFERRY_ASSIGN_OR_RETURN(std::vector<SourceAgent> agents,
-                           ResolveSources(load, plan, deadline, wire::kFeatureLayerwise));
+  // A hybrid cache's progress has fields an older prefill worker does not send.
+  const bool grouped = plan.caches.size() > 1;
+  KVFERRY_ASSIGN_OR_RETURN(
+      std::vector<SourceAgent> agents,
+      ResolveSources(load, plan, deadline,
+                     grouped ? wire::kFeatureLayerwiseGroups : wire::kFeatureLayerwise));
   for (const SourceAgent& a : agents) {
-    // Announcements name blocks of the prefill side's size, read into ours one for one.
-    const CacheSpec& theirs = a.agent->metadata->caches[0];
-    if (theirs.tokens_per_block() != plan.spec().tokens_per_block() ||
-        theirs.blocks_per_id() != plan.spec().blocks_per_id()) {
+    for (int g = 0; g < plan.caches.size(); ++g) {
+      // Announcements name blocks of the prefill side's size, read into ours one for one.
+      const CacheSpec& theirs = a.agent->metadata->caches[g];
+      const CacheSpec& ours = plan.caches[g];
+      if (ours.is_state() || (theirs.tokens_per_block() == ours.tokens_per_block() &&
+                              theirs.blocks_per_id() == ours.blocks_per_id())) {
+        continue;
+      }
       auto blocks = [](const CacheSpec& c) {
         return std::to_string(c.tokens_per_id()) + " tokens (" + std::to_string(c.blocks_per_id()) +
                " kernel blocks of " + std::to_string(c.tokens_per_block()) + ")";
       };
       return Status::NotSupported(
           "request " + load.request_id + ": the prefill worker at " + a.endpoint +
-          " has blocks of " + blocks(theirs) + " and this decode worker of " + blocks(plan.spec()) +
+          " has blocks of " + blocks(theirs) +
+          (grouped ? " in KV cache group " + std::to_string(g) : "") +
+          " and this decode worker of " + blocks(ours) +
           "; layer-wise transfer needs one block size on both sides (whole-request loads take "
           "any): give both instances one block size, or send whole-request legs (the proxy's "
           "--layerwise off)");
     }
   }
   // Rule 17: announcements name the prefill stage's own layers, which must be this stage's.
-  KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> layers,
-                           PlanStageReads(load, plan.spec(), agents, 0));
-  for (const StageRead& r : layers) {
-    if (r.layer_shift != 0 || r.first != 0 || r.end != plan.spec().num_layers()) {
-      const CacheSpec& theirs = r.from->agent->metadata->caches[0];
-      return Status::NotSupported(
-          "request " + load.request_id + ": the prefill worker at " + r.from->endpoint +
-          " holds the model's layers [" + std::to_string(theirs.first_layer()) + ", " +
-          std::to_string(theirs.end_layer()) + ") and this decode stage [" +
-          std::to_string(plan.spec().first_layer()) + ", " +
-          std::to_string(plan.spec().end_layer()) +
-          "); layer-wise transfer needs stages of the same layers on both sides (whole-request "
-          "legs read any split)");
+  for (int g = 0; g < plan.caches.size(); ++g) {
+    KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> layers,
+                             PlanStageReads(load, plan.caches[g], agents, g));
+    for (const StageRead& r : layers) {
+      if (r.layer_shift != 0 || r.first != 0 || r.end != plan.caches[g].num_layers()) {
+        const CacheSpec& theirs = r.from->agent->metadata->caches[g];
+        return Status::NotSupported(
+            "request " + load.request_id + ": the prefill worker at " + r.from->endpoint +
+            " holds the model's layers [" + std::to_string(theirs.first_layer()) + ", " +
+            std::to_string(theirs.end_layer()) + ") and this decode stage [" +
+            std::to_string(plan.caches[g].first_layer()) + ", " +
+            std::to_string(plan.caches[g].end_layer()) + ")" +
+            (grouped ? " of KV cache group " + std::to_string(g) : "") +
+            "; layer-wise transfer needs stages of the same layers on both sides (whole-request "
+            "legs read any split)");
+      }
     }
   }
   {
     MutexLock w(watch->mu);
     for (const SourceAgent& a : agents) {
       // In engine block ids, as announcements name them.
-      watch->remote_blocks[a.source.prefill_rank] =
-          a.agent->metadata->caches[0].num_blocks() / a.agent->metadata->caches[0].blocks_per_id();
+      std::vector<std::int64_t>& blocks = watch->remote_blocks[a.source.prefill_rank];
+      for (const CacheSpec& c : a.agent->metadata->caches.specs()) {
+        blocks.push_back(c.num_blocks() / c.blocks_per_id());
+      }
     }
   }
   const Deadline start_deadline = std::min(deadline, start + cfg_.layerwise_start_timeout);
@@ -169,7 +202,8 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
       Result<wire::Message> reply = client_.Call(
           a.endpoint,
           wire::Subscribe{self_, load.transfer_id, static_cast<std::uint32_t>(cfg_.tp_size),
-                          listener, static_cast<std::uint32_t>(wait.count())},
+                          listener, static_cast<std::uint32_t>(wait.count()),
+                          static_cast<std::uint32_t>(plan.caches.size())},
           std::min({deadline, DeadlineAfter(cfg_.handshake_timeout), Clock::now() + poll_every}));
       if (!reply.ok()) return reply.status().WithContext("subscribing at " + a.endpoint);
       const auto* progress = std::get_if<wire::Progress>(&*reply);
@@ -193,8 +227,6 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
   std::map<int, LayerwiseCursor> cursors;
   std::map<int, std::uint64_t> taken;  // by rank, the seq of the announcement last read
   Deadline progress_deadline = Deadline::max();
-  const int num_layers = plan.spec().num_layers();
-  const std::int64_t per_id = plan.spec().blocks_per_id();
   for (;;) {
     std::map<int, wire::Progress> fresh;
     bool waiting = false;
@@ -255,16 +287,27 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
       const SourceAgent& a = *std::find_if(
           agents.begin(), agents.end(),
           [&, wanted = rank](const SourceAgent& s) { return s.source.prefill_rank == wanted; });
-      KVFERRY_ASSIGN_OR_RETURN(
-          std::vector<LayerGroupRead> groups,
-          PlanLayerwiseReads(p, load.local_block_ids, plan.spec().tokens_per_id(), num_layers,
-                             a.agent->metadata->caches[0].num_blocks() / per_id, cursors[rank]));
+      std::vector<std::int64_t> remote_blocks;
+      for (const CacheSpec& c : a.agent->metadata->caches.specs()) {
+        remote_blocks.push_back(c.num_blocks() / c.blocks_per_id());
+      }
+      KVFERRY_ASSIGN_OR_RETURN(std::vector<LayerGroupRead> reads,
+                               PlanLayerwiseReads(p, watch->groups, remote_blocks, cursors[rank]));
       batches.push_back({&a, {}, 0, 0});
-      for (const LayerGroupRead& g : groups) {
+      for (const LayerGroupRead& r : reads) {
+        const StageRead layers{&a, r.first_layer, r.end_layer, 0};
+        if (r.whole) {
+          // A window or a state, written to the prompt's end: read as a whole-request load reads
+          // the group, from the blocks this announcement names.
+          KVFERRY_RETURN_IF_ERROR(
+              AddGroupReads(WithAnnouncedBlocks(load, p), plan, layers, r.group, batches.back()));
+          continue;
+        }
         // Engine block ids, each per_id cache blocks on both sides (checked above).
-        KVFERRY_RETURN_IF_ERROR(AddReads(plan, {&a, g.first_layer, g.end_layer, 0}, 0,
-                                         CacheBlocksOfIds(g.remote_ids, per_id),
-                                         CacheBlocksOfIds(g.local_ids, per_id), batches.back()));
+        const std::int64_t per_id = plan.caches[r.group].blocks_per_id();
+        KVFERRY_RETURN_IF_ERROR(AddReads(plan, layers, r.group,
+                                         CacheBlocksOfIds(r.remote_ids, per_id),
+                                         CacheBlocksOfIds(r.local_ids, per_id), batches.back()));
       }
     }
     KVFERRY_RETURN_IF_ERROR(RunBatches(load, batches, deadline, moved));

@@ -12,6 +12,12 @@ std::string ReaderKey(const wire::PeerRef& p) {
 LayerwiseTable::LayerwiseTable(LayerwiseLimits limits, wire::PeerRef self)
     : limits_(limits), self_(std::move(self)) {}
 
+int LayerwiseTable::total_layers() const {
+  int total = 0;
+  for (int n : limits_.group_layers) total += n;
+  return total;
+}
+
 std::vector<ProgressPush> LayerwiseTable::PushAll(Transfer& t) {
   ++t.progress.seq;
   std::vector<ProgressPush> out;
@@ -68,19 +74,36 @@ std::vector<ProgressPush> LayerwiseTable::Begin(const LayerwiseSave& save, Clock
                                       std::to_string(p.tokens_all) +
                                       " were written (preempted): its blocks may have changed");
   }
+  const std::size_t more = limits_.group_layers.size() - 1;
+  if (save.group_block_ids.size() != more) {
+    return Fail(save.transfer_id,
+                "request " + save.request_id + " names blocks of " +
+                    std::to_string(save.group_block_ids.size() + 1) +
+                    " KV cache group(s) but this worker's cache has " + std::to_string(more + 1) +
+                    " (an engine that schedules a hybrid model's layer-wise leg passes every "
+                    "group's blocks: Scheduler::RequestScheduledAllGroups)");
+  }
   p.tokens_all = std::max(p.tokens_all, static_cast<std::uint64_t>(save.first_token));
   p.tokens_cur = static_cast<std::uint64_t>(save.end_token);
   p.layers_cur = 0;
+  p.group_layers_cur.assign(more, 0);
   p.block_ids = save.block_ids;
+  p.group_block_ids = save.group_block_ids;
   return PushAll(t);
 }
 
 std::vector<ProgressPush> LayerwiseTable::LayerWritten(std::span<const LayerwiseSave> saves,
                                                        int layer) {
   std::vector<ProgressPush> out;
-  if (layer < 0 || layer >= limits_.num_layers) return out;
-  const int written = layer + 1;
-  const bool last = written == limits_.num_layers;
+  const int total = total_layers();
+  if (layer < 0 || layer >= total) return out;
+  // The group and the group's own layer of the engine's layer index.
+  int group = 0;
+  int in_group = layer;
+  while (in_group >= limits_.group_layers[static_cast<std::size_t>(group)]) {
+    in_group -= limits_.group_layers[static_cast<std::size_t>(group)];
+    ++group;
+  }
   for (const LayerwiseSave& save : saves) {
     auto it = transfers_.find(save.transfer_id);
     if (it == transfers_.end() || it->second.request_id != save.request_id) continue;
@@ -88,11 +111,16 @@ std::vector<ProgressPush> LayerwiseTable::LayerWritten(std::span<const Layerwise
     // A later step has begun since (the engine announces an earlier step's layers late), or the
     // request is held and so complete.
     if (p.tokens_cur != static_cast<std::uint64_t>(save.end_token) || p.complete()) continue;
+    std::uint32_t& cur =
+        group == 0 ? p.layers_cur : p.group_layers_cur[static_cast<std::size_t>(group - 1)];
+    cur = std::max(cur, static_cast<std::uint32_t>(in_group + 1));
+    int written = 0;
+    for (int g = 0; g < p.groups(); ++g) written += static_cast<int>(p.LayersCur(g));
+    const bool last = written == total;
     if (last) {
       p.tokens_all = p.tokens_cur;
       p.layers_cur = 0;
-    } else {
-      p.layers_cur = std::max(p.layers_cur, static_cast<std::uint32_t>(written));
+      std::fill(p.group_layers_cur.begin(), p.group_layers_cur.end(), 0);
     }
     if (last || written % std::max(1, limits_.layers_per_notice) == 0) {
       std::vector<ProgressPush> pushes = PushAll(it->second);
@@ -116,6 +144,7 @@ std::vector<ProgressPush> LayerwiseTable::Complete(const std::string& transfer_i
   if (p.complete()) return {};
   p.tokens_all = p.tokens_cur = p.prompt_tokens;
   p.layers_cur = 0;
+  std::fill(p.group_layers_cur.begin(), p.group_layers_cur.end(), 0);
   return PushAll(t);
 }
 
@@ -144,6 +173,14 @@ void LayerwiseTable::Remove(const std::string& transfer_id) {
 }
 
 Result<wire::Progress> LayerwiseTable::Subscribe(const wire::Subscribe& s, Clock::time_point now) {
+  if (s.groups != limits_.group_layers.size()) {
+    return Status::NotSupported(
+        "transfer " + s.transfer_id + ": this prefill worker's cache has " +
+        std::to_string(limits_.group_layers.size()) + " KV cache group(s) and reader " +
+        ReaderKey(s.from) + " subscribes for " + std::to_string(s.groups) +
+        " (a kvferry without layer-wise transfer of hybrid models reads group 0 alone); "
+        "refused: upgrade the decode instance, or send this model whole-request legs");
+  }
   if (ended_.count(s.transfer_id) != 0) return EndedProgress(s.transfer_id);
   const std::string key = ReaderKey(s.from);
   auto it = transfers_.find(s.transfer_id);

@@ -21,7 +21,9 @@
 namespace kvferry {
 
 struct LayerwiseLimits {
-  int num_layers = 1;
+  /// The layers of each KV cache group of the cache, in group order (one entry for a uniform
+  /// model). The engine's layer index (LayerWritten) runs over them group after group.
+  std::vector<int> group_layers{1};
   /// One announcement per this many layers written, and one after the last layer.
   int layers_per_notice = 1;
   /// Transfers subscribed to before this worker started them (the only entries a peer can
@@ -53,7 +55,9 @@ class LayerwiseTable {
   /// whose request or prompt length differs from the transfer's, fails the transfer.
   std::vector<ProgressPush> Begin(const LayerwiseSave& save, Clock::time_point now);
   /// Layer `layer` of the step that wrote `saves` is written: pushes the progress of each to its
-  /// subscribers every layers_per_notice layers and after the last layer.
+  /// subscribers every layers_per_notice layers and after the last layer. With several KV cache
+  /// groups `layer` runs over group 0's layers, then group 1's, ...; a group's layers come in
+  /// order, the groups in any order among each other (the model interleaves them).
   std::vector<ProgressPush> LayerWritten(std::span<const LayerwiseSave> saves, int layer);
   /// The request's hold started: every layer of every prompt token is written.
   std::vector<ProgressPush> Complete(const std::string& transfer_id);
@@ -68,7 +72,9 @@ class LayerwiseTable {
   /// A reader subscribes: the reply is the transfer's progress now (state kWaiting when it has
   /// not started here: the subscription then waits up to min(wait_ms, max_wait); kFailed when it
   /// ended, or was removed, before). ResourceExhausted past max_waiting or max_subscribers;
-  /// a repeated subscription by the same reader replaces its endpoint.
+  /// a repeated subscription by the same reader replaces its endpoint. NotSupported for a reader
+  /// that reads another number of KV cache groups than this cache has (an older kvferry reads
+  /// one), before anything is kept.
   Result<wire::Progress> Subscribe(const wire::Subscribe& s, Clock::time_point now);
   /// The reader gave up (its abort notice) or said it no longer reads (a push answered NotFound).
   void Unsubscribe(const std::string& transfer_id, const std::string& subscriber);
@@ -89,6 +95,7 @@ class LayerwiseTable {
     Clock::time_point wait_until;                    // while waiting
   };
   std::vector<ProgressPush> PushAll(Transfer& t);
+  int total_layers() const;
   void RememberEnded(const std::string& transfer_id);
   wire::Progress EndedProgress(const std::string& transfer_id) const;
 

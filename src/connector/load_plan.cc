@@ -131,12 +131,11 @@ Result<LoadRunner::LoadPlan> LoadRunner::Plan(const LoadSpec& load) {
         "; layer-wise transfer reads a stage's layers from the prefill stage of its own index, "
         "so it needs the same PP size on both (whole-request legs read unequal pipelines)");
   }
-  if (!load.transfer_id.empty() && caches->size() > 1) {
-    return Status::NotSupported(
-        "request " + load.request_id + ": this decode worker's cache has " +
-        std::to_string(caches->size()) +
-        " KV cache groups, and layer-wise transfer reads one; send hybrid models whole-request "
-        "legs (the proxy's --layerwise off)");
+  if (!load.transfer_id.empty() && load.num_groups() != caches->size()) {
+    return Status::InvalidArgument(
+        "request " + load.request_id + " names blocks of " + std::to_string(load.num_groups()) +
+        " KV cache groups for its layer-wise load, but this decode worker's cache has " +
+        std::to_string(caches->size()) + "; expected the engine's block ids of every group");
   }
   if (load.transfer_id.empty() && load.num_groups() != caches->size()) {
     return Status::InvalidArgument(

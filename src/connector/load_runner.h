@@ -114,10 +114,11 @@ class LoadRunner {
     Mutex mu;
     CondVar cv;
     std::string engine_id;
-    std::size_t local_blocks = 0;
-    std::map<int, wire::Progress> latest GUARDED_BY(mu);       // by prefill rank, the newest taken
-    std::map<int, std::int64_t> remote_blocks GUARDED_BY(mu);  // by rank, once handshaken
-    bool wake GUARDED_BY(mu) = false;                          // aborted or stopping: look now
+    std::vector<LayerwiseGroup> groups;                   // the load's, set before it is watched
+    std::map<int, wire::Progress> latest GUARDED_BY(mu);  // by prefill rank, the newest taken
+    // By rank, once handshaken: the blocks of each group of its cache, in engine block ids.
+    std::map<int, std::vector<std::int64_t>> remote_blocks GUARDED_BY(mu);
+    bool wake GUARDED_BY(mu) = false;  // aborted or stopping: look now
   };
   // One prefill rank a load reads, handshaken.
   struct SourceAgent {

@@ -179,6 +179,15 @@ void Scheduler::RequestScheduled(const std::string& request_id, const KvTransfer
                                  std::int64_t num_computed_tokens,
                                  std::int64_t num_scheduled_tokens,
                                  std::int64_t num_prompt_tokens) {
+  const std::vector<std::vector<std::int64_t>> one = {{block_ids.begin(), block_ids.end()}};
+  RequestScheduledAllGroups(request_id, params, one, num_computed_tokens, num_scheduled_tokens,
+                            num_prompt_tokens);
+}
+
+void Scheduler::RequestScheduledAllGroups(
+    const std::string& request_id, const KvTransferParams& params,
+    std::span<const std::vector<std::int64_t>> group_block_ids, std::int64_t num_computed_tokens,
+    std::int64_t num_scheduled_tokens, std::int64_t num_prompt_tokens) {
   if (!ServesKv(config_.role) || !params.do_remote_decode || !params.transfer_id ||
       params.transfer_id->empty() || num_prompt_tokens <= 0) {
     return;
@@ -198,10 +207,10 @@ void Scheduler::RequestScheduled(const std::string& request_id, const KvTransfer
     return;
   }
   it->second = end;
-  if (first == end) return;  // decoding, or nothing of the prompt in this step
-  pending_.saves.push_back({request_id, *params.transfer_id,
-                            std::vector<std::int64_t>(block_ids.begin(), block_ids.end()), first,
-                            end, num_prompt_tokens});
+  if (first == end || group_block_ids.empty()) return;  // decoding, or no prompt this step
+  pending_.saves.push_back(
+      {request_id, *params.transfer_id, group_block_ids.front(), first, end, num_prompt_tokens,
+       std::vector<std::vector<std::int64_t>>(group_block_ids.begin() + 1, group_block_ids.end())});
 }
 
 ConnectorMetadata Scheduler::BuildConnectorMeta() {

@@ -221,10 +221,15 @@ Status WorkerImpl::RegisterKvCaches(const CacheGroups& caches,
   caches_ = caches;
   memory_ = memory;
   metadata_ = wire::AgentMetadata{
-      identity_, listener_->endpoint(), {{kTransportKind, std::move(descriptor)}},
-      caches,    caches.Hash(),         {wire::kFeatureLayerwise, wire::kFeaturePpReaders}};
+      identity_,
+      listener_->endpoint(),
+      {{kTransportKind, std::move(descriptor)}},
+      caches,
+      caches.Hash(),
+      {wire::kFeatureLayerwise, wire::kFeaturePpReaders, wire::kFeatureLayerwiseGroups}};
   LayerwiseLimits limits;
-  limits.num_layers = first.num_layers();
+  limits.group_layers.clear();
+  for (const CacheSpec& g : caches.specs()) limits.group_layers.push_back(g.num_layers());
   limits.layers_per_notice = std::max(1, cfg_.layerwise_layers_per_notice);
   limits.max_waiting = cfg_.max_waiting_subscriptions;
   limits.max_subscribers = cfg_.max_subscribers_per_transfer;
@@ -299,11 +304,15 @@ Status WorkerImpl::SaveKvLayer(int layer, std::uint64_t stream) {
     if (!caches_) {
       return Status::InvalidArgument("SaveKvLayer before RegisterKvCaches: no layers yet");
     }
-    const CacheSpec& spec = (*caches_)[0];
-    if (layer < 0 || layer >= spec.num_layers()) {
+    // Several KV cache groups: group 0's layers, then group 1's, ... (docs/layerwise.md).
+    int layers = 0;
+    for (const CacheSpec& g : caches_->specs()) layers += g.num_layers();
+    if (layer < 0 || layer >= layers) {
       return Status::InvalidArgument("SaveKvLayer: layer " + std::to_string(layer) +
-                                     " is outside the cache's 0.." +
-                                     std::to_string(spec.num_layers() - 1));
+                                     " is outside the cache's 0.." + std::to_string(layers - 1) +
+                                     (caches_->size() > 1 ? " (its KV cache groups' layers, group "
+                                                            "after group)"
+                                                          : ""));
     }
     if (stream != 0 && memory_.is_host()) {
       return Status::InvalidArgument(

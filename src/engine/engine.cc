@@ -333,16 +333,6 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
     if (!AllocateGroups(r, prompt, /*window_only=*/false)) break;  // wait for holds to end
     r.scheduled = Clock::now();
     const bool layerwise = r.request.params.do_remote_decode && r.request.params.transfer_id;
-    if (layerwise && grouped()) {
-      // Layer-wise legs announce one group's layers (docs/connector.md, "KV cache groups").
-      FailPrefill(r,
-                  Status::NotSupported(
-                      "request " + r.request.request_id +
-                      " is a layer-wise leg (its params have a transfer_id) of a model with KV "
-                      "cache groups; layer-wise transfer moves one group: send it whole-request"),
-                  out);
-      continue;
-    }
     // With state groups, the prompt less its last token (the decode side computes that one).
     Status s = layerwise ? ComputeLayerwise(r)
                          : Compute(r, {0, scheduler_->PrefillTokens(r.request.params, prompt)});

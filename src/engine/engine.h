@@ -213,6 +213,9 @@ class Instance {
   Status EnqueueCopies(const Running& r, Tokens tokens, bool up, Layers layers);
   // Prefill of a layer-wise request: chunk by chunk, layer by layer, each layer announced.
   Status ComputeLayerwise(const Running& r);
+  // Worker::SaveKvLayer on every rank for layer `layer` of each KV cache group that has one, of
+  // the state groups or of the others.
+  Status SaveLayer(int layer, bool state, std::uint64_t stream);
   std::uint64_t Verify(const Running& r, Tokens tokens, Status* status);
   // Every group's blocks of a request, kNoBlock skipped.
   void FreeBlocks(const std::vector<std::vector<std::int64_t>>& blocks);

@@ -163,18 +163,24 @@ Status Instance::Compute(const Running& r, Tokens tokens) {
 }
 
 Status Instance::ComputeLayerwise(const Running& r) {
-  const auto prompt = static_cast<std::int64_t>(r.request.prompt.size());
+  // With state groups, the prompt less its last token (the decode side computes that one).
+  const std::int64_t prompt = scheduler_->PrefillTokens(
+      r.request.params, static_cast<std::int64_t>(r.request.prompt.size()));
   const std::int64_t chunk =
       config_.prefill_chunk_tokens > 0 ? config_.prefill_chunk_tokens : prompt;
   // Pipeline stages may hold different numbers of layers (vLLM's split): layer l of the step is
-  // each stage's own layer l, where it has one.
+  // each stage's own layer l, where it has one. KV cache groups interleave: step l computes
+  // layer l of every group that has one (gpt-oss: a full-attention layer, then a sliding-window
+  // one).
   int layers = 0;
-  for (const CacheGroups& caches : caches_) layers = std::max(layers, caches[0].num_layers());
+  for (const CacheGroups& caches : caches_) {
+    for (const CacheSpec& g : caches.specs()) layers = std::max(layers, g.num_layers());
+  }
   for (std::int64_t begin = 0; begin < prompt; begin += chunk) {
     const std::int64_t end = std::min(prompt, begin + chunk);
     // What vLLM's scheduler side does each step, then its workers' start of the step.
-    scheduler_->RequestScheduled(r.request.request_id, r.request.params, r.blocks[0], begin,
-                                 end - begin, prompt);
+    scheduler_->RequestScheduledAllGroups(r.request.request_id, r.request.params, r.blocks, begin,
+                                          end - begin, prompt);
     const ConnectorMetadata meta = scheduler_->BuildConnectorMeta();
     for (auto& w : workers_) w->StartLoadKv(meta);
     // Layer l is computed in [start + l * per_layer, start + (l + 1) * per_layer), on a fixed
@@ -184,32 +190,46 @@ Status Instance::ComputeLayerwise(const Running& r) {
     // the layer's MLP, which takes the second half.
     const auto per_layer = config_.compute_per_token * (end - begin) / layers;
     const Clock::time_point start = Clock::now();
+    std::uint64_t stream = 0;
     for (int l = 0; l < layers; ++l) {
       ForEachRow(r, {begin, end}, Layers{l, l + 1}, [](const KvRow& row) {
         if (row.in_range) FillRow(row.data, row.seed, row.dim, row.esize);
         return true;
       });
       std::this_thread::sleep_until(start + per_layer * l + per_layer / 2);
-      std::uint64_t stream = 0;
       if (device_ != nullptr) {
         // The layer goes up on the engine's stream; the connector announces it once the stream
         // has done it, and the engine computes the next layer meanwhile.
         KVFERRY_RETURN_IF_ERROR(EnqueueCopies(r, {begin, end}, /*up=*/true, {l, l + 1}));
         stream = stream_->native_handle();
       }
-      for (std::size_t w = 0; w < workers_.size(); ++w) {
-        if (l < caches_[w][0].num_layers()) {
-          KVFERRY_RETURN_IF_ERROR(workers_[w]->SaveKvLayer(l, stream));
-        }
-      }
+      // Attention layers only: a state layer (Mamba) calls no save_kv_layer in vLLM.
+      KVFERRY_RETURN_IF_ERROR(SaveLayer(l, /*state=*/false, stream));
       std::this_thread::sleep_until(start + per_layer * (l + 1));  // the MLP
     }
+    // The end of the step's forward pass (vLLM's wait_for_save, where kvferry's adapter saves
+    // the state layers): each state group's layers, now holding the state as of `end`.
+    for (int l = 0; l < layers; ++l) KVFERRY_RETURN_IF_ERROR(SaveLayer(l, /*state=*/true, stream));
   }
   if (device_ == nullptr) return Status::Ok();
   // vLLM's wait_for_save: the step's device work is done before the request finishes.
   KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<device::Event> done, stream_->RecordEvent());
   return done->Wait(DeadlineAfter(std::chrono::seconds(30)))
       .WithContext("copying KV blocks to " + device_->name());
+}
+
+Status Instance::SaveLayer(int layer, bool state, std::uint64_t stream) {
+  for (std::size_t w = 0; w < workers_.size(); ++w) {
+    // The worker's layer index runs over its groups' layers, group after group.
+    int flat = 0;
+    for (const CacheSpec& g : caches_[w].specs()) {
+      if (layer < g.num_layers() && g.is_state() == state) {
+        KVFERRY_RETURN_IF_ERROR(workers_[w]->SaveKvLayer(flat + layer, stream));
+      }
+      flat += g.num_layers();
+    }
+  }
+  return Status::Ok();
 }
 
 Status Instance::CopyBlocks(const Running& r, Tokens tokens, bool up) {

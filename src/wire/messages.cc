@@ -141,7 +141,7 @@ struct EncodeVisitor {
     pk.pack_uint32(m.lease_ms);
   }
   void operator()(const Subscribe& m) const {
-    PackHeader(pk, "subscribe", 5);
+    PackHeader(pk, "subscribe", m.groups != 1 ? 6 : 5);
     PackKey(pk, "from");
     PackPeer(pk, m.from);
     PackKey(pk, "transfer_id");
@@ -152,9 +152,14 @@ struct EncodeVisitor {
     PackStr(pk, m.endpoint);
     PackKey(pk, "wait_ms");
     pk.pack_uint32(m.wait_ms);
+    if (m.groups != 1) {
+      PackKey(pk, "groups");
+      pk.pack_uint32(m.groups);
+    }
   }
   void operator()(const Progress& m) const {
-    PackHeader(pk, "progress", 10);
+    const bool grouped = !m.group_layers_cur.empty();
+    PackHeader(pk, "progress", grouped ? 12 : 10);
     PackKey(pk, "from");
     PackPeer(pk, m.from);
     PackKey(pk, "transfer_id");
@@ -175,6 +180,14 @@ struct EncodeVisitor {
     pk.pack_uint32(m.layers_cur);
     PackKey(pk, "block_ids");
     PackInts(pk, m.block_ids);
+    if (grouped) {
+      PackKey(pk, "group_layers_cur");
+      pk.pack_array(static_cast<std::uint32_t>(m.group_layers_cur.size()));
+      for (std::uint32_t n : m.group_layers_cur) pk.pack_uint32(n);
+      PackKey(pk, "group_block_ids");
+      pk.pack_array(static_cast<std::uint32_t>(m.group_block_ids.size()));
+      for (const std::vector<std::int64_t>& ids : m.group_block_ids) PackInts(pk, ids);
+    }
   }
   void operator()(const Ack& m) const {
     PackHeader(pk, "ack", 1);
@@ -295,7 +308,46 @@ Result<Message> DecodeSubscribe(const MapView& m) {
   KVFERRY_ASSIGN_OR_RETURN(s.endpoint, m.Str("endpoint", kMaxTextBytes));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t wait_ms, m.Uint("wait_ms", kMaxU32));
   s.wait_ms = static_cast<std::uint32_t>(wait_ms);
+  if (m.Find("groups") != nullptr) {
+    KVFERRY_ASSIGN_OR_RETURN(std::uint64_t groups, m.Uint("groups", kMaxCacheGroups));
+    if (groups == 0) {
+      return Status::InvalidArgument(m.At("groups") + ": expected 1 to " +
+                                     std::to_string(kMaxCacheGroups) + " KV cache groups, found 0");
+    }
+    s.groups = static_cast<std::uint32_t>(groups);
+  }
   return Message{std::move(s)};
+}
+
+// Progress::group_layers_cur and group_block_ids: both or neither, one entry each per group
+// after the first, block ids non-negative or kNoBlock.
+Status DecodeProgressGroups(const MapView& m, Progress& p) {
+  const msgpack::object* layers = m.Find("group_layers_cur");
+  const msgpack::object* ids = m.Find("group_block_ids");
+  if (layers == nullptr && ids == nullptr) return Status::Ok();
+  constexpr auto kMaxMore = static_cast<std::uint32_t>(kMaxCacheGroups - 1);
+  if (layers == nullptr || ids == nullptr || layers->type != msgpack::type::ARRAY ||
+      ids->type != msgpack::type::ARRAY || layers->via.array.size == 0 ||
+      layers->via.array.size > kMaxMore || ids->via.array.size != layers->via.array.size) {
+    return Status::InvalidArgument(
+        m.path() + ": expected group_layers_cur and group_block_ids together, arrays of 1 to " +
+        std::to_string(kMaxMore) + " entries each (one per KV cache group after the first)");
+  }
+  for (std::uint32_t g = 0; g < layers->via.array.size; ++g) {
+    const msgpack::object& n = layers->via.array.ptr[g];
+    const std::string at = m.At("group_layers_cur") + "[" + std::to_string(g) + "]";
+    if (n.type != msgpack::type::POSITIVE_INTEGER || n.via.u64 > kMaxLayers) {
+      return Status::InvalidArgument(at + ": expected a layer count of at most " +
+                                     std::to_string(kMaxLayers) + ", found " + ObjectTypeName(n));
+    }
+    p.group_layers_cur.push_back(static_cast<std::uint32_t>(n.via.u64));
+    KVFERRY_ASSIGN_OR_RETURN(
+        std::vector<std::int64_t> group,
+        BlockIdsOf(ids->via.array.ptr[g], m.At("group_block_ids") + "[" + std::to_string(g) + "]",
+                   kMaxProgressBlocks));
+    p.group_block_ids.push_back(std::move(group));
+  }
+  return Status::Ok();
 }
 
 Result<Message> DecodeProgress(const MapView& m) {
@@ -313,8 +365,10 @@ Result<Message> DecodeProgress(const MapView& m) {
   KVFERRY_ASSIGN_OR_RETURN(p.tokens_cur, m.Uint("tokens_cur", kMaxI64));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t layers_cur, m.Uint("layers_cur", kMaxLayers));
   p.layers_cur = static_cast<std::uint32_t>(layers_cur);
-  KVFERRY_RETURN_IF_ERROR(m.Require("block_ids").status());
-  KVFERRY_ASSIGN_OR_RETURN(p.block_ids, OptionalInts(m, "block_ids", kMaxProgressBlocks));
+  KVFERRY_ASSIGN_OR_RETURN(const msgpack::object* block_ids, m.Require("block_ids"));
+  KVFERRY_ASSIGN_OR_RETURN(p.block_ids,
+                           BlockIdsOf(*block_ids, m.At("block_ids"), kMaxProgressBlocks));
+  KVFERRY_RETURN_IF_ERROR(DecodeProgressGroups(m, p));
   if (p.tokens_all > p.tokens_cur || (p.prompt_tokens > 0 && p.tokens_cur > p.prompt_tokens)) {
     return Status::InvalidArgument(
         m.path() + ": expected tokens_all <= tokens_cur <= prompt_tokens, found " +

@@ -41,6 +41,11 @@ inline constexpr const char* kFeatureLayerwise = "layerwise";
 /// The receiver counts finished notices from every stage of a decode instance whose pipeline has
 /// another size (FinishedNotice::pp_readers, PeerRef::pp_rank): it can be read by layer ranges.
 inline constexpr const char* kFeaturePpReaders = "pp_readers";
+/// Layer-wise transfer of a cache of several KV cache groups (hybrid models): Subscribe::groups,
+/// Progress::group_layers_cur and group_block_ids. A reader of such a cache subscribes only at
+/// workers that offer it; a worker with such a cache refuses a subscription that reads fewer
+/// groups (an older reader, which would read group 0 alone).
+inline constexpr const char* kFeatureLayerwiseGroups = "layerwise_groups";
 
 /// Who sent a message: an engine instance and the worker's place in it.
 struct PeerRef {
@@ -160,6 +165,8 @@ struct Subscribe {
   /// The reader's listener, where progress is pushed ("tcp://host:port").
   std::string endpoint;
   std::uint32_t wait_ms = 0;
+  /// The KV cache groups the reader reads (feature "layerwise_groups"); sent only when not 1.
+  std::uint32_t groups = 1;
 
   friend bool operator==(const Subscribe&, const Subscribe&) = default;
 };
@@ -183,13 +190,30 @@ struct Progress {
   std::uint64_t prompt_tokens = 0;
   /// Every layer holds the KV of prompt tokens [0, tokens_all); layers [0, layers_cur) also
   /// hold [tokens_all, tokens_cur). tokens_all <= tokens_cur <= prompt_tokens. The transfer is
-  /// complete when tokens_all == prompt_tokens > 0.
+  /// complete when tokens_all == prompt_tokens > 0. With several KV cache groups, layers_cur is
+  /// group 0's and group_layers_cur[g - 1] group g's (layers [0, n) of group g hold
+  /// [tokens_all, tokens_cur)), and a state group's layer holds the state as of its token count.
   std::uint64_t tokens_all = 0;
   std::uint64_t tokens_cur = 0;
   std::uint32_t layers_cur = 0;
   /// The request's blocks on the sender in prompt order: at least the ones holding tokens
-  /// [0, tokens_cur).
+  /// [0, tokens_cur). Group 0's; group_block_ids[g - 1] are group g's, kNoBlock (-1) where the
+  /// sender holds none (a sliding window's freed blocks).
   std::vector<std::int64_t> block_ids;
+  /// Feature "layerwise_groups": groups 1, 2, ... of a cache of several KV cache groups; both
+  /// empty for one group, else one entry per group after the first.
+  std::vector<std::uint32_t> group_layers_cur;
+  std::vector<std::vector<std::int64_t>> group_block_ids;
+
+  /// The KV cache groups this progress describes.
+  int groups() const { return 1 + static_cast<int>(group_layers_cur.size()); }
+  /// Group g's layers_cur and block ids.
+  std::uint32_t LayersCur(int g) const {
+    return g == 0 ? layers_cur : group_layers_cur[static_cast<std::size_t>(g - 1)];
+  }
+  const std::vector<std::int64_t>& BlockIds(int g) const {
+    return g == 0 ? block_ids : group_block_ids[static_cast<std::size_t>(g - 1)];
+  }
 
   bool complete() const { return prompt_tokens > 0 && tokens_all == prompt_tokens; }
   friend bool operator==(const Progress&, const Progress&) = default;

@@ -128,4 +128,29 @@ Result<std::vector<std::int64_t>> OptionalInts(const MapView& m, const char* key
   return out;
 }
 
+Result<std::vector<std::int64_t>> BlockIdsOf(const msgpack::object& v, const std::string& path,
+                                             std::uint32_t max_items) {
+  if (v.type != msgpack::type::ARRAY || v.via.array.size > max_items) {
+    return Status::InvalidArgument(path + ": expected an array of at most " +
+                                   std::to_string(max_items) + " block ids, found " +
+                                   ObjectTypeName(v));
+  }
+  std::vector<std::int64_t> out;
+  out.reserve(v.via.array.size);
+  for (std::uint32_t i = 0; i < v.via.array.size; ++i) {
+    const msgpack::object& e = v.via.array.ptr[i];
+    if (e.type == msgpack::type::NEGATIVE_INTEGER && e.via.i64 == -1) {
+      out.push_back(-1);  // kNoBlock: a group's position without a block (a sliding window's)
+      continue;
+    }
+    if (e.type != msgpack::type::POSITIVE_INTEGER || e.via.u64 > kMaxI64) {
+      return Status::InvalidArgument(
+          path + "[" + std::to_string(i) +
+          "]: expected a non-negative block id or -1 (no block), found " + ObjectTypeName(e));
+    }
+    out.push_back(static_cast<std::int64_t>(e.via.u64));
+  }
+  return out;
+}
+
 }  // namespace kvferry::wire

@@ -160,4 +160,9 @@ inline constexpr std::uint64_t kMaxI64 = std::numeric_limits<std::int64_t>::max(
 Result<std::vector<std::int64_t>> OptionalInts(const MapView& m, const char* key,
                                                std::uint32_t max_items);
 
+/// An array of at most `max_items` block ids at `path`: each non-negative or -1 (kNoBlock, a
+/// position where a KV cache group holds no block).
+Result<std::vector<std::int64_t>> BlockIdsOf(const msgpack::object& v, const std::string& path,
+                                             std::uint32_t max_items);
+
 }  // namespace kvferry::wire

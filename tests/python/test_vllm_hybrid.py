@@ -464,3 +464,91 @@ def test_every_per_step_hook_answers_for_a_hybrid_connector_in_every_state():
 
     assert poll(step, "the failed load to end", timeout=20.0) == {"d"}
     assert set().union(*(o[2] for o in outputs)) == {4, 5, 6}, "every group's blocks, no null"
+
+
+def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_final(
+        monkeypatch):
+    """Layer-wise legs of a hybrid SSM model (docs/layerwise.md, "KV cache groups"). The decode
+    leg subscribes first; the prefill leg computes its prompt (less its last token, vLLM's rule)
+    in two chunks, as vLLM's scheduler schedules them (Scheduler.schedule:
+    num_scheduled_tokens, scheduled_cached_reqs.new_block_ids one list per group). Each step is
+    a worker step of every hook in vLLM's order (test_vllm_today.worker_step), the attention
+    layers' save_kv_layer from the attention op (attention/layer.py
+    unified_attention_with_output); the Mamba mixers call none, so kvferry announces the state
+    layers in wait_for_save. The first chunk leaves an intermediate state: a state read then
+    (and not again) fails the byte check, and one read twice fails the byte count. The prefill
+    request is held under the transfer id (request_finished_all_groups) and freed by its
+    reader; nothing is left held."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    kcc = qwen3_next_like()
+    pport, dport = free_port(), free_port()
+    (p_sched, p_work), (d_sched, d_work) = [
+        tuple(kvferry.vllm.KvferryConnector(config(role, port), r, kcc)
+              for r in ("SCHEDULER", "WORKER"))
+        for role, port in (("kv_producer", pport), ("kv_consumer", dport))]
+    p_caches, _ = state_caches_for(kcc, seed=11)
+    d_caches, d_raw = state_caches_for(kcc)
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches(d_caches)
+    prompt, transfer = 30, "xfer-h"
+    dparams = {"do_remote_prefill": True, "transfer_id": transfer,
+               "remote_engine_id": f"kv_producer-{pport}", "remote_host": "127.0.0.1",
+               "remote_port": pport, "remote_tp_size": 1}
+    dreq = request("d-1", dparams, prompt)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt - 1, True)
+    d_blocks = ([8, 7, 6, 5, 4, 3, 2, 1], [12], [13], [14])
+    d_sched.update_state_after_alloc(dreq, KVCacheBlocks(d_blocks), prompt - 1)
+    md = d_sched.build_connector_meta(None)
+    assert md.awaited == ("d-1",)
+    assert not worker_step(d_work, md, caches=attention_layers(kcc, d_caches), sched=d_sched)[1]
+
+    preq = request("p-1", {"do_remote_decode": True, "transfer_id": transfer}, prompt)
+    preq.max_tokens = 16
+    assert p_sched.get_num_new_matched_tokens(preq, 0) == (0, False)  # truncated to 29, once
+    p_blocks = ([1, 2, 3, 4, 5, 6, 7, 8], [9], [10], [11])
+    p_sched.update_state_after_alloc(preq, KVCacheBlocks(([1, 2, 3, 4], [9], [10], [11])), 0)
+    full = kcc.kv_cache_groups[0].layer_names
+    states = [n for g in kcc.kv_cache_groups[1:] for n in g.layer_names]
+    chunks = [(0, 16, [1, 2, 3, 4], None),
+              (16, 13, [5, 6, 7, 8],
+               SimpleNamespace(req_ids=["p-1"], new_block_ids=[([5, 6, 7, 8], [], [], [])]))]
+    for n, (computed, count, written, cached) in enumerate(chunks):
+        preq.num_computed_tokens = computed
+        out = SimpleNamespace(num_scheduled_tokens={"p-1": count}, scheduled_cached_reqs=cached)
+        md = p_sched.build_connector_meta(out)
+        # The forward pass: this chunk's KV of every attention layer, and each state layer's
+        # state as of the chunk's last token (in place, in the request's one state block).
+        for i, name in enumerate(full):
+            for b in written:
+                p_caches[name][:, b] = 1000 * (n + 1) + 10 * i + b
+        for i, name in enumerate(states):
+            g = 1 + i // 2
+            p_caches[name][0][p_blocks[g][0]] = 100.0 * (n + 1) + i
+            p_caches[name][1][p_blocks[g][0]] = -100.0 * (n + 1) - i
+        worker_step(p_work, md, caches=attention_layers(kcc, p_caches), sched=p_sched)
+    assert poll(lambda: worker_step(d_work, d_sched.build_connector_meta(None),
+                                    caches=attention_layers(kcc, d_caches), sched=d_sched)[1],
+                "the layer-wise load") == {"d-1"}
+    assert d_work.get_block_ids_with_load_errors() == set()
+    for name in full:
+        for pb, db in zip(p_blocks[0], d_blocks[0]):
+            assert np.array_equal(d_caches[name][:, db], p_caches[name][:, pb]), (name, db)
+    for i, name in enumerate(states):
+        g = 1 + i // 2
+        assert np.all(d_caches[name][0][d_blocks[g][0]] == 200.0 + i), name  # the final state
+        assert np.all(d_caches[name][1][d_blocks[g][0]] == -200.0 - i), name
+    written = set(d_blocks[0]) | {12, 13, 14}
+    for raw in d_raw:
+        for b in range(NB):
+            if b not in written:
+                assert not raw[b * PAGE:(b + 1) * PAGE].any(), b
+    # Every attention block once (the chunk boundary is a block's), each state once.
+    assert d_work._worker.stats()["bytes_read"] == 32 * 64 * 2 * 2 + 3 * 2 * PAGE
+    preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    delay, params = p_sched.request_finished_all_groups(preq, p_blocks)
+    assert delay and params["remote_request_id"] == transfer
+    assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
+                                    finished={"p-1"}, sched=p_sched)[0],
+                "the hold's release") == {"p-1"}
+    assert p_work._worker.stats()["holds_outstanding"] == 0
+    assert d_work._worker.stats()["loads_outstanding"] == 0

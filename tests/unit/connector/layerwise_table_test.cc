@@ -32,7 +32,7 @@ LayerwiseSave Save(const std::string& transfer, std::int64_t first, std::int64_t
 
 LayerwiseLimits Limits(int layers, int per_notice = 1) {
   LayerwiseLimits l;
-  l.num_layers = layers;
+  l.group_layers = {layers};
   l.layers_per_notice = per_notice;
   l.max_waiting = 4;
   l.max_subscribers = 2;
@@ -241,6 +241,63 @@ TEST(LayerwiseTableTest, LayersOutOfRangeAreIgnored) {
   (void)t.Begin(saves[0], kT0);
   EXPECT_TRUE(t.LayerWritten(saves, 2).empty());
   EXPECT_TRUE(t.LayerWritten(saves, -1).empty());
+}
+
+// KV cache groups (a hybrid model): the engine's layer index runs over group 0's layers, then
+// group 1's; each group's count is announced as the model interleaves them, and the step is
+// written when every group's last layer is.
+TEST(LayerwiseTableTest, GroupsAreAnnouncedEachAsItsLayersAreWritten) {
+  LayerwiseLimits limits = Limits(2);
+  limits.group_layers = {2, 2, 1};  // full attention, a window, a state group
+  LayerwiseTable t(limits, kSelf);
+  wire::Subscribe sub = Sub("x");
+  sub.groups = 3;
+  ASSERT_TRUE(t.Subscribe(sub, kT0).ok());
+  LayerwiseSave save = Save("x", 0, 40, 40);
+  save.group_block_ids = {{kNoBlock, 201, 202}, {300}};
+  const std::vector<LayerwiseSave> saves = {save};
+  std::vector<ProgressPush> begun = t.Begin(save, kT0);
+  ASSERT_EQ(begun.size(), 1u);
+  EXPECT_EQ(begun[0].progress.group_layers_cur, (std::vector<std::uint32_t>{0, 0}));
+  EXPECT_EQ(begun[0].progress.group_block_ids, save.group_block_ids);
+  // Model order: full 0, window 0, full 1, window 1, then the state at the step's end.
+  std::vector<ProgressPush> p = t.LayerWritten(saves, 0);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_EQ(p[0].progress.layers_cur, 1u);
+  p = t.LayerWritten(saves, 2);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_EQ(p[0].progress.group_layers_cur, (std::vector<std::uint32_t>{1, 0}));
+  (void)t.LayerWritten(saves, 1);
+  p = t.LayerWritten(saves, 3);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_EQ(p[0].progress.layers_cur, 2u);
+  EXPECT_EQ(p[0].progress.group_layers_cur, (std::vector<std::uint32_t>{2, 0}));
+  EXPECT_EQ(p[0].progress.tokens_all, 0u) << "the state group is not written yet";
+  p = t.LayerWritten(saves, 4);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_TRUE(p[0].progress.complete());
+  EXPECT_EQ(p[0].progress.layers_cur, 0u);
+  EXPECT_EQ(p[0].progress.group_layers_cur, (std::vector<std::uint32_t>{0, 0}));
+  EXPECT_TRUE(t.LayerWritten(saves, 5).empty()) << "past the last group's layers";
+}
+
+TEST(LayerwiseTableTest, AReaderOfAnotherGroupCountIsRefusedAndSoIsASaveOfOne) {
+  LayerwiseLimits limits = Limits(2);
+  limits.group_layers = {2, 2};
+  LayerwiseTable t(limits, kSelf);
+  // An older kvferry subscribes without `groups`: it would read group 0 alone.
+  Result<wire::Progress> old = t.Subscribe(Sub("x"), kT0);
+  EXPECT_EQ(old.status().code(), StatusCode::kNotSupported);
+  EXPECT_THAT(old.status().message(), HasSubstr("has 2 KV cache group(s)"));
+  EXPECT_EQ(t.transfers(), 0u) << "a refused subscription keeps nothing";
+  wire::Subscribe sub = Sub("x");
+  sub.groups = 2;
+  ASSERT_TRUE(t.Subscribe(sub, kT0).ok());
+  // An engine that names one group's blocks of a two-group cache fails the transfer.
+  std::vector<ProgressPush> p = t.Begin(Save("x", 0, 40, 40), kT0);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_EQ(p[0].progress.state, State::kFailed);
+  EXPECT_THAT(p[0].progress.reason, HasSubstr("names blocks of 1 KV cache group(s)"));
 }
 
 }  // namespace

@@ -432,6 +432,24 @@ TEST(SchedulerLayerwiseTest, PrefillQueuesSavesPerStepAndHoldsUnderTheTransferId
   EXPECT_TRUE(m.transfer_ends.empty());
 }
 
+TEST(SchedulerLayerwiseTest, AHybridsSavesNameEveryGroupsBlocksAndRoundTrip) {
+  Scheduler s({Role::kPrefill, "prefill-0", "10.0.0.1", 5557, 0, 1});
+  KvTransferParams p;
+  p.do_remote_decode = true;
+  p.transfer_id = "xfer-h";
+  // Full attention, a sliding window whose first block was freed, a state group.
+  const std::vector<std::vector<std::int64_t>> groups = {{10, 11, 12}, {kNoBlock, 21, 22}, {30}};
+  s.RequestScheduledAllGroups("r1", p, groups, 0, 40, 40);
+  ConnectorMetadata m = s.BuildConnectorMeta();
+  ASSERT_EQ(m.saves.size(), 1u);
+  EXPECT_EQ(m.saves[0].block_ids, groups[0]);
+  EXPECT_EQ(m.saves[0].group_block_ids,
+            (std::vector<std::vector<std::int64_t>>{groups[1], groups[2]}));
+  Result<ConnectorMetadata> back = ConnectorMetadata::Decode(m.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, m);
+}
+
 TEST(SchedulerLayerwiseTest, PrefillEndsTheTransferOfARequestItDoesNotHold) {
   Scheduler s({Role::kPrefill, "prefill-0", "10.0.0.1", 5557, 0, 1});
   KvTransferParams p;

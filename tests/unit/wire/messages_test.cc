@@ -33,6 +33,14 @@ Progress SampleProgress() {
   return p;
 }
 
+// A hybrid's progress: a sliding window's freed blocks are kNoBlock, a state group names one.
+Progress SampleGroupProgress() {
+  Progress p = SampleProgress();
+  p.group_layers_cur = {5, 0};
+  p.group_block_ids = {{kNoBlock, 4, 5, 6}, {9}};
+  return p;
+}
+
 std::vector<Message> SampleMessages() {
   return {MetadataRequest{{"decode-0", 1, 3}},
           SampleMetadata(),
@@ -43,7 +51,9 @@ std::vector<Message> SampleMessages() {
           Ack{7},
           ErrorReply{StatusCode::kUnauthenticated, "bad mac"},
           Subscribe{{"decode-0", 0, 1}, "xfer-7", 2, "tcp://127.0.0.1:7001", 30000},
-          SampleProgress()};
+          Subscribe{{"decode-0", 0, 1}, "xfer-7", 2, "tcp://127.0.0.1:7001", 30000, 3},
+          SampleProgress(),
+          SampleGroupProgress()};
 }
 
 TEST(WireTest, EveryMessageRoundTrips) {
@@ -338,6 +348,38 @@ TEST(WireDecodeTest, ProgressTokensMustBeOrdered) {
     pk.pack(1);
   });
   EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("tp_rank 0 < tp_size"));
+}
+
+TEST(WireDecodeTest, ProgressGroupsComeTogetherAndSubscribeNamesSomeGroups) {
+  // Each key without the other, more entries in one, or ids other than -1 below 0, are refused.
+  Progress p = SampleGroupProgress();
+  p.group_block_ids.pop_back();
+  EXPECT_THAT(DecodeError(Encode(p)).message(), HasSubstr("group_layers_cur and group_block_ids"));
+  p = SampleGroupProgress();
+  p.group_block_ids[1] = {-2};
+  EXPECT_THAT(DecodeError(Encode(p)).message(),
+              HasSubstr("group_block_ids[1][0]: expected a non-negative block id or -1"));
+  p = SampleGroupProgress();
+  p.group_layers_cur.assign(kMaxCacheGroups, 0);
+  p.group_block_ids.assign(kMaxCacheGroups, {});
+  EXPECT_THAT(DecodeError(Encode(p)).message(), HasSubstr("arrays of 1 to 15 entries"));
+  // A progress without them is one group's, as before this feature.
+  EXPECT_EQ(std::get<Progress>(*Decode(Encode(SampleProgress()))).groups(), 1);
+  auto bytes = Envelope(1, "subscribe", 6, [](Packer& pk) {
+    Str(pk, "from");
+    Peer(pk);
+    Str(pk, "transfer_id");
+    Str(pk, "x");
+    Str(pk, "tp_size");
+    pk.pack(1);
+    Str(pk, "endpoint");
+    Str(pk, "tcp://h:1");
+    Str(pk, "wait_ms");
+    pk.pack(1);
+    Str(pk, "groups");
+    pk.pack(0);
+  });
+  EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("expected 1 to 16 KV cache groups"));
 }
 
 TEST(WireDecodeTest, ErrorReplyCannotCarryOk) {
