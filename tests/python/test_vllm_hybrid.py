@@ -526,6 +526,13 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
             p_caches[name][0][p_blocks[g][0]] = 100.0 * (n + 1) + i
             p_caches[name][1][p_blocks[g][0]] = -100.0 * (n + 1) - i
         worker_step(p_work, md, caches=attention_layers(kcc, p_caches), sched=p_sched)
+        if n == 0:
+            # Before the next chunk (an event, not a sleep): the decode side has read the first
+            # chunk's attention blocks (4 blocks of 2 parts of 2 layers, 64 bytes a part a
+            # token), and not the intermediate state.
+            chunk_bytes = 16 * 64 * 2 * 2
+            poll(lambda: d_work._worker.stats()["bytes_read"] >= chunk_bytes, "the first chunk")
+            assert d_work._worker.stats()["bytes_read"] == chunk_bytes
     assert poll(lambda: worker_step(d_work, d_sched.build_connector_meta(None),
                                     caches=attention_layers(kcc, d_caches), sched=d_sched)[1],
                 "the layer-wise load") == {"d-1"}
