@@ -183,7 +183,9 @@ def state_cache(g: Any, caches: dict[str, Any], tp_size: int, tp_rank: int
     """A Mamba / linear-attention group's cache as vLLM's model runner makes it
     (gpu_model_runner.py _reshape_kv_cache_tensors): per layer its state tensors, views of one
     page per block (the conv state at the page's start, the SSM state right after it, a stride
-    of one page). Its spec, its bases per layer and part, and the memory they are in."""
+    of one page); or as vllm-ascend's makes it (worker/model_runner_v1.py
+    _reshape_kv_cache_tensors): each state a contiguous (num_blocks, ...) run of its own. Its
+    spec, its bases per layer and part, and the memory they are in."""
     conv_first = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").upper() == "DS"
     parts = state_parts(g, tp_size, conv_first)
     bases, memory, num_blocks, page = [], None, None, None
@@ -196,20 +198,25 @@ def state_cache(g: Any, caches: dict[str, Any], tp_size: int, tp_rank: int
                 f"KV cache group {g.index} layer {name}: expected its state tensors [conv, ssm] "
                 f"(vLLM's MambaSpec), found {type(tensors).__name__}")
         conv, ssm = tensor_info(tensors[0]), tensor_info(tensors[1])
-        layer_page = conv.strides[0] * conv.itemsize
-        conv_bytes = 1
-        for x in conv.shape[1:]:
-            conv_bytes *= x
-        conv_bytes *= conv.itemsize
-        if (ssm.strides[0] * ssm.itemsize != layer_page or ssm.address != conv.address +
-                conv_bytes or ssm.shape[0] != conv.shape[0]):
+        conv_bytes, ssm_bytes = _block_bytes(conv), _block_bytes(ssm)
+        conv_stride, ssm_stride = conv.strides[0] * conv.itemsize, ssm.strides[0] * ssm.itemsize
+        paged = (ssm_stride == conv_stride and ssm.address == conv.address + conv_bytes)
+        # vllm-ascend's layout (worker/model_runner_v1.py _reshape_kv_cache_tensors): each state
+        # a contiguous (num_blocks, ...) view of its own, every block's conv state first, then
+        # every block's SSM state (which the attention layers sharing the buffer alias as K).
+        packed = (conv_stride == conv_bytes and ssm_stride == ssm_bytes and
+                  (ssm.address >= conv.address + conv.shape[0] * conv_bytes or
+                   conv.address >= ssm.address + ssm.shape[0] * ssm_bytes))
+        if not (paged or packed) or ssm.shape[0] != conv.shape[0]:
             raise _kvferry.NotSupportedError(
-                f"KV cache group {g.index} layer {name}: its conv and SSM states are not one "
+                f"KV cache group {g.index} layer {name}: its conv and SSM states are neither one "
                 "page per block with the SSM state right after the conv state (vLLM's Mamba "
-                "layout); kvferry cannot tell where each block's state is")
+                "layout) nor each a contiguous run of blocks (vllm-ascend's); kvferry cannot "
+                "tell where each block's state is")
+        layer_page = (conv_stride, ssm_stride)
         if (num_blocks, page) not in ((None, None), (conv.shape[0], layer_page)):
             raise _kvferry.InvalidArgumentError(
-                f"KV cache group {g.index} layer {name} has {conv.shape[0]} pages of "
+                f"KV cache group {g.index} layer {name} has {conv.shape[0]} blocks of strides "
                 f"{layer_page} bytes and an earlier layer {num_blocks} of {page}; a group's "
                 "layers have one geometry")
         num_blocks, page = conv.shape[0], layer_page
@@ -219,15 +226,26 @@ def state_cache(g: Any, caches: dict[str, Any], tp_size: int, tp_rank: int
                 f"KV cache group {g.index} layer {name} is in {where} memory, an earlier one in "
                 f"{memory}")
         memory = where
+        # The conv parts one after another in a block's conv state; the SSM state (the last
+        # part) at its own address: right after the conv state in a page, or in its own run.
         offsets, at = [], conv.address
-        for part in parts:
+        for part in parts[:-1]:
             offsets.append(at)
             at += part[1] // tp_size * part[2] * _dtype_size(part[3])
-        bases.append(offsets)
+        bases.append(offsets + [ssm.address])
+    strides = [int(page[0]) for _ in parts[:-1]] + [int(page[1])] if page else [0] * len(parts)
     spec = _kvferry.CacheSpec.create(
         "state", len(bases), list(parts), int(num_blocks or 0), g.block_size, parts[0][3],
-        "token_major", tp_size, tp_rank, [], [int(page or 0)] * len(parts), 0, 1, 0, 0)
+        "token_major", tp_size, tp_rank, [], strides, 0, 1, 0, 0)
     return spec, bases, memory or "host"
+
+
+def _block_bytes(info: Any) -> int:
+    """Bytes of one block of a (num_blocks, ...) state tensor."""
+    out = info.itemsize
+    for x in info.shape[1:]:
+        out *= int(x)
+    return out
 
 
 def _dtype_size(dtype: str) -> int:

@@ -559,3 +559,90 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
                 "the hold's release") == {"p-1"}
     assert p_work._worker.stats()["holds_outstanding"] == 0
     assert d_work._worker.stats()["loads_outstanding"] == 0
+
+
+SSM_ASCEND = (VHEADS, HV, 4)  # 256 bytes a block: one attention K block (vllm-ascend forces it)
+
+
+def ascend_qwen3_next_like(layers=8):
+    """qwen3_next_like as vllm-ascend configures it (patch/platform/patch_mamba_config.py
+    verify_and_update_config: an attention block's K as large as a block's SSM state), the
+    conv state in the SD layout its NPU kernel takes (ops/gdn.py)."""
+    kcc = qwen3_next_like(layers)
+    for g in kcc.kv_cache_groups[1:]:
+        g.kv_cache_spec = MambaSpec(**dict(vars(g.kv_cache_spec),
+                                           shapes=((CONV, TAPS), SSM_ASCEND)))
+    return kcc
+
+
+def ascend_state_caches_for(kcc, seed=None):
+    """What vllm-ascend's NPU model runner binds for a Mamba-hybrid model (vllm_ascend/worker/
+    model_runner_v1.py _allocate_kv_cache_tensors and _reshape_kv_cache_tensors at 182b75ea):
+    each KVCacheTensor one raw buffer [every block's conv state | K of every block | V of every
+    block]; a state layer's [conv (NB, CONV, TAPS), ssm (NB, *SSM_ASCEND)], each contiguous, the
+    SSM run where the attention layer's K run is; an attention layer's (k, v) tuple, each
+    (NB, BS, HEADS, DIM)."""
+    out, raws = {}, []
+    conv_run = NB * CONV * TAPS * 4
+    kb = BS * HEADS * DIM * 4
+    for i, t in enumerate(kcc.kv_cache_tensors):
+        raw = np.zeros(conv_run + 2 * NB * kb, np.uint8)
+        if seed is not None:
+            raw[...] = np.random.default_rng(seed + i).integers(0, 256, raw.size, dtype=np.uint8)
+        raws.append(raw)
+        k = raw[conv_run:conv_run + NB * kb].view(np.int32).reshape(NB, BS, HEADS, DIM)
+        v = raw[conv_run + NB * kb:].view(np.int32).reshape(NB, BS, HEADS, DIM)
+        conv = raw[:conv_run].view(np.float32).reshape(NB, CONV, TAPS)
+        ssm = raw[conv_run:conv_run + NB * kb].view(np.float32).reshape(NB, *SSM_ASCEND)
+        out[t.shared_by[0]] = (k, v)
+        for name in t.shared_by[1:]:
+            out[name] = [conv, ssm]
+    return out, raws
+
+
+def test_vllm_ascends_hybrid_layout_registers_and_moves_every_group():
+    """vllm-ascend's hybrid path: its MooncakeHybridConnector moves FullAttentionSpec,
+    SlidingWindowSpec and MambaSpec groups (kv_p2p/mooncake_hybrid_connector.py
+    register_kv_caches: every sub-view of a shared KVCacheTensor its own base, same TP sizes
+    with Mamba). kvferry takes the same caches: the attention layers' (k, v) tuples and the state
+    layers' contiguous conv and SSM runs (the SSM run the K run's bytes, as aliased regions), and
+    moves each group with vLLM's token rule, every byte checked."""
+    kcc = ascend_qwen3_next_like()
+    pport, dport = free_port(), free_port()
+    (p_sched, p_work), (d_sched, d_work) = [
+        tuple(kvferry.vllm.KvferryConnector(config(role, port), r, kcc)
+              for r in ("SCHEDULER", "WORKER"))
+        for role, port in (("kv_producer", pport), ("kv_consumer", dport))]
+    p_caches, _ = ascend_state_caches_for(kcc, seed=17)
+    d_caches, _ = ascend_state_caches_for(kcc)
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches(d_caches)
+    prompt = 22
+    req = request("r-a", {"do_remote_decode": True}, prompt)
+    assert p_sched.get_num_new_matched_tokens(req, 0) == (0, False)  # 21 tokens computed
+    req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    # One block pool for every group (vLLM's hybrid allocator): a block is attention's or a
+    # state's, never both, so the aliased K and SSM runs never hold two things at once.
+    p_blocks = ([1, 2, 3, 4, 5, 6], [7], [8], [9])
+    delay, params = p_sched.request_finished_all_groups(req, p_blocks)
+    assert delay
+    worker_step(p_work, p_sched.build_connector_meta(None), sched=p_sched)
+    dreq = request("d-a", dict(params), prompt)
+    assert d_sched.get_num_new_matched_tokens(dreq, 0) == (prompt - 1, True)
+    d_blocks = ([10, 11, 12, 13, 14, 15], [2], [3], [4])
+    d_sched.update_state_after_alloc(dreq, KVCacheBlocks(d_blocks), prompt - 1)
+    load_and_release(d_sched, d_work, "d-a", p_sched, p_work, "r-a",
+                     attention_layers(kcc, d_caches), attention_layers(kcc, p_caches))
+    for name in kcc.kv_cache_groups[0].layer_names:
+        for part in (0, 1):
+            for pb, db in zip(p_blocks[0], d_blocks[0]):
+                assert np.array_equal(d_caches[name][part][db], p_caches[name][part][pb]), name
+    for g in (1, 2, 3):
+        for name in kcc.kv_cache_groups[g].layer_names:
+            for part in (0, 1):
+                assert np.array_equal(d_caches[name][part][d_blocks[g][0]].view(np.uint32),
+                                      p_caches[name][part][p_blocks[g][0]].view(np.uint32)), name
+    # 6 blocks of K and V of 2 layers, and 3 groups of 2 state layers, conv and SSM each.
+    kb = BS * HEADS * DIM * 4
+    assert d_work._worker.stats()["bytes_read"] == 6 * kb * 2 * 2 + 3 * 2 * (CONV * TAPS * 4 + kb)
+    assert p_work._worker.stats()["holds_outstanding"] == 0
