@@ -74,11 +74,15 @@ wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
   }
   MutexLock lock(watch->mu);
   auto source = watch->latest.find(static_cast<int>(p.from.tp_rank));
-  if (p.from.engine_id != watch->engine_id || source == watch->latest.end()) {
-    return wire::ErrorReply{StatusCode::kInvalidArgument,
-                            "transfer " + p.transfer_id + " is read from engine " +
-                                watch->engine_id + ", not from " + ReaderKey(p.from) +
-                                "; progress refused"};
+  auto peer = watch->peers.find(static_cast<int>(p.from.tp_rank));
+  if (p.from.engine_id != watch->engine_id || source == watch->latest.end() ||
+      peer == watch->peers.end() || !(peer->second == p.from)) {
+    return wire::ErrorReply{
+        StatusCode::kInvalidArgument,
+        "transfer " + p.transfer_id + " is read from " +
+            (peer != watch->peers.end() ? ReaderKey(peer->second)
+                                        : "engine " + watch->engine_id + " (not handshaken yet)") +
+            ", not from " + ReaderKey(p.from) + "; progress refused"};
   }
   if (p.seq <= source->second.seq) return wire::Ack{0};  // a duplicate, or out of order
   if (p.state == wire::Progress::State::kRunning) {
@@ -182,6 +186,7 @@ Status LoadRunner::DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, D
     MutexLock w(watch->mu);
     for (const SourceAgent& a : agents) {
       // In engine block ids, as announcements name them.
+      watch->peers[a.source.prefill_rank] = a.agent->metadata->agent.peer;
       std::vector<std::int64_t>& blocks = watch->remote_blocks[a.source.prefill_rank];
       for (const CacheSpec& c : a.agent->metadata->caches.specs()) {
         blocks.push_back(c.num_blocks() / c.blocks_per_id());

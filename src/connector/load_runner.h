@@ -118,6 +118,9 @@ class LoadRunner {
     std::map<int, wire::Progress> latest GUARDED_BY(mu);  // by prefill rank, the newest taken
     // By rank, once handshaken: the blocks of each group of its cache, in engine block ids.
     std::map<int, std::vector<std::int64_t>> remote_blocks GUARDED_BY(mu);
+    // By rank, once handshaken: who it is (engine, DP, TP and PP rank); progress from anyone
+    // else (another DP rank of the same engine) is refused.
+    std::map<int, wire::PeerRef> peers GUARDED_BY(mu);
     bool wake GUARDED_BY(mu) = false;  // aborted or stopping: look now
   };
   // One prefill rank a load reads, handshaken.

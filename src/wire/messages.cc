@@ -294,10 +294,57 @@ Result<Message> DecodeAgentMetadata(const MapView& m) {
                                std::move(caches), cache_hash, std::move(features)}};
 }
 
+// A transfer id: 1 to kMaxIdBytes bytes (docs/protocol.md).
+Result<std::string> TransferId(const MapView& m) {
+  KVFERRY_ASSIGN_OR_RETURN(std::string id, m.Str("transfer_id", kMaxIdBytes));
+  if (id.empty()) {
+    return Status::InvalidArgument(m.At("transfer_id") + ": expected 1 to " +
+                                   std::to_string(kMaxIdBytes) + " bytes, found an empty id");
+  }
+  return id;
+}
+
+// Where a subscriber has its progress pushed: "tcp://HOST:PORT", HOST a name or an IPv4
+// address or a bracketed IPv6 one, never a wildcard, PORT 1..65535. Anything else (another
+// transport, a bind address, port 0) is refused before the receiver keeps it.
+Status CheckPushEndpoint(const MapView& m, const std::string& endpoint) {
+  const std::string_view e(endpoint);
+  auto refuse = [&](const char* why) {
+    return Status::InvalidArgument(m.At("endpoint") +
+                                   ": expected tcp://HOST:PORT (a host name or "
+                                   "address, not a wildcard, and a port in 1..65535), found '" +
+                                   endpoint.substr(0, 128) + "': " + why);
+  };
+  constexpr std::string_view kTcp = "tcp://";
+  if (e.substr(0, kTcp.size()) != kTcp) return refuse("not tcp://");
+  const std::string_view rest = e.substr(kTcp.size());
+  const std::size_t colon = rest.rfind(':');
+  if (colon == std::string_view::npos || colon == 0) return refuse("no host and port");
+  const std::string_view host = rest.substr(0, colon);
+  const std::string_view port = rest.substr(colon + 1);
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return refuse("the port is not a number");
+  }
+  const int number = std::stoi(std::string(port));
+  if (number < 1 || number > 65535) return refuse("the port is outside 1..65535");
+  const bool bracketed = host.front() == '[' && host.back() == ']' && host.size() > 2;
+  const std::string_view name = bracketed ? host.substr(1, host.size() - 2) : host;
+  const bool ok = std::all_of(name.begin(), name.end(), [&](char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '.' ||
+           c == '-' || (bracketed && c == ':');
+  });
+  if (!ok || name.empty()) return refuse("the host is not a name or an address");
+  if (name == "0.0.0.0" || name == "::" || name.find_first_not_of("0:") == std::string_view::npos) {
+    return refuse("the host is a wildcard address");
+  }
+  return Status::Ok();
+}
+
 Result<Message> DecodeSubscribe(const MapView& m) {
   Subscribe s;
   KVFERRY_ASSIGN_OR_RETURN(s.from, DecodePeer(m, "from"));
-  KVFERRY_ASSIGN_OR_RETURN(s.transfer_id, m.Str("transfer_id", kMaxIdBytes));
+  KVFERRY_ASSIGN_OR_RETURN(s.transfer_id, TransferId(m));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t tp_size, m.Uint("tp_size", kMaxTpSize));
   if (tp_size == 0 || s.from.tp_rank >= tp_size) {
     return Status::InvalidArgument(m.At("tp_size") + ": expected from.tp_rank " +
@@ -306,6 +353,7 @@ Result<Message> DecodeSubscribe(const MapView& m) {
   }
   s.tp_size = static_cast<std::uint32_t>(tp_size);
   KVFERRY_ASSIGN_OR_RETURN(s.endpoint, m.Str("endpoint", kMaxTextBytes));
+  KVFERRY_RETURN_IF_ERROR(CheckPushEndpoint(m, s.endpoint));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t wait_ms, m.Uint("wait_ms", kMaxU32));
   s.wait_ms = static_cast<std::uint32_t>(wait_ms);
   if (m.Find("groups") != nullptr) {
@@ -353,8 +401,9 @@ Status DecodeProgressGroups(const MapView& m, Progress& p) {
 Result<Message> DecodeProgress(const MapView& m) {
   Progress p;
   KVFERRY_ASSIGN_OR_RETURN(p.from, DecodePeer(m, "from"));
-  KVFERRY_ASSIGN_OR_RETURN(p.transfer_id, m.Str("transfer_id", kMaxIdBytes));
-  KVFERRY_ASSIGN_OR_RETURN(p.seq, m.Uint("seq", kMaxI64));
+  KVFERRY_ASSIGN_OR_RETURN(p.transfer_id, TransferId(m));
+  // Every uint64 (docs/protocol.md): a sender's sequence never wraps in practice.
+  KVFERRY_ASSIGN_OR_RETURN(p.seq, m.Uint("seq", std::numeric_limits<std::uint64_t>::max()));
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t state, m.Uint("state", 2));
   p.state = static_cast<Progress::State>(state);
   KVFERRY_ASSIGN_OR_RETURN(p.reason, m.Str("reason", kMaxTextBytes));

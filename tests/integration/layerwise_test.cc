@@ -284,6 +284,9 @@ TEST(LayerwiseHostileTest, BadAnnouncementsAreRefusedAndTheLoadCompletes) {
   p.from.tp_rank = 1;  // TP 1 -> 1 reads rank 0 only
   EXPECT_EQ(push(p).status().code(), StatusCode::kInvalidArgument);
   p = good;
+  p.from.dp_rank = 1;  // the engine and TP rank the load reads, but another DP rank (issue 30)
+  EXPECT_THAT(push(p).status().message(), HasSubstr("not from prefill-0/1/0"));
+  p = good;
   p.layers_cur = kLayers;  // a layer the cache does not have
   EXPECT_THAT(push(p).status().message(), HasSubstr("layers written of a cache of 2"));
   p = good;

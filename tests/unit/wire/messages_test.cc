@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <msgpack.hpp>
 #include <random>
 
@@ -380,6 +381,43 @@ TEST(WireDecodeTest, ProgressGroupsComeTogetherAndSubscribeNamesSomeGroups) {
     pk.pack(0);
   });
   EXPECT_THAT(DecodeError(bytes).message(), HasSubstr("expected 1 to 16 KV cache groups"));
+}
+
+// Issue 30, item 7: defects an outside hostile client found in the layer-wise messages; each of
+// these was accepted before.
+TEST(WireDecodeTest, ProgressSequenceNumbersTakeEveryUint64) {
+  Progress p = SampleProgress();
+  p.seq = (std::uint64_t{1} << 63) + 5;  // docs/protocol.md types seq as uint64
+  Result<Message> back = Decode(Encode(p));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(std::get<Progress>(*back).seq, p.seq);
+  p.seq = std::numeric_limits<std::uint64_t>::max();
+  ASSERT_TRUE(Decode(Encode(p)).ok());
+}
+
+TEST(WireDecodeTest, AnEmptyTransferIdIsRefused) {
+  Subscribe s{{"decode-0", 0, 1}, "", 2, "tcp://127.0.0.1:7001", 30000};
+  EXPECT_THAT(DecodeError(Encode(s)).message(),
+              HasSubstr("transfer_id: expected 1 to 1024 bytes, found an empty id"));
+  Progress p = SampleProgress();
+  p.transfer_id.clear();
+  EXPECT_THAT(DecodeError(Encode(p)).message(), HasSubstr("found an empty id"));
+}
+
+TEST(WireDecodeTest, SubscriptionEndpointsAreTcpHostsAndPortsOnly) {
+  for (const char* bad :
+       {"garbage", "ipc:///tmp/x", "inproc://x", "tcp://*:7001", "tcp://:7001", "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:99999", "tcp://127.0.0.1", "tcp://0.0.0.0:7001", "tcp://[::]:7001",
+        "tcp://h/x:7001", "tcp://127.0.0.1:70x1", "udp://127.0.0.1:7001"}) {
+    Subscribe s{{"decode-0", 0, 1}, "xfer-7", 2, bad, 30000};
+    EXPECT_THAT(DecodeError(Encode(s)).message(), HasSubstr("expected tcp://HOST:PORT")) << bad;
+  }
+  for (const char* good : {"tcp://127.0.0.1:7001", "tcp://decode-host.example:65535",
+                           "tcp://[::1]:1", "tcp://[fe80::1]:7001"}) {
+    Subscribe s{{"decode-0", 0, 1}, "xfer-7", 2, good, 30000};
+    Result<Message> back = Decode(Encode(s));
+    EXPECT_TRUE(back.ok()) << good << ": " << back.status().ToString();
+  }
 }
 
 TEST(WireDecodeTest, ErrorReplyCannotCarryOk) {
