@@ -1044,17 +1044,23 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
                 or self._host_caches is not None):
             return
         layer = self._layer_index.get(layer_name)
-        if layer is None or layer in self._saved_layers:
-            return  # not a layer kvferry registered, or one sharing a tensor already announced
+        if layer is not None:  # else not a layer kvferry registered
+            self._save_layer_once(layer, layer_name, kv_layer)
+
+    def _save_layer_once(self, layer: int, name: str, tensor: Any) -> None:
+        """Announces kvferry layer `layer` of this step once (layers sharing a tensor, or a state
+        layer an engine saved itself, are not announced twice); never raises into vLLM's forward
+        pass: a failure is logged once."""
+        if layer in self._saved_layers:
+            return
         self._saved_layers.add(layer)
         try:
-            self._worker.save_kv_layer(layer, current_stream_handle(kv_layer))
-        except Exception as e:  # never into vLLM's forward pass
+            self._worker.save_kv_layer(layer, current_stream_handle(tensor))
+        except Exception as e:
             if not self._save_warned:
                 self._save_warned = True
                 logger.error("save_kv_layer(%s): %s: %s; layer-wise announcements of this "
-                             "worker may be missing (logged once)", layer_name,
-                             type(e).__name__, e)
+                             "worker may be missing (logged once)", name, type(e).__name__, e)
 
     def wait_for_save(self) -> None:
         """Whole-request: nothing is pushed. In host-buffer mode, as NixlConnector's
@@ -1087,16 +1093,7 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         (a layer an engine already saved, as vllm-ascend's GDN op does, is not saved again).
         The decode side reads a state only once written to the prompt's end."""
         for layer, name, tensor in self._state_layers:
-            if layer in self._saved_layers:
-                continue
-            self._saved_layers.add(layer)
-            try:
-                self._worker.save_kv_layer(layer, current_stream_handle(tensor))
-            except Exception as e:  # never into vLLM's forward pass
-                if not self._save_warned:
-                    self._save_warned = True
-                    logger.error("save_kv_layer(%s): %s: %s; layer-wise announcements of this "
-                                 "worker may be missing (logged once)", name, type(e).__name__, e)
+            self._save_layer_once(layer, name, tensor)
 
     def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self._worker is None:

@@ -234,6 +234,34 @@ def state_caches_for(kcc, seed=None, tp=1):
     return out, raws
 
 
+def state_pair(kcc, make_caches, seed):
+    """A prefill and a decode connector (scheduler and worker each, as vLLM's factory makes
+    them with the KVCacheConfig) whose workers registered the caches `make_caches` lays out:
+    ((p_sched, p_work), p_caches, (d_sched, d_work), d_caches, d_raw)."""
+    pport, dport = free_port(), free_port()
+    (p_sched, p_work), (d_sched, d_work) = [
+        tuple(kvferry.vllm.KvferryConnector(config(role, port), r, kcc)
+              for r in ("SCHEDULER", "WORKER"))
+        for role, port in (("kv_producer", pport), ("kv_consumer", dport))]
+    p_caches, _ = make_caches(kcc, seed=seed)
+    d_caches, d_raw = make_caches(kcc)
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches(d_caches)
+    return (p_sched, p_work), p_caches, (d_sched, d_work), d_caches, d_raw
+
+
+def expect_only_written_pages(d_raw, d_blocks, d_work):
+    """Pages no group wrote stay zero (shared tensors: one group's block is not another's), and
+    the decode worker read 8 whole attention blocks (32 tokens) of 2 parts of 2 full layers (64
+    bytes a part a token) and 3 state groups of 2 layers one page each, once."""
+    written = set(d_blocks[0]) | {b for g in d_blocks[1:] for b in g}
+    for raw in d_raw:
+        for b in range(NB):
+            if b not in written:
+                assert not raw[b * PAGE:(b + 1) * PAGE].any(), b
+    assert d_work._worker.stats()["bytes_read"] == 32 * 64 * 2 * 2 + 3 * 2 * PAGE
+
+
 def test_a_qwen3_next_like_model_starts_and_moves_every_group_with_vllms_token_rule(monkeypatch):
     """The hybrid SSM model registers and starts (before, vLLM refused it at startup), and a P/D
     transfer moves each group as vLLM's NixlConnector does (nixl/base_scheduler.py): the prefill
@@ -243,15 +271,8 @@ def test_a_qwen3_next_like_model_starts_and_moves_every_group_with_vllms_token_r
     holds every group's blocks until the decode side read them; nothing is left held."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # NixlConnector asserts it too
     kcc = qwen3_next_like()
-    pport, dport = free_port(), free_port()
-    (p_sched, p_work), (d_sched, d_work) = [
-        tuple(kvferry.vllm.KvferryConnector(config(role, port), r, kcc)
-              for r in ("SCHEDULER", "WORKER"))
-        for role, port in (("kv_producer", pport), ("kv_consumer", dport))]
-    p_caches, p_raw = state_caches_for(kcc, seed=3)
-    d_caches, d_raw = state_caches_for(kcc)
-    p_work.register_kv_caches(p_caches)
-    d_work.register_kv_caches(d_caches)
+    (p_sched, p_work), p_caches, (d_sched, d_work), d_caches, d_raw = state_pair(
+        kcc, state_caches_for, 3)
     prompt = 30
     req = request("r-1", {"do_remote_decode": True}, prompt)
     req.max_tokens = 16
@@ -285,15 +306,9 @@ def test_a_qwen3_next_like_model_starts_and_moves_every_group_with_vllms_token_r
                 # As bits: random bytes make NaNs, which compare unequal as floats.
                 assert np.array_equal(d_caches[name][part][db].view(np.uint32),
                                       p_caches[name][part][pb].view(np.uint32)), name
-    # Pages no group wrote stay zero (shared tensors: one group's block is not another's).
-    written = set(d_blocks[0]) | {12, 13, 14}
-    for raw in d_raw:
-        for b in range(NB):
-            if b not in written:
-                assert not raw[b * PAGE:(b + 1) * PAGE].any(), b
     # Bytes: 8 whole blocks (32 tokens) of 2 parts of 2 full layers (64 bytes a part a token),
     # and 3 state groups of 2 layers one page each.
-    assert d_work._worker.stats()["bytes_read"] == 32 * 64 * 2 * 2 + 3 * 2 * PAGE
+    expect_only_written_pages(d_raw, d_blocks, d_work)
     assert d_work._worker.stats()["loads_outstanding"] == 0
     assert p_work._worker.stats()["holds_outstanding"] == 0
 
@@ -481,15 +496,9 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
     reader; nothing is left held."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     kcc = qwen3_next_like()
-    pport, dport = free_port(), free_port()
-    (p_sched, p_work), (d_sched, d_work) = [
-        tuple(kvferry.vllm.KvferryConnector(config(role, port), r, kcc)
-              for r in ("SCHEDULER", "WORKER"))
-        for role, port in (("kv_producer", pport), ("kv_consumer", dport))]
-    p_caches, _ = state_caches_for(kcc, seed=11)
-    d_caches, d_raw = state_caches_for(kcc)
-    p_work.register_kv_caches(p_caches)
-    d_work.register_kv_caches(d_caches)
+    (p_sched, p_work), p_caches, (d_sched, d_work), d_caches, d_raw = state_pair(
+        kcc, state_caches_for, 11)
+    pport = p_work._settings.base_port
     prompt, transfer = 30, "xfer-h"
     dparams = {"do_remote_prefill": True, "transfer_id": transfer,
                "remote_engine_id": f"kv_producer-{pport}", "remote_host": "127.0.0.1",
@@ -544,13 +553,8 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
         g = 1 + i // 2
         assert np.all(d_caches[name][0][d_blocks[g][0]] == 200.0 + i), name  # the final state
         assert np.all(d_caches[name][1][d_blocks[g][0]] == -200.0 - i), name
-    written = set(d_blocks[0]) | {12, 13, 14}
-    for raw in d_raw:
-        for b in range(NB):
-            if b not in written:
-                assert not raw[b * PAGE:(b + 1) * PAGE].any(), b
     # Every attention block once (the chunk boundary is a block's), each state once.
-    assert d_work._worker.stats()["bytes_read"] == 32 * 64 * 2 * 2 + 3 * 2 * PAGE
+    expect_only_written_pages(d_raw, d_blocks, d_work)
     preq.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     delay, params = p_sched.request_finished_all_groups(preq, p_blocks)
     assert delay and params["remote_request_id"] == transfer
@@ -608,15 +612,8 @@ def test_vllm_ascends_hybrid_layout_registers_and_moves_every_group():
     layers' contiguous conv and SSM runs (the SSM run the K run's bytes, as aliased regions), and
     moves each group with vLLM's token rule, every byte checked."""
     kcc = ascend_qwen3_next_like()
-    pport, dport = free_port(), free_port()
-    (p_sched, p_work), (d_sched, d_work) = [
-        tuple(kvferry.vllm.KvferryConnector(config(role, port), r, kcc)
-              for r in ("SCHEDULER", "WORKER"))
-        for role, port in (("kv_producer", pport), ("kv_consumer", dport))]
-    p_caches, _ = ascend_state_caches_for(kcc, seed=17)
-    d_caches, _ = ascend_state_caches_for(kcc)
-    p_work.register_kv_caches(p_caches)
-    d_work.register_kv_caches(d_caches)
+    (p_sched, p_work), p_caches, (d_sched, d_work), d_caches, _ = state_pair(
+        kcc, ascend_state_caches_for, 17)
     prompt = 22
     req = request("r-a", {"do_remote_decode": True}, prompt)
     assert p_sched.get_num_new_matched_tokens(req, 0) == (0, False)  # 21 tokens computed
