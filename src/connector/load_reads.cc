@@ -345,9 +345,6 @@ Status LoadRunner::RunBatches(const LoadSpec& load, std::vector<PlannedBatch>& p
 Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
   const Deadline deadline = DeadlineAfter(cfg_.transfer_timeout);
   KVFERRY_ASSIGN_OR_RETURN(LoadPlan plan, Plan(load));
-  if (!load.transfer_id.empty() && !load.local_block_ids.empty()) {
-    return DoLayerwiseLoad(load, plan, deadline, moved);
-  }
   std::set<std::string> read_from;
   if (!load.local_block_ids.empty()) {
     // Every prefill stage the load reaches (one where the PP sizes are equal), handshaken.

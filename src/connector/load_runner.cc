@@ -33,8 +33,11 @@ LoadRunner::LoadRunner(const LoadRunnerContext& context)
                                             WorkQueue::OnStop::kDrop);
   transfers_ =
       std::make_unique<WorkQueue>(cfg_.transfer_threads, "kvferry-load", cfg_.max_queued_loads);
+  // Steps of layer-wise loads: a step never waits for an announcement, only for its own reads
+  // and round trips, so a few threads step every load of the worker.
   layerwise_ = std::make_unique<WorkQueue>(std::max(1, cfg_.layerwise_threads), "kvferry-lw",
                                            cfg_.max_queued_loads);
+  timer_thread_ = std::thread([this] { RunTimers(); });
   lease_thread_ = std::thread([this] { RenewLeases(); });
 }
 
@@ -52,13 +55,17 @@ void LoadRunner::Stop() {
   {
     MutexLock lock(mu_);
     stopping_ = true;
-    for (const auto& [id, watch] : watches_) {
-      MutexLock w(watch->mu);
-      watch->wake = true;
-      watch->cv.SignalAll();
-    }
+    // Each layer-wise load steps once more, sees the stop and ends (a running step looks again
+    // before it would park).
+    for (const auto& [id, watch] : watches_) (void)Wake(watch);
   }
+  {
+    MutexLock lock(timer_mu_);
+    timers_stopping_ = true;
+  }
+  timer_cv_.SignalAll();
   stop_cv_.SignalAll();
+  if (timer_thread_.joinable()) timer_thread_.join();
   if (lease_thread_.joinable()) lease_thread_.join();
 }
 
@@ -81,11 +88,12 @@ void LoadRunner::Start(const std::vector<LoadSpec>& loads) {
     }
   }
   for (const LoadSpec& load : to_start) {
-    // A layer-wise load sleeps between announcements: it takes a thread of its own pool, so it
-    // never keeps whole-request loads waiting.
-    WorkQueue& queue =
-        load.transfer_id.empty() || load.local_block_ids.empty() ? *transfers_ : *layerwise_;
-    Status queued = queue.TryPost([this, load] { Run(load); });
+    // A layer-wise load is stepped by the layer-wise threads as its announcements come; a
+    // whole-request one (or one of no blocks, which only tells the prefill side) runs on a
+    // transfer thread.
+    const bool layerwise = !load.transfer_id.empty() && !load.local_block_ids.empty();
+    Status queued =
+        layerwise ? StartLayerwise(load) : transfers_->TryPost([this, load] { Run(load); });
     if (!queued.ok()) {
       // Every load ends (rule 11): one that cannot even queue fails now, its blocks recomputed.
       Status s = queued.WithContext("queueing the load of request " + load.request_id);
@@ -179,6 +187,11 @@ void LoadRunner::Run(const LoadSpec& load) {
   const Clock::time_point start = Clock::now();
   std::uint64_t bytes = 0;
   Status s = DoLoad(load, &bytes);
+  EndLoad(load, start, std::move(s), bytes);
+}
+
+void LoadRunner::EndLoad(const LoadSpec& load, Clock::time_point start, Status s,
+                         std::uint64_t bytes) {
   bool aborted_by_engine = false;
   if (!s.ok()) {
     // A load the engine aborted reports that, whatever else went wrong on the way.

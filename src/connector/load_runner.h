@@ -108,21 +108,6 @@ class LoadRunner {
     std::optional<std::string> aborted;  // the engine's reason, once Abort was called
     bool reported = false;               // ended for GetFinished already (by Abort)
   };
-  // A layer-wise load's view of what its prefill ranks announced: written by OnProgress (the
-  // listener's thread), read by the load's thread, which sleeps on `cv` between announcements.
-  struct ProgressWatch {
-    Mutex mu;
-    CondVar cv;
-    std::string engine_id;
-    std::vector<LayerwiseGroup> groups;                   // the load's, set before it is watched
-    std::map<int, wire::Progress> latest GUARDED_BY(mu);  // by prefill rank, the newest taken
-    // By rank, once handshaken: the blocks of each group of its cache, in engine block ids.
-    std::map<int, std::vector<std::int64_t>> remote_blocks GUARDED_BY(mu);
-    // By rank, once handshaken: who it is (engine, DP, TP and PP rank); progress from anyone
-    // else (another DP rank of the same engine) is refused.
-    std::map<int, wire::PeerRef> peers GUARDED_BY(mu);
-    bool wake GUARDED_BY(mu) = false;  // aborted or stopping: look now
-  };
   // One prefill rank a load reads, handshaken.
   struct SourceAgent {
     TpSource source;
@@ -148,12 +133,70 @@ class LoadRunner {
     const CacheSpec& spec() const { return caches[0]; }
   };
 
-  // A load's whole life on a transfer thread. Network and batch waits: never under mu_.
+  // A layer-wise load's state between its steps: touched only by the step that runs (one at a
+  // time), so it needs no lock.
+  struct LayerwiseState {
+    LoadSpec load;
+    std::optional<LoadPlan> plan;
+    std::vector<SourceAgent> agents;
+    std::map<int, LayerwiseCursor> cursors;
+    std::map<int, std::uint64_t> taken;  // by rank, the seq of the announcement last read
+    Clock::time_point start{};
+    Deadline deadline{};
+    Deadline start_deadline{};
+    Deadline progress_deadline = Deadline::max();
+    Clock::time_point heard{};  // the last fresh announcement, or poll
+    std::uint64_t moved = 0;
+    bool set_up = false;
+  };
+  // A layer-wise load (docs/layerwise.md): a state machine that a layer-wise thread steps when
+  // one of its prefill ranks announces progress, a deadline or poll falls due, or the engine
+  // aborts it; between steps it holds no thread, so a worker runs thousands on a few. OnProgress
+  // (the listener's thread) writes `latest`; the step reads it.
+  struct ProgressWatch {
+    Mutex mu;
+    std::string engine_id;
+    std::vector<LayerwiseGroup> groups GUARDED_BY(mu);    // the load's, once set up
+    std::map<int, wire::Progress> latest GUARDED_BY(mu);  // by prefill rank, the newest taken
+    // By rank, once handshaken: the blocks of each group of its cache, in engine block ids.
+    std::map<int, std::vector<std::int64_t>> remote_blocks GUARDED_BY(mu);
+    // By rank, once handshaken: who it is (engine, DP, TP and PP rank); progress from anyone
+    // else (another DP rank of the same engine) is refused.
+    std::map<int, wire::PeerRef> peers GUARDED_BY(mu);
+    bool queued GUARDED_BY(mu) = false;   // a step is posted
+    bool running GUARDED_BY(mu) = false;  // a step runs
+    bool dirty GUARDED_BY(mu) = false;    // woken while its step ran: it steps again
+    bool ended GUARDED_BY(mu) = false;    // reported; never stepped again
+    Clock::time_point wake_at GUARDED_BY(mu) = Clock::time_point::max();  // parked until then
+    LayerwiseState state;                                                 // the stepping thread's
+  };
+
+  // A whole-request load's whole life on a transfer thread. Network and batch waits: never
+  // under mu_.
   void Run(const LoadSpec& load) EXCLUDES(mu_);
+  // Reports a load that ended (done, failed or aborted), once: its bookkeeping, its error, the
+  // abort notices of a failed one.
+  void EndLoad(const LoadSpec& load, Clock::time_point start, Status s, std::uint64_t bytes)
+      EXCLUDES(mu_);
+  // A layer-wise load begins: watched under its transfer id and stepped (InvalidArgument when
+  // another load here reads the same transfer).
+  Status StartLayerwise(const LoadSpec& load) EXCLUDES(mu_);
+  // Posts a step of `w` unless one is posted or runs (then it steps again); Unavailable when
+  // the queue is full (the timer retries).
+  Status Wake(const std::shared_ptr<ProgressWatch>& w) EXCLUDES(timer_mu_);
+  // One step: runs the load as far as it goes without waiting, then parks it (a timer at its
+  // next deadline or poll) or ends it.
+  void Step(const std::shared_ptr<ProgressWatch>& w) EXCLUDES(mu_);
+  // The body of a step: nullopt when every layer is read, else the time to wake at.
+  Result<std::optional<Clock::time_point>> AdvanceLayerwise(ProgressWatch& w) EXCLUDES(mu_);
+  // Handshakes, checks the prefill ranks' caches and subscribes (the first step).
+  Status SetUpLayerwise(ProgressWatch& w) EXCLUDES(mu_);
+  // Subscribes (or polls) at every source; the replies are taken like pushed announcements.
+  Status SubscribeAll(ProgressWatch& w) EXCLUDES(mu_);
+  void AddTimer(Clock::time_point at, const std::shared_ptr<ProgressWatch>& w) EXCLUDES(timer_mu_);
+  void RunTimers() EXCLUDES(timer_mu_);
   // `*bytes`: what it read, once every read has ended.
   Status DoLoad(const LoadSpec& load, std::uint64_t* bytes) EXCLUDES(mu_);
-  Status DoLayerwiseLoad(const LoadSpec& load, const LoadPlan& plan, Deadline deadline,
-                         std::uint64_t* bytes) EXCLUDES(mu_);
   // The caches, the TP plan and the notice endpoints of `load`; fails for an aborted load.
   Result<LoadPlan> Plan(const LoadSpec& load) EXCLUDES(mu_);
   // Handshakes with (or finds cached) every prefill rank of `sources`, checking that each is the
@@ -235,7 +278,7 @@ class LoadRunner {
   std::unique_ptr<sidechannel::FinishedNotifier> notifier_;
   std::unique_ptr<WorkQueue> background_;
   std::unique_ptr<WorkQueue> transfers_;  // after background_: its loads post notices there
-  std::unique_ptr<WorkQueue> layerwise_;  // layer-wise loads, which sleep between announcements
+  std::unique_ptr<WorkQueue> layerwise_;  // steps of layer-wise loads (never sleeping in one)
 
   mutable Mutex mu_;
   CondVar stop_cv_;
@@ -249,7 +292,14 @@ class LoadRunner {
   std::vector<LoadError> errors_ GUARDED_BY(mu_);
   std::deque<LoadTransfer> done_transfers_ GUARDED_BY(mu_);  // the last kMaxTransfers
   WorkerStats stats_ GUARDED_BY(mu_);                        // the decode fields only
-  std::thread lease_thread_;                                 // last: it uses the rest
+  // Parked layer-wise loads by the time they wake at (a later park leaves a stale entry, which
+  // wakes nothing).
+  Mutex timer_mu_;
+  CondVar timer_cv_;
+  std::multimap<Clock::time_point, std::weak_ptr<ProgressWatch>> timers_ GUARDED_BY(timer_mu_);
+  bool timers_stopping_ GUARDED_BY(timer_mu_) = false;
+  std::thread timer_thread_;
+  std::thread lease_thread_;  // last: it uses the rest
 };
 
 }  // namespace kvferry
