@@ -150,8 +150,8 @@ int RunDemo(const DemoArgs& a) {
     if (a.pipeline.layerwise) {
       std::printf(
           "layer-wise    %d of %zu requests sent to both instances at once (shorter than %lld "
-          "tokens: whole-request); exposed transfer p50 %.2f ms, p99 %.2f ms (TTFT less the "
-          "prefill's compute and the decode's first step)\n",
+          "tokens: whole-request); exposed transfer p50 %.2f ms, p99 %.2f ms (from the end of "
+          "each request's prefill compute to its decode's first step)\n",
           layerwise, r->timings.size(), static_cast<long long>(a.pipeline.layerwise_min_tokens),
           Percentile(exposed, 0.5), Percentile(exposed, 0.99));
     }

@@ -43,6 +43,9 @@ struct E2eArgs {
   std::string layerwise = "off";
   bool warm_pool = false;
   std::vector<int> prompts = {128, 512, 2048};
+  /// Requests in flight, swept: each point runs at least this many measured requests.
+  std::vector<int> concurrency = {16};
+  bool concurrency_given = false;  // then each point runs at least that many measured requests
   int requests = 24;
   int warmup = 8;
   bool json = false;
@@ -135,7 +138,8 @@ Status WriteChart(const E2eArgs& a, const Json& points, const Json& baselines) {
 }
 
 // Two panels against prompt length, whole-request and layer-wise side by side: TTFT p50, and the
-// exposed transfer p50 (TTFT less the prefill's compute and the decode's first step).
+// exposed transfer p50 (from the end of each request's prefill compute to its decode's first
+// step).
 Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
   const std::string data = a.chart + ".dat";
   {
@@ -231,103 +235,122 @@ int RunE2e(const E2eArgs& a) {
   std::vector<bool> modes;
   if (a.layerwise != "on") modes.push_back(false);
   if (a.layerwise != "off") modes.push_back(true);
-  for (int len : a.prompts) {
-    for (bool layerwise : modes) {
-      // The warm-up requests go first (fresh instances: first handshakes, first touches of the
-      // caches' pages) and are left out of the per-request figures.
-      // With --warm-pool, enough warm-up for the decode pool to be cycled once: the decode prefix
-      // cache keeps each
-      // request's blocks, so requests land in blocks nobody used until the pool is full, and the
-      // kernel's first write into a page costs several times a later one (about 12 us a page
-      // on this VM), which is not kvferry's doing and would blur the comparison.
-      const std::int64_t blocks = (len + a.pipeline.model.tokens_per_block - 1) /
-                                  std::max<std::int64_t>(1, a.pipeline.model.tokens_per_block);
-      const int warmup =
-          !a.warm_pool
-              ? a.warmup
-              : std::max<int>(a.warmup, static_cast<int>(std::min<std::int64_t>(
-                                            64, (a.pipeline.model.num_blocks + blocks - 1) /
-                                                    std::max<std::int64_t>(1, blocks))));
-      const auto prompts =
-          MakePrompts(warmup + a.requests, len, len, 0.0, static_cast<std::uint32_t>(len));
-      PipelineArgs p = a.pipeline;
-      p.progress = false;
-      p.layerwise = layerwise;
-      Result<PipelineResult> r = RunPipeline(p, prompts);
-      if (!r.ok()) {
-        std::cerr << "kvferry bench e2e: " << r.status().ToString() << "\n";
-        return 1;
-      }
-      std::vector<double> ttft, exposed, compute, first_step;
-      std::vector<RequestTiming> measured;
-      int took_layerwise = 0;
-      for (const RequestTiming& t : r->timings) {
-        if (t.index < static_cast<std::size_t>(warmup)) continue;
-        ttft.push_back(t.ttft_ms);
-        exposed.push_back(t.exposed_ms());
-        compute.push_back(t.compute_ms);
-        first_step.push_back(t.first_step_ms);
-        measured.push_back(t);
-        took_layerwise += t.layerwise ? 1 : 0;
-      }
-      const double gb = static_cast<double>(r->bytes_moved) / 1e9;
-      const ConnectorFigures conn = FiguresOf(measured);
-      const char* mode = layerwise ? "layerwise" : "whole";
-      Json hybrid;
-      if (!GroupsSpec(a.pipeline.model).empty()) {
-        Result<Json> h = HybridFigures(a, p, prompts, warmup, len, conn);
-        if (!h.ok()) {
-          std::cerr << "kvferry bench e2e: " << h.status().ToString() << "\n";
+  for (int concurrency : a.concurrency) {
+    for (int len : a.prompts) {
+      for (bool layerwise : modes) {
+        // The warm-up requests go first (fresh instances: first handshakes, first touches of the
+        // caches' pages) and are left out of the per-request figures.
+        // With --warm-pool, enough warm-up for the decode pool to be cycled once: the decode prefix
+        // cache keeps each
+        // request's blocks, so requests land in blocks nobody used until the pool is full, and the
+        // kernel's first write into a page costs several times a later one (about 12 us a page
+        // on this VM), which is not kvferry's doing and would blur the comparison.
+        const std::int64_t blocks = (len + a.pipeline.model.tokens_per_block - 1) /
+                                    std::max<std::int64_t>(1, a.pipeline.model.tokens_per_block);
+        const int warmup =
+            !a.warm_pool
+                ? a.warmup
+                : std::max<int>(a.warmup, static_cast<int>(std::min<std::int64_t>(
+                                              64, (a.pipeline.model.num_blocks + blocks - 1) /
+                                                      std::max<std::int64_t>(1, blocks))));
+        const int requests = a.concurrency_given ? std::max(a.requests, concurrency) : a.requests;
+        const auto prompts =
+            MakePrompts(warmup + requests, len, len, 0.0, static_cast<std::uint32_t>(len));
+        PipelineArgs p = a.pipeline;
+        p.progress = false;
+        p.layerwise = layerwise;
+        p.concurrency = concurrency;
+        Result<PipelineResult> r = RunPipeline(p, prompts);
+        if (!r.ok()) {
+          std::cerr << "kvferry bench e2e: " << r.status().ToString() << "\n";
           return 1;
         }
-        hybrid = *h;
+        std::vector<double> ttft, exposed, exposed_ttft, queue, compute, first_step;
+        std::vector<RequestTiming> measured;
+        int took_layerwise = 0;
+        for (const RequestTiming& t : r->timings) {
+          if (t.index < static_cast<std::size_t>(warmup)) continue;
+          ttft.push_back(t.ttft_ms);
+          exposed.push_back(t.exposed_ms());
+          exposed_ttft.push_back(t.exposed_ttft_ms());
+          queue.push_back(t.queue_ms);
+          compute.push_back(t.compute_ms);
+          first_step.push_back(t.first_step_ms);
+          measured.push_back(t);
+          took_layerwise += t.layerwise ? 1 : 0;
+        }
+        const double gb = static_cast<double>(r->bytes_moved) / 1e9;
+        const ConnectorFigures conn = FiguresOf(measured);
+        const char* mode = layerwise ? "layerwise" : "whole";
+        Json hybrid;
+        if (!GroupsSpec(a.pipeline.model).empty()) {
+          Result<Json> h = HybridFigures(a, p, prompts, warmup, len, conn);
+          if (!h.ok()) {
+            std::cerr << "kvferry bench e2e: " << h.status().ToString() << "\n";
+            return 1;
+          }
+          hybrid = *h;
+        }
+        const Json& dec = r->decode_end;
+        points.push_back({{"prompt_tokens", len},
+                          {"concurrency", concurrency},
+                          {"prefill_queue_p50_ms", Percentile(queue, 0.5)},
+                          {"prefill_queue_p99_ms", Percentile(queue, 0.99)},
+                          {"exposed_ttft_p50_ms", Percentile(exposed_ttft, 0.5)},
+                          {"exposed_ttft_p99_ms", Percentile(exposed_ttft, 0.99)},
+                          {"decode_threads_peak", dec.value("threads_peak", 0)},
+                          {"decode_rss_peak_bytes", dec.value("rss_peak_bytes", std::uint64_t{0})},
+                          {"hybrid", hybrid},
+                          {"mode", mode},
+                          {"layerwise_requests", took_layerwise},
+                          {"connector", FiguresJson(conn)},
+                          {"requests", requests},
+                          {"warmup", warmup},
+                          {"failed", r->failed},
+                          {"leaked", r->leaked},
+                          {"bytes_moved", r->bytes_moved},
+                          {"wall_s", r->wall_s},
+                          {"gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
+                          {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
+                          {"transfer_p90_us", r->decode_end.value("transfer_p90_us", 0)},
+                          {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
+                          {"transfer_max_us", r->decode_end.value("transfer_max_us", 0)},
+                          {"ttft_p50_ms", Percentile(ttft, 0.5)},
+                          {"ttft_p99_ms", Percentile(ttft, 0.99)},
+                          {"exposed_p50_ms", Percentile(exposed, 0.5)},
+                          {"exposed_p99_ms", Percentile(exposed, 0.99)},
+                          {"prefill_compute_p50_ms", Percentile(compute, 0.5)},
+                          {"first_step_p50_ms", Percentile(first_step, 0.5)}});
+        if (!a.json) {
+          std::fprintf(
+              stdout,
+              "prompt %6d tokens, %-9s, concurrency %3d: %3d requests, %d failed; kvferry "
+              "per request: %.2f MB, transfer p50 %.2f p99 %.2f ms, rate p50 %.2f p10 %.2f "
+              "GB/s; TTFT p50 %.1f p99 %.1f ms (prefill queue p50 %.1f p99 %.1f, compute "
+              "%.1f, first step %.1f), exposed transfer p50 %.2f p99 %.2f ms; decode "
+              "instance: %d threads at most, %.0f MiB resident at most\n",
+              len, mode, concurrency, requests, r->failed,
+              static_cast<double>(conn.bytes_p50) / 1e6, conn.ms_p50, conn.ms_p99, conn.gbps_p50,
+              conn.gbps_p10, Percentile(ttft, 0.5), Percentile(ttft, 0.99), Percentile(queue, 0.5),
+              Percentile(queue, 0.99), Percentile(compute, 0.5), Percentile(first_step, 0.5),
+              Percentile(exposed, 0.5), Percentile(exposed, 0.99), dec.value("threads_peak", 0),
+              static_cast<double>(dec.value("rss_peak_bytes", std::uint64_t{0})) / 1048576.0);
+          if (!hybrid.is_null()) PrintHybrid(len, mode, hybrid);
+          std::fflush(stdout);
+        }
       }
-      points.push_back({{"prompt_tokens", len},
-                        {"hybrid", hybrid},
-                        {"mode", mode},
-                        {"layerwise_requests", took_layerwise},
-                        {"connector", FiguresJson(conn)},
-                        {"requests", a.requests},
-                        {"warmup", warmup},
-                        {"failed", r->failed},
-                        {"leaked", r->leaked},
-                        {"bytes_moved", r->bytes_moved},
-                        {"wall_s", r->wall_s},
-                        {"gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
-                        {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
-                        {"transfer_p90_us", r->decode_end.value("transfer_p90_us", 0)},
-                        {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
-                        {"transfer_max_us", r->decode_end.value("transfer_max_us", 0)},
-                        {"ttft_p50_ms", Percentile(ttft, 0.5)},
-                        {"ttft_p99_ms", Percentile(ttft, 0.99)},
-                        {"exposed_p50_ms", Percentile(exposed, 0.5)},
-                        {"exposed_p99_ms", Percentile(exposed, 0.99)},
-                        {"prefill_compute_p50_ms", Percentile(compute, 0.5)},
-                        {"first_step_p50_ms", Percentile(first_step, 0.5)}});
-      if (!a.json) {
+      if (modes.size() == 2 && !a.json) {
+        const Json& w = points[points.size() - 2];
+        const Json& l = points[points.size() - 1];
+        const double we = w["exposed_p50_ms"].get<double>();
+        const double wt = w["ttft_p50_ms"].get<double>();
         std::fprintf(stdout,
-                     "prompt %6d tokens, %-9s: %3d requests, %d failed; kvferry per request: "
-                     "%.2f MB, transfer p50 %.2f p99 %.2f ms, rate p50 %.2f p10 %.2f GB/s; "
-                     "TTFT p50 %.1f p99 %.1f ms (prefill compute %.1f, first step %.1f), exposed "
-                     "transfer p50 %.2f p99 %.2f ms\n",
-                     len, mode, a.requests, r->failed, static_cast<double>(conn.bytes_p50) / 1e6,
-                     conn.ms_p50, conn.ms_p99, conn.gbps_p50, conn.gbps_p10, Percentile(ttft, 0.5),
-                     Percentile(ttft, 0.99), Percentile(compute, 0.5), Percentile(first_step, 0.5),
-                     Percentile(exposed, 0.5), Percentile(exposed, 0.99));
-        if (!hybrid.is_null()) PrintHybrid(len, mode, hybrid);
-        std::fflush(stdout);
+                     "prompt %6d tokens, concurrency %3d: layer-wise exposed transfer %.1f %% of "
+                     "whole-request's, TTFT p50 %.1f %% of whole-request's\n",
+                     len, concurrency,
+                     we > 0 ? 100.0 * l["exposed_p50_ms"].get<double>() / we : 0.0,
+                     wt > 0 ? 100.0 * l["ttft_p50_ms"].get<double>() / wt : 0.0);
       }
-    }
-    if (modes.size() == 2 && !a.json) {
-      const Json& w = points[points.size() - 2];
-      const Json& l = points[points.size() - 1];
-      const double we = w["exposed_p50_ms"].get<double>();
-      const double wt = w["ttft_p50_ms"].get<double>();
-      std::fprintf(stdout,
-                   "prompt %6d tokens: layer-wise exposed transfer %.1f %% of whole-request's, "
-                   "TTFT p50 %.1f %% of whole-request's\n",
-                   len, we > 0 ? 100.0 * l["exposed_p50_ms"].get<double>() / we : 0.0,
-                   wt > 0 ? 100.0 * l["ttft_p50_ms"].get<double>() / wt : 0.0);
     }
   }
   const Json baselines = TransportBaselines(a.pipeline.model, a.pipeline.decode_tp);
@@ -385,7 +408,20 @@ void AddBenchE2eCommand(CLI::App& bench, int& exit_code) {
                   "Write a PNG chart (gnuplot) of kvferry's per-request transfer time and rate "
                   "against prompt length, with the transport's same-run rate");
   AddPipelineOptions(*e2e, e->pipeline);
-  e2e->callback([e, &exit_code] { exit_code = RunE2e(*e); });
+  // The pipeline's one --concurrency becomes a list swept here.
+  e2e->remove_option(e2e->get_option("--concurrency"));
+  e2e->add_option("--concurrency", e->concurrency,
+                  "Requests in flight, comma-separated to sweep (each point runs at least that "
+                  "many measured requests); per point the exposed transfer of each request from "
+                  "the end of its prefill compute to its decode's first step, the prefill queue "
+                  "apart, and the decode instance's peak threads and memory")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  e2e->callback([e, e2e, &exit_code] {
+    e->concurrency_given = e2e->count("--concurrency") > 0;
+    exit_code = RunE2e(*e);
+  });
 }
 
 }  // namespace kvferry::cli

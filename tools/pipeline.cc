@@ -258,6 +258,8 @@ class Proxy {
     bool prefill_answered = false;
     bool decode_answered = false;
     double compute_ms = 0;
+    double queue_ms = 0;
+    std::int64_t computed_at_us = 0;
     bool at_decode() const { return forwarded != Clock::time_point{}; }
     // When the answer awaited now was asked for.
     Clock::time_point stage_start() const { return at_decode() ? forwarded : sent; }
@@ -274,6 +276,8 @@ class Proxy {
     if (auto t = pending_timings_.find(it->first); t != pending_timings_.end()) {
       if (it->second.prefill_answered) {
         t->second.compute_ms = it->second.compute_ms;
+        t->second.queue_ms = it->second.queue_ms;
+        t->second.computed_at_us = it->second.computed_at_us;
         out_.timings.push_back(t->second);
       }
       pending_timings_.erase(t);
@@ -400,6 +404,8 @@ class Proxy {
       if (it->second.prefill_answered) return;
       it->second.prefill_answered = true;
       it->second.compute_ms = r.value("compute_ms", 0.0);
+      it->second.queue_ms = r.value("queue_ms", 0.0);
+      it->second.computed_at_us = r.value("computed_at_us", std::int64_t{0});
       --prefill_load_[it->second.prefill_instance];
       if (it->second.decode_answered) End(it);
       return;
@@ -421,6 +427,8 @@ class Proxy {
       return;
     }
     it->second.compute_ms = r.value("compute_ms", 0.0);
+    it->second.queue_ms = r.value("queue_ms", 0.0);
+    it->second.computed_at_us = r.value("computed_at_us", std::int64_t{0});
     --prefill_load_[it->second.instance];
     it->second.forwarded = Clock::now();
     it->second.instance = LeastLoaded(decode_load_, decode_down_until_);
@@ -458,9 +466,12 @@ class Proxy {
       t.transfer_bytes = r.value("transfer_bytes", std::uint64_t{0});
       t.transfer_ms = r.value("transfer_ms", 0.0);
       t.first_step_ms = r.value("first_step_ms", 0.0);
+      t.first_step_at_us = r.value("first_step_at_us", std::int64_t{0});
       t.layerwise = it->second.layerwise;
       if (!it->second.layerwise) {
         t.compute_ms = it->second.compute_ms;
+        t.queue_ms = it->second.queue_ms;
+        t.computed_at_us = it->second.computed_at_us;
         out_.timings.push_back(t);
       } else {
         // The prefill's compute arrives with its own answer, which may come later.

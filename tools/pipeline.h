@@ -68,10 +68,22 @@ struct RequestTiming {
   double ttft_ms = 0;        // proxy sent to prefill -> decode answered
   double compute_ms = 0;     // prefill side: its compute (layer by layer for a layer-wise one)
   double first_step_ms = 0;  // decode side: its first step after the load (verification)
-  bool layerwise = false;    // both legs sent at once
-  // TTFT less the prefill's compute and the decode's first step: what the transfer (and the hops
-  // around it) adds to time-to-first-token.
-  double exposed_ms() const { return ttft_ms - compute_ms - first_step_ms; }
+  double queue_ms = 0;       // prefill side: submitted -> scheduled (its queue)
+  // Steady-clock microseconds (shared by the processes of a host): the end of its prefill
+  // compute, the start of its decode's first step; 0 when not reported.
+  std::int64_t computed_at_us = 0;
+  std::int64_t first_step_at_us = 0;
+  bool layerwise = false;  // both legs sent at once
+  // TTFT less the prefill's compute and the decode's first step: what the transfer, the hops
+  // around it and, with requests queued, the prefill's queue add to time-to-first-token.
+  double exposed_ttft_ms() const { return ttft_ms - compute_ms - first_step_ms; }
+  // The request's own exposed transfer: from the end of its prefill compute to its decode's
+  // first step (negative where the load ended first); the prefill's queue is not in it.
+  // exposed_ttft_ms() where the instances did not report the two times.
+  double exposed_ms() const {
+    if (computed_at_us == 0 || first_step_at_us == 0) return exposed_ttft_ms();
+    return static_cast<double>(first_step_at_us - computed_at_us) / 1000.0;
+  }
   std::uint64_t loaded_bytes = 0;
   // In the connector (every rank): bytes read and the transfer's time, 0 when nothing was read.
   std::uint64_t transfer_bytes = 0;

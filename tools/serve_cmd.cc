@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -78,6 +79,27 @@ sidechannel::AuthNonce ClaimedNonce(const std::vector<std::uint8_t>& header) {
     std::copy_n(header.begin() + 12, nonce.size(), nonce.begin());
   }
   return nonce;
+}
+
+// What /proc/self/status says of this process: its threads, and its resident memory now and at
+// its peak (VmRSS, VmHWM); zeros where it cannot be read.
+struct ProcStatus {
+  int threads = 0;
+  std::uint64_t rss_bytes = 0;
+  std::uint64_t rss_peak_bytes = 0;
+};
+
+ProcStatus ReadProcStatus() {
+  ProcStatus out;
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  auto kib = [&](std::size_t at) { return std::stoull(line.substr(at)) * 1024; };
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) out.threads = std::stoi(line.substr(8));
+    if (line.rfind("VmRSS:", 0) == 0) out.rss_bytes = kib(6);
+    if (line.rfind("VmHWM:", 0) == 0) out.rss_peak_bytes = kib(6);
+  }
+  return out;
 }
 
 // Eight hex digits that differ between launches.
@@ -181,6 +203,8 @@ int RunServe(const ServeArgs& a) {
   if (metrics) std::cout << "METRICS " << metrics->url() << std::endl;
 
   bool running = true;
+  int threads_peak = 0;  // the process's, sampled every 20 ms and at each stats request
+  Clock::time_point next_sample{};
   std::size_t max_prompt_tokens = 0;
   for (const CacheSpecOptions& g : *model) {
     if (g.layers.front().kind == CacheKind::kState) continue;  // one block holds any prompt
@@ -275,6 +299,8 @@ int RunServe(const ServeArgs& a) {
         return;
       case ControlOp::kStats: {
         const engine::InstanceStats s = (*instance)->Stats();
+        const ProcStatus proc = ReadProcStatus();
+        threads_peak = std::max(threads_peak, proc.threads);
         reply(identity, nonce,
               {{"ok", true},
                {"used_blocks", s.used_blocks},
@@ -290,6 +316,12 @@ int RunServe(const ServeArgs& a) {
                {"transfer_p90_us", s.transfer_p90_us},
                {"transfer_p99_us", s.transfer_p99_us},
                {"transfer_max_us", s.transfer_max_us},
+               // The process: threads and resident memory now and at their peak (threads sampled
+               // by the loop below, memory by the kernel), what a connector costs an engine.
+               {"threads", proc.threads},
+               {"threads_peak", threads_peak},
+               {"rss_bytes", proc.rss_bytes},
+               {"rss_peak_bytes", proc.rss_peak_bytes},
                // Where its connector listens, for a proxy that sends layer-wise decode legs
                // (kv_transfer_params remote_*) before this instance has answered anything.
                {"connector",
@@ -311,6 +343,10 @@ int RunServe(const ServeArgs& a) {
   };
 
   while (running) {
+    if (Clock::now() >= next_sample) {
+      threads_peak = std::max(threads_peak, ReadProcStatus().threads);
+      next_sample = Clock::now() + std::chrono::milliseconds(20);
+    }
     // With --exit-on-stdin-eof (kvferry demo passes it) the instance ends with its parent.
     zmq_pollitem_t items[2] = {{control.get(), 0, ZMQ_POLLIN, 0},
                                {nullptr, STDIN_FILENO, ZMQ_POLLIN, 0}};
@@ -362,6 +398,8 @@ int RunServe(const ServeArgs& a) {
              {"compute_ms", r.compute_ms},
              {"load_ms", r.load_ms},
              {"first_step_ms", r.first_step_ms},
+             {"computed_at_us", r.computed_at_us},
+             {"first_step_at_us", r.first_step_at_us},
              {"transfer_bytes", r.transfer_bytes},
              {"transfer_ms", r.transfer_ms}});
       reply_to.erase(it);

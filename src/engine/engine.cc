@@ -12,6 +12,10 @@
 namespace kvferry::engine {
 namespace {
 
+std::int64_t SteadyMicros(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+}
+
 double Ms(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
@@ -350,6 +354,7 @@ void Instance::StepPrefill(std::vector<EngineResult>& out) {
     Scheduler::FinishedResult f = Finish(r, FinishReason::kLengthCapped);
     r.result.queue_ms = Ms(r.submitted, r.scheduled);
     r.result.compute_ms = Ms(r.scheduled, computed);
+    r.result.computed_at_us = SteadyMicros(computed);
     if (f.params) r.result.params = *f.params;
     if (f.delay_free) {
       held_[r.request.request_id] = r.blocks;
@@ -504,6 +509,7 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
       }
       Status verify;
       const Clock::time_point step = Clock::now();
+      r.result.first_step_at_us = SteadyMicros(step);
       // What the load brought (with state groups, the prompt less the last token, which a real
       // engine computes in this step from the loaded state).
       r.result.verified_bytes = Verify(r, {0, r.loaded_end}, &verify);

@@ -112,6 +112,11 @@ struct EngineResult {
   /// decode: the engine's first step after the load, here the verification of every byte (what
   /// a real engine's first decode step costs is in its place in TTFT).
   double first_step_ms = 0;
+  /// When the prefill's compute ended (prefill) and the first step began (decode), in
+  /// microseconds of the steady clock, which every process on a host shares (CLOCK_MONOTONIC):
+  /// a request's exposed transfer is first_step_at_us at decode - computed_at_us at prefill.
+  std::int64_t computed_at_us = 0;
+  std::int64_t first_step_at_us = 0;
   /// decode, a load that ended done: what the connector read for it (every rank) and how long
   /// its transfer took in the connector (the slowest rank's; Worker::TakeLoadTransfers).
   std::uint64_t transfer_bytes = 0;

@@ -127,8 +127,8 @@ TEST(LayerwiseScaleTest, AThousandLoadsAtOnceOnBoundedThreadsEachReadAsAnnounced
     params[static_cast<std::size_t>(i)].do_remote_decode = true;
     params[static_cast<std::size_t>(i)].transfer_id = "x" + std::to_string(i);
     const std::vector<std::int64_t> block = {kLoads + 7 - i};
-    scheduler.RequestScheduled("p" + std::to_string(i), params[static_cast<std::size_t>(i)],
-                               block, 0, kTokens, kTokens);
+    scheduler.RequestScheduled("p" + std::to_string(i), params[static_cast<std::size_t>(i)], block,
+                               0, kTokens, kTokens);
   }
   prefill->StartLoadKv(scheduler.BuildConnectorMeta());
   for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(prefill->SaveKvLayer(l).ok());
@@ -141,14 +141,15 @@ TEST(LayerwiseScaleTest, AThousandLoadsAtOnceOnBoundedThreadsEachReadAsAnnounced
       &peak))
       << received.size() << " of " << kLoads << " loads ended";
   const std::vector<LoadError> errors = decode->TakeLoadErrors();
-  ASSERT_TRUE(errors.empty()) << errors.size() << " failed, first: "
-                              << errors.front().status.ToString();
+  ASSERT_TRUE(errors.empty()) << errors.size()
+                              << " failed, first: " << errors.front().status.ToString();
   for (int i = 0; i < kLoads; ++i) {
     for (int l = 0; l < kLayers; ++l) {
       for (int p = 0; p < decode_cache.spec.num_parts(); ++p) {
-        ASSERT_EQ(std::memcmp(decode_cache.Block(l, p, i), prefill_cache.Block(l, p, kLoads + 7 - i),
-                              static_cast<std::size_t>(decode_cache.spec.BlockBytes(p))),
-                  0)
+        ASSERT_EQ(
+            std::memcmp(decode_cache.Block(l, p, i), prefill_cache.Block(l, p, kLoads + 7 - i),
+                        static_cast<std::size_t>(decode_cache.spec.BlockBytes(p))),
+            0)
             << "request " << i << " layer " << l << " part " << p;
       }
     }

@@ -67,3 +67,31 @@ def test_bench_e2e_charts_the_per_request_figures_without_the_warmup(tmp_path):
     with open(chart, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "e2e.png.dat").exists() and not (tmp_path / "e2e.png.gp").exists()
+
+
+def test_bench_e2e_sweeps_concurrency_with_each_requests_own_exposed_transfer():
+    """Issue 30, item 2: figures that hold under load. `--concurrency` takes a list and sweeps it;
+    per point each request's exposed transfer runs from the end of its own prefill compute to
+    its decode's first step (the instances report both on the host's steady clock), the prefill's
+    queue is reported apart, and the decode instance's peak threads and memory come with it. At
+    concurrency 8 the requests queue at the prefill: TTFT less compute and first step (the old
+    figure) counts that queue, the request's own exposed transfer does not."""
+    cli = _cli()
+    out = subprocess.run([cli, "bench", "e2e", "--layerwise", "both", "--concurrency", "1,8",
+                          "--prompts", "128", "--requests", "8", "--warmup", "1",
+                          "--compute-us-per-token", "200", "--json"] + SMALL[:-1],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    points = json.loads(out.stdout)["points"]
+    assert [(p["concurrency"], p["mode"]) for p in points] == [
+        (1, "whole"), (1, "layerwise"), (8, "whole"), (8, "layerwise")]
+    for p in points:
+        assert p["failed"] == 0 and p["requests"] == 8
+        assert 0 < p["decode_threads_peak"] < 200, p["decode_threads_peak"]
+        assert p["decode_rss_peak_bytes"] > 0
+        assert 0 <= p["prefill_queue_p50_ms"] <= p["prefill_queue_p99_ms"]
+        assert p["exposed_p50_ms"] <= p["exposed_p99_ms"]
+    busy = [p for p in points if p["concurrency"] == 8]
+    # 8 requests of 25.6 ms of compute each, one prefill at a time: the later ones wait.
+    assert all(p["prefill_queue_p99_ms"] > 20 for p in busy), busy
+    assert all(p["exposed_p50_ms"] < p["exposed_ttft_p50_ms"] for p in busy), busy
