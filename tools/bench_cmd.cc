@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,7 +14,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -32,6 +35,7 @@
 #include "kvferry/transport.h"
 #include "tools/commands.h"
 #include "transport/shm/huge_pages.h"
+#include "transport/ucx/ucx_section.h"
 
 namespace kvferry::cli {
 namespace {
@@ -239,6 +243,13 @@ struct Measurement {
   Series ours;
   std::string baseline;
   Series base;
+  Series base_default;  // ucx: ucx_perftest at UCX's default settings
+  // CPU seconds per GB moved: kvferry's reader (this process) and server (the peer process);
+  // the baseline's, both its sides in this process (memcpy: the reader alone; tcp stream: both
+  // threads), where it runs here (ucx_perftest runs in processes of its own: not measured).
+  Series reader_cpu;
+  Series server_cpu;
+  Series base_cpu;
 };
 
 // Random scattered block pairs for one batch: remote blocks anywhere in a pool of
@@ -254,6 +265,30 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> ScatterPlan(std::uint64_t r
   count = std::min(count, local_blocks);
   for (std::uint64_t i = 0; i < count; ++i) plan.emplace_back(rng() % remote_blocks, local[i]);
   return plan;
+}
+
+// CPU seconds (user + system) a process has used: this one's (every thread's, getrusage), or
+// another's from /proc/PID/stat (0 where it cannot be read).
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+double CpuSeconds(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // Fields after the command (which may hold spaces, inside parentheses): utime is the 14th
+  // field, stime the 15th, in clock ticks.
+  const std::size_t close = text.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream in(text.substr(close + 2));
+  std::vector<std::string> fields;
+  for (std::string f; in >> f;) fields.push_back(f);
+  if (fields.size() < 13) return 0;
+  const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+  return (std::stod(fields[11]) + std::stod(fields[12])) / ticks;
 }
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
@@ -351,10 +386,24 @@ double PlainTcpStream(double min_seconds) {
   return seconds > 0 ? static_cast<double>(received) / seconds / 1e9 : 0;
 }
 
+// The environment that gives ucx_perftest the TCP segment sizes kvferry's UCX context uses
+// (docs/transport.md, "ucx"): kvferry's default on both sides where this process's environment
+// sets neither, nothing where it sets one (the child inherits it, as kvferry's context reads it).
+std::string KvferryUcxSegments() {
+  if (std::getenv("UCX_TCP_TX_SEG_SIZE") != nullptr ||  // NOLINT(concurrency-mt-unsafe)
+      std::getenv("UCX_TCP_RX_SEG_SIZE") != nullptr) {  // NOLINT(concurrency-mt-unsafe)
+    return "";
+  }
+  const std::string bytes = std::to_string(kUcxDefaultTcpSegBytes);
+  return "UCX_TCP_TX_SEG_SIZE=" + bytes + " UCX_TCP_RX_SEG_SIZE=" + bytes + " ";
+}
+
 // Raw UCX: ucx_perftest's ucp_get of `block` bytes with 16 outstanding, server and client on
-// loopback, under this process's UCX environment (UCX_TLS): what the ucx backend is compared
-// against. NotFound when ucx_perftest is not installed (Debian's ucx-utils).
-Result<double> UcxPerftestGet(std::uint64_t block, double min_seconds) {
+// loopback, under this process's UCX environment (UCX_TLS) and `env` (KEY=VALUE pairs, each
+// followed by a space): what the ucx backend is compared against, with kvferry's segment sizes
+// (like for like) and with UCX's defaults. NotFound when ucx_perftest is not installed (Debian's
+// ucx-utils).
+Result<double> UcxPerftestGet(std::uint64_t block, double min_seconds, const std::string& env) {
   if (std::system("command -v ucx_perftest >/dev/null 2>&1") !=
       0) {  // NOLINT(concurrency-mt-unsafe)
     return Status::NotFound("ucx_perftest is not installed (Debian's ucx-utils)");
@@ -362,7 +411,7 @@ Result<double> UcxPerftestGet(std::uint64_t block, double min_seconds) {
   const int port = 13300 + static_cast<int>(getpid() % 500);
   KVFERRY_ASSIGN_OR_RETURN(
       Subprocess server,
-      Subprocess::Spawn({"/bin/sh", "-c", "exec ucx_perftest -p " + std::to_string(port)}));
+      Subprocess::Spawn({"/bin/sh", "-c", env + "exec ucx_perftest -p " + std::to_string(port)}));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its listener's start
   // About min_seconds of gets at the ~1 GB/s UCX's tcp transport reaches.
   const std::uint64_t iters =
@@ -370,9 +419,9 @@ Result<double> UcxPerftestGet(std::uint64_t block, double min_seconds) {
   KVFERRY_ASSIGN_OR_RETURN(
       Subprocess client,
       Subprocess::Spawn({"/bin/sh", "-c",
-                         "ucx_perftest 127.0.0.1 -p " + std::to_string(port) + " -t ucp_get -s " +
-                             std::to_string(block) + " -O 16 -n " + std::to_string(iters) +
-                             " 2>&1 | grep '^Final:'"}));
+                         env + "ucx_perftest 127.0.0.1 -p " + std::to_string(port) +
+                             " -t ucp_get -s " + std::to_string(block) + " -O 16 -n " +
+                             std::to_string(iters) + " 2>&1 | grep '^Final:'"}));
   Result<std::string> line = client.ReadLine(std::chrono::seconds(120));
   (void)client.CloseAndWait(std::chrono::seconds(5));
   (void)server.CloseAndWait(std::chrono::seconds(5));
@@ -457,6 +506,8 @@ class BackendBench {
       bytes += f.plan.size() * block;
       return Status::Ok();
     };
+    const double reader_cpu = CpuSeconds();
+    const double server_cpu = CpuSeconds(peer_->pid());
     const auto start = Clock::now();
     auto now = start;
     do {
@@ -475,8 +526,15 @@ class BackendBench {
       now = Clock::now();
     } while (Seconds(start, now) < a_.min_seconds);
     while (!inflight.empty()) KVFERRY_RETURN_IF_ERROR(finish_oldest());
-    return static_cast<double>(bytes) / Seconds(start, Clock::now()) / 1e9;
+    const double gb = static_cast<double>(bytes) / 1e9;
+    reader_cpu_per_gb_ = (CpuSeconds() - reader_cpu) / gb;
+    server_cpu_per_gb_ = (CpuSeconds(peer_->pid()) - server_cpu) / gb;
+    return gb / Seconds(start, Clock::now());
   }
+  /// CPU seconds (user + system) per GB the last Measure used in this process (the reader's,
+  /// every thread) and in the serving peer process.
+  double reader_cpu_per_gb() const { return reader_cpu_per_gb_; }
+  double server_cpu_per_gb() const { return server_cpu_per_gb_; }
 
   // The baseline of this backend and memory, measured now: the name, and GB/s.
   Result<std::pair<std::string, double>> Baseline(std::uint64_t block) {
@@ -500,10 +558,19 @@ class BackendBench {
                             MemcpyGather(*source_, *dest_, block, a_.min_seconds, per_batch, rng_));
     }
     if (backend_ == "ucx") {
-      KVFERRY_ASSIGN_OR_RETURN(double g, UcxPerftestGet(block, a_.min_seconds));
+      // Like for like: the TCP segments kvferry's context uses (UCX's default is 8 KiB).
+      KVFERRY_ASSIGN_OR_RETURN(double g,
+                               UcxPerftestGet(block, a_.min_seconds, KvferryUcxSegments()));
       return std::make_pair(std::string("ucx_perftest_get"), g);
     }
     return std::make_pair(std::string("tcp_stream"), PlainTcpStream(a_.min_seconds));
+  }
+
+  /// ucx only: the same baseline at UCX's default settings (no segment sizes of kvferry's), kept
+  /// beside the like-for-like one; NotFound for other backends.
+  Result<double> DefaultSettingsBaseline(std::uint64_t block) {
+    if (backend_ != "ucx") return Status::NotFound("no default-settings baseline");
+    return UcxPerftestGet(block, a_.min_seconds, "");
   }
 
   /// The local pool when it is host memory, else null; its size.
@@ -528,6 +595,8 @@ class BackendBench {
   std::set<std::uint64_t> verified_;
   std::unique_ptr<Buffer> source_;  // the memcpy baseline's (host memory, shm)
   std::unique_ptr<Buffer> dest_;
+  double reader_cpu_per_gb_ = 0;
+  double server_cpu_per_gb_ = 0;
 };
 
 std::string SizeName(std::uint64_t b) {
@@ -584,12 +653,10 @@ int RunBench(const BenchArgs& a) {
   std::vector<std::vector<Measurement>> results(targets.size());
   for (std::size_t i = 0; i < targets.size(); ++i) {
     for (std::uint64_t block : a.sizes) {
-      results[i].push_back(
-          {targets[i].backend + (targets[i].memory == "host" ? "" : "@" + targets[i].memory),
-           block,
-           {},
-           "",
-           {}});
+      Measurement m;
+      m.backend = targets[i].backend + (targets[i].memory == "host" ? "" : "@" + targets[i].memory);
+      m.block = block;
+      results[i].push_back(std::move(m));
     }
   }
   for (int round = 0; round < std::max(a.rounds, 1); ++round) {
@@ -605,11 +672,23 @@ int RunBench(const BenchArgs& a) {
         }
         Measurement& m = results[i][k];
         m.ours.gbps.push_back(*ours);
+        m.reader_cpu.gbps.push_back(benches[i]->reader_cpu_per_gb());
+        m.server_cpu.gbps.push_back(benches[i]->server_cpu_per_gb());
         if (targets[i].against >= 0) {
           m.baseline = "tcp_host_memory";
           continue;  // filled below from the other target's figures of this round
         }
+        const double cpu_before = CpuSeconds();
+        const auto base_start = Clock::now();
         Result<std::pair<std::string, double>> base = benches[i]->Baseline(block);
+        if (base.ok() && base->second > 0 && base->first != "ucx_perftest_get") {
+          // GB the baseline moved: its rate over the time it ran (a few ms of setup included).
+          const double gb = base->second * Seconds(base_start, Clock::now());
+          m.base_cpu.gbps.push_back((CpuSeconds() - cpu_before) / gb);
+        }
+        if (Result<double> d = benches[i]->DefaultSettingsBaseline(block); d.ok()) {
+          m.base_default.gbps.push_back(*d);
+        }
         if (base.ok()) {
           m.baseline = base->first;
           m.base.gbps.push_back(base->second);
@@ -640,11 +719,15 @@ int RunBench(const BenchArgs& a) {
                       "%s{\"backend\": \"%s\", \"block_bytes\": %llu, \"gbps\": %.3f, "
                       "\"gbps_min\": %.3f, \"gbps_max\": %.3f, \"baseline\": \"%s\", "
                       "\"baseline_gbps\": %.3f, \"baseline_min\": %.3f, \"baseline_max\": %.3f, "
-                      "\"ratio\": %.3f}",
+                      "\"baseline_default_gbps\": %.3f, \"ratio\": %.3f, "
+                      "\"reader_cpu_s_per_gb\": %.3f, \"server_cpu_s_per_gb\": %.3f, "
+                      "\"baseline_cpu_s_per_gb\": %.3f}",
                       first ? "" : ", ", m.backend.c_str(),
                       static_cast<unsigned long long>(m.block), m.ours.Median(), m.ours.Min(),
                       m.ours.Max(), m.baseline.c_str(), m.base.Median(), m.base.Min(), m.base.Max(),
-                      m.base.Median() > 0 ? m.ours.Median() / m.base.Median() : 0.0);
+                      m.base_default.Median(),
+                      m.base.Median() > 0 ? m.ours.Median() / m.base.Median() : 0.0,
+                      m.reader_cpu.Median(), m.server_cpu.Median(), m.base_cpu.Median());
         std::cout << line;
         first = false;
       }
@@ -658,16 +741,25 @@ int RunBench(const BenchArgs& a) {
   if (huge_fraction >= 0) std::cout << " (" << std::lround(huge_fraction * 100) << " % huge)";
   std::cout << "\n"
             << "backend   block      GB/s (min-max)         baseline           GB/s (min-max)    "
-               "     ratio\n";
+               "     ratio   CPU s/GB: reader  server  baseline\n";
   for (const auto& per_target : results) {
     for (const Measurement& m : per_target) {
       if (m.ours.gbps.empty()) continue;
-      std::snprintf(line, sizeof(line),
-                    "%-9s %-9s %6.2f (%5.2f-%5.2f)  %-18s %6.2f (%5.2f-%5.2f)  %5.2f\n",
-                    m.backend.c_str(), SizeName(m.block).c_str(), m.ours.Median(), m.ours.Min(),
-                    m.ours.Max(), m.baseline.c_str(), m.base.Median(), m.base.Min(), m.base.Max(),
-                    m.base.Median() > 0 ? m.ours.Median() / m.base.Median() : 0.0);
+      std::snprintf(
+          line, sizeof(line),
+          "%-9s %-9s %6.2f (%5.2f-%5.2f)  %-18s %6.2f (%5.2f-%5.2f)  %5.2f  %15.3f "
+          "%7.3f %9s\n",
+          m.backend.c_str(), SizeName(m.block).c_str(), m.ours.Median(), m.ours.Min(), m.ours.Max(),
+          m.baseline.c_str(), m.base.Median(), m.base.Min(), m.base.Max(),
+          m.base.Median() > 0 ? m.ours.Median() / m.base.Median() : 0.0, m.reader_cpu.Median(),
+          m.server_cpu.Median(),
+          m.base_cpu.gbps.empty() ? "-" : std::to_string(m.base_cpu.Median()).substr(0, 5).c_str());
       std::cout << line;
+      if (!m.base_default.gbps.empty()) {
+        std::snprintf(line, sizeof(line), "%-9s %-9s %-22s  %-18s %6.2f (UCX's default settings)\n",
+                      "", "", "", "  same, 8 KiB segs", m.base_default.Median());
+        std::cout << line;
+      }
     }
   }
   return 0;

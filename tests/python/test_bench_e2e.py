@@ -95,3 +95,29 @@ def test_bench_e2e_sweeps_concurrency_with_each_requests_own_exposed_transfer():
     # 8 requests of 25.6 ms of compute each, one prefill at a time: the later ones wait.
     assert all(p["prefill_queue_p99_ms"] > 20 for p in busy), busy
     assert all(p["exposed_p50_ms"] < p["exposed_ttft_p50_ms"] for p in busy), busy
+
+
+def test_bench_transport_reports_cpu_per_gb_on_each_side_and_ucx_at_kvferrys_segments():
+    """Issue 30, items 3 and 5: `bench transport` reports the CPU seconds (user + system) per GB
+    moved by the reader (this process, every thread) and by the serving peer process, and its
+    baseline's where the baseline runs in this process; the ucx baseline runs ucx_perftest with
+    the TCP segment sizes kvferry's UCX context uses (like for like), the UCX-defaults figure
+    beside it."""
+    cli = _cli()
+    out = subprocess.run([cli, "bench", "transport", "--backends", "shm,tcp,ucx", "--sizes",
+                          "65536", "--pool-mib", "16", "--rounds", "1", "--min-seconds", "0.2",
+                          "--json"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, UCX_TLS="tcp"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = {r["backend"]: r for r in json.loads(out.stdout)["results"]}
+    assert set(results) == {"shm", "tcp", "ucx"}, results
+    for name, r in results.items():
+        assert r["gbps"] > 0, r
+        assert 0 < r["reader_cpu_s_per_gb"] < 100, r
+        assert 0 <= r["server_cpu_s_per_gb"] < 100, r
+    # The tcp peer sends every byte itself; shm's peer only serves the mapping.
+    assert results["tcp"]["server_cpu_s_per_gb"] > 0
+    assert results["shm"]["baseline"] == "memcpy_gather" and results["shm"]["baseline_cpu_s_per_gb"] > 0
+    assert results["tcp"]["baseline"] == "tcp_stream" and results["tcp"]["baseline_cpu_s_per_gb"] > 0
+    if results["ucx"]["baseline"] == "ucx_perftest_get":  # Debian's ucx-utils (make deps)
+        assert results["ucx"]["baseline_gbps"] > 0 and results["ucx"]["baseline_default_gbps"] > 0
