@@ -231,6 +231,11 @@ void PrintHybrid(int len, const char* mode, const Json& h) {
 }
 
 int RunE2e(const E2eArgs& a) {
+  if (!a.chart.empty() && a.concurrency.size() > 1) {
+    std::cerr << "kvferry bench e2e: --chart plots against prompt length at one concurrency; "
+                 "give one --concurrency value with it, or leave --chart out of a sweep\n";
+    return 2;
+  }
   Json points = Json::array();
   std::vector<bool> modes;
   if (a.layerwise != "on") modes.push_back(false);

@@ -386,9 +386,10 @@ struct WorkerConfig {
   std::chrono::milliseconds layerwise_start_timeout{30000};
   std::chrono::milliseconds layerwise_progress_timeout{5000};
   /// Decode side: the threads that step layer-wise loads. A load holds one only while it plans
-  /// and reads what an announcement brought (or handshakes, subscribes, confirms), never while
-  /// it waits for the next, so a few step thousands of loads (docs/layerwise.md).
-  int layerwise_threads = 4;
+  /// and reads what an announcement brought (or handshakes, subscribes, polls, confirms: round
+  /// trips bounded by their timeouts), never while it waits for the next, so a few step
+  /// thousands of loads (docs/layerwise.md).
+  int layerwise_threads = 16;
   /// Prefill side caps on what peers can make this worker keep (docs/reliability.md): transfers
   /// subscribed to before this worker started their request, and subscribers per transfer.
   /// Past them a subscription is refused with ResourceExhausted.

@@ -55,30 +55,23 @@ std::vector<LayerwiseGroup> LayerwiseGroupsOf(const LoadSpec& load, const CacheG
 
 void LoadRunner::WakeWatch(const std::string& transfer_id) {
   auto it = watches_.find(transfer_id);
-  if (it != watches_.end()) (void)Wake(it->second);  // a full queue: its timer retries
+  if (it != watches_.end()) Wake(it->second);
 }
 
-Status LoadRunner::Wake(const std::shared_ptr<ProgressWatch>& w) {
+void LoadRunner::Wake(const std::shared_ptr<ProgressWatch>& w) {
   {
     MutexLock lock(w->mu);
-    if (w->ended) return Status::Ok();
+    if (w->ended) return;
     if (w->running) {
       w->dirty = true;  // the running step looks again before it parks
-      return Status::Ok();
+      return;
     }
-    if (w->queued) return Status::Ok();
+    if (w->queued) return;
     w->queued = true;
   }
-  Status posted = layerwise_->TryPost([this, w] { Step(w); });
-  if (!posted.ok()) {
-    {
-      MutexLock lock(w->mu);
-      w->queued = false;
-    }
-    // Every step ends a wait that has a deadline: a queue full of steps is tried again shortly.
-    AddTimer(Clock::now() + std::chrono::milliseconds(1), w);
-  }
-  return posted;
+  // Past the queue's capacity: each load has at most one step queued, and StartLayerwise caps the
+  // loads, so the queue is bounded by them; a step never fails to be queued.
+  layerwise_->Post([this, w] { Step(w); });
 }
 
 void LoadRunner::AddTimer(Clock::time_point at, const std::shared_ptr<ProgressWatch>& w) {
@@ -113,7 +106,7 @@ void LoadRunner::RunTimers() {
         MutexLock lock(w->mu);
         if (w->wake_at > now) continue;  // parked again since, until later
       }
-      (void)Wake(w);
+      Wake(w);
     }
   }
 }
@@ -125,23 +118,19 @@ Status LoadRunner::StartLayerwise(const LoadSpec& load) {
   w->state.start = Clock::now();
   {
     MutexLock lock(mu_);
+    if (watches_.size() >= cfg_.max_queued_loads) {
+      return Status::ResourceExhausted(
+          "this decode worker already runs " + std::to_string(watches_.size()) +
+          " layer-wise loads (max_queued_loads); request " + load.request_id + " is recomputed");
+    }
     if (!watches_.emplace(load.transfer_id, w).second) {
       return Status::InvalidArgument("transfer " + load.transfer_id +
                                      " is already being loaded on this worker by another request; "
                                      "a transfer id must be unique per request");
     }
+    Wake(w);  // under mu_, so an Abort that finds the watch finds its step queued
   }
-  Status posted = Wake(w);
-  if (!posted.ok()) {
-    // Never stepped: it ends here, as a load that cannot be queued does.
-    {
-      MutexLock lock(mu_);
-      watches_.erase(load.transfer_id);
-    }
-    MutexLock lock(w->mu);
-    w->ended = true;
-  }
-  return posted;
+  return Status::Ok();
 }
 
 void LoadRunner::Step(const std::shared_ptr<ProgressWatch>& w) {
@@ -236,7 +225,7 @@ wire::Message LoadRunner::OnProgress(const wire::Progress& p) {
     }
     source->second = p;
   }
-  (void)Wake(watch);  // a full queue: its timer retries
+  Wake(watch);
   return wire::Ack{1};
 }
 
@@ -311,6 +300,19 @@ Status LoadRunner::SetUpLayerwise(ProgressWatch& w) {
     }
   }
   st.start_deadline = std::min(st.deadline, st.start + cfg_.layerwise_start_timeout);
+  std::string listener;
+  {
+    MutexLock lock(mu_);
+    listener = listener_endpoint_;
+  }
+  if (Status own = wire::CheckPushEndpoint(listener); !own.ok()) {
+    // A prefill worker would refuse the subscription; say why here, where it can be fixed.
+    return Status::NotSupported("request " + load.request_id + ": this decode worker listens on " +
+                                listener + ", where a prefill worker cannot push progress (" +
+                                std::string(own.message()) +
+                                "); give the worker this node's address as its host (WorkerConfig "
+                                "host, KVFERRY_HOST, or the adapter's \"host\": \"auto\")");
+  }
   KVFERRY_RETURN_IF_ERROR(SubscribeAll(w));
   st.heard = Clock::now();
   return Status::Ok();

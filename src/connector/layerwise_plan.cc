@@ -6,7 +6,8 @@
 namespace kvferry {
 namespace {
 
-std::int64_t CeilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+// a / b rounded up, for a >= 0 and b > 0 (a peer's prompt may be near INT64_MAX: no a + b - 1).
+std::int64_t CeilDiv(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 // The prompt tokens `p` announces written in layer `l` of group `g`.
 std::int64_t Announced(const wire::Progress& p, int g, int l) {

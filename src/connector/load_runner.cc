@@ -57,7 +57,7 @@ void LoadRunner::Stop() {
     stopping_ = true;
     // Each layer-wise load steps once more, sees the stop and ends (a running step looks again
     // before it would park).
-    for (const auto& [id, watch] : watches_) (void)Wake(watch);
+    for (const auto& [id, watch] : watches_) Wake(watch);
   }
   {
     MutexLock lock(timer_mu_);

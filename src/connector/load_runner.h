@@ -179,11 +179,10 @@ class LoadRunner {
   void EndLoad(const LoadSpec& load, Clock::time_point start, Status s, std::uint64_t bytes)
       EXCLUDES(mu_);
   // A layer-wise load begins: watched under its transfer id and stepped (InvalidArgument when
-  // another load here reads the same transfer).
+  // another load here reads the same transfer, ResourceExhausted past max_queued_loads of them).
   Status StartLayerwise(const LoadSpec& load) EXCLUDES(mu_);
-  // Posts a step of `w` unless one is posted or runs (then it steps again); Unavailable when
-  // the queue is full (the timer retries).
-  Status Wake(const std::shared_ptr<ProgressWatch>& w) EXCLUDES(timer_mu_);
+  // Posts a step of `w` unless one is posted or runs (then it steps again).
+  void Wake(const std::shared_ptr<ProgressWatch>& w);
   // One step: runs the load as far as it goes without waiting, then parks it (a timer at its
   // next deadline or poll) or ends it.
   void Step(const std::shared_ptr<ProgressWatch>& w) EXCLUDES(mu_);

@@ -304,43 +304,6 @@ Result<std::string> TransferId(const MapView& m) {
   return id;
 }
 
-// Where a subscriber has its progress pushed: "tcp://HOST:PORT", HOST a name or an IPv4
-// address or a bracketed IPv6 one, never a wildcard, PORT 1..65535. Anything else (another
-// transport, a bind address, port 0) is refused before the receiver keeps it.
-Status CheckPushEndpoint(const MapView& m, const std::string& endpoint) {
-  const std::string_view e(endpoint);
-  auto refuse = [&](const char* why) {
-    return Status::InvalidArgument(m.At("endpoint") +
-                                   ": expected tcp://HOST:PORT (a host name or "
-                                   "address, not a wildcard, and a port in 1..65535), found '" +
-                                   endpoint.substr(0, 128) + "': " + why);
-  };
-  constexpr std::string_view kTcp = "tcp://";
-  if (e.substr(0, kTcp.size()) != kTcp) return refuse("not tcp://");
-  const std::string_view rest = e.substr(kTcp.size());
-  const std::size_t colon = rest.rfind(':');
-  if (colon == std::string_view::npos || colon == 0) return refuse("no host and port");
-  const std::string_view host = rest.substr(0, colon);
-  const std::string_view port = rest.substr(colon + 1);
-  if (port.empty() || port.size() > 5 ||
-      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return refuse("the port is not a number");
-  }
-  const int number = std::stoi(std::string(port));
-  if (number < 1 || number > 65535) return refuse("the port is outside 1..65535");
-  const bool bracketed = host.front() == '[' && host.back() == ']' && host.size() > 2;
-  const std::string_view name = bracketed ? host.substr(1, host.size() - 2) : host;
-  const bool ok = std::all_of(name.begin(), name.end(), [&](char c) {
-    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '.' ||
-           c == '-' || (bracketed && c == ':');
-  });
-  if (!ok || name.empty()) return refuse("the host is not a name or an address");
-  if (name == "0.0.0.0" || name == "::" || name.find_first_not_of("0:") == std::string_view::npos) {
-    return refuse("the host is a wildcard address");
-  }
-  return Status::Ok();
-}
-
 Result<Message> DecodeSubscribe(const MapView& m) {
   Subscribe s;
   KVFERRY_ASSIGN_OR_RETURN(s.from, DecodePeer(m, "from"));
@@ -353,7 +316,9 @@ Result<Message> DecodeSubscribe(const MapView& m) {
   }
   s.tp_size = static_cast<std::uint32_t>(tp_size);
   KVFERRY_ASSIGN_OR_RETURN(s.endpoint, m.Str("endpoint", kMaxTextBytes));
-  KVFERRY_RETURN_IF_ERROR(CheckPushEndpoint(m, s.endpoint));
+  if (Status e = CheckPushEndpoint(s.endpoint); !e.ok()) {
+    return Status::InvalidArgument(m.At("endpoint") + ": " + std::string(e.message()));
+  }
   KVFERRY_ASSIGN_OR_RETURN(std::uint64_t wait_ms, m.Uint("wait_ms", kMaxU32));
   s.wait_ms = static_cast<std::uint32_t>(wait_ms);
   if (m.Find("groups") != nullptr) {
@@ -524,6 +489,41 @@ Result<Message> Decode(std::span<const std::uint8_t> bytes) {
   }
   KVFERRY_ASSIGN_OR_RETURN(std::string type, m.Str("t", kMaxIdBytes));
   return DecodeBody(m, type);
+}
+
+Status CheckPushEndpoint(const std::string& endpoint) {
+  const std::string_view e(endpoint);
+  auto refuse = [&](const char* why) {
+    return Status::InvalidArgument(
+        "expected tcp://HOST:PORT (a host name or address, not a "
+        "wildcard, and a port in 1..65535), found '" +
+        endpoint.substr(0, 128) + "': " + why);
+  };
+  constexpr std::string_view kTcp = "tcp://";
+  if (e.substr(0, kTcp.size()) != kTcp) return refuse("not tcp://");
+  const std::string_view rest = e.substr(kTcp.size());
+  const std::size_t colon = rest.rfind(':');
+  if (colon == std::string_view::npos || colon == 0) return refuse("no host and port");
+  const std::string_view host = rest.substr(0, colon);
+  const std::string_view port = rest.substr(colon + 1);
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return refuse("the port is not a number");
+  }
+  const int number = std::stoi(std::string(port));
+  if (number < 1 || number > 65535) return refuse("the port is outside 1..65535");
+  const bool bracketed = host.front() == '[' && host.back() == ']' && host.size() > 2;
+  const std::string_view name = bracketed ? host.substr(1, host.size() - 2) : host;
+  // Names (underscores too, as container names have them), IPv4, and bracketed IPv6 with a zone.
+  const bool ok = std::all_of(name.begin(), name.end(), [&](char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '.' ||
+           c == '-' || c == '_' || (bracketed && (c == ':' || c == '%'));
+  });
+  if (!ok || name.empty()) return refuse("the host is not a name or an address");
+  if (name == "0.0.0.0" || name.find_first_not_of("0:") == std::string_view::npos) {
+    return refuse("the host is a wildcard address");
+  }
+  return Status::Ok();
 }
 
 }  // namespace kvferry::wire

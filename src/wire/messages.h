@@ -219,6 +219,11 @@ struct Progress {
   friend bool operator==(const Progress&, const Progress&) = default;
 };
 
+/// Where a subscriber may have its progress pushed (Subscribe::endpoint): "tcp://HOST:PORT",
+/// HOST a name, an IPv4 address or a bracketed IPv6 one (a zone allowed), never a wildcard,
+/// PORT 1..65535. InvalidArgument saying what is wrong otherwise.
+Status CheckPushEndpoint(const std::string& endpoint);
+
 using Message = std::variant<MetadataRequest, AgentMetadata, FinishedNotice, AbortNotice,
                              LeaseRenewal, Ack, ErrorReply, Subscribe, Progress>;
 

@@ -412,8 +412,9 @@ TEST(WireDecodeTest, SubscriptionEndpointsAreTcpHostsAndPortsOnly) {
     Subscribe s{{"decode-0", 0, 1}, "xfer-7", 2, bad, 30000};
     EXPECT_THAT(DecodeError(Encode(s)).message(), HasSubstr("expected tcp://HOST:PORT")) << bad;
   }
-  for (const char* good : {"tcp://127.0.0.1:7001", "tcp://decode-host.example:65535",
-                           "tcp://[::1]:1", "tcp://[fe80::1]:7001"}) {
+  for (const char* good :
+       {"tcp://127.0.0.1:7001", "tcp://decode-host.example:65535", "tcp://[::1]:1",
+        "tcp://[fe80::1]:7001", "tcp://decode_1:7001", "tcp://[fe80::1%eth0]:7001"}) {
     Subscribe s{{"decode-0", 0, 1}, "xfer-7", 2, good, 30000};
     Result<Message> back = Decode(Encode(s));
     EXPECT_TRUE(back.ok()) << good << ": " << back.status().ToString();
