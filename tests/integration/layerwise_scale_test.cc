@@ -113,11 +113,16 @@ TEST(LayerwiseScaleTest, AThousandLoadsAtOnceOnBoundedThreadsEachReadAsAnnounced
     loads.loads.push_back(load);
   }
   decode->StartLoadKv(loads);
+  // Subscribe messages (polls of loads that waited count too): as many as the loads, with none
+  // ended. With a thread per load (64 of them) only 64 subscribed and polled until their start
+  // timeout failed them; the count came from their polls.
   ASSERT_TRUE(PollUntil(
       [&] { return prefill->Stats().notices_received["subscribe"] >= std::uint64_t{kLoads}; },
       &peak))
-      << "only " << prefill->Stats().notices_received["subscribe"] << " of " << kLoads
-      << " loads subscribed before their prefill began";
+      << "only " << prefill->Stats().notices_received["subscribe"] << " subscriptions for "
+      << kLoads << " loads before their prefill began";
+  ASSERT_EQ(decode->Stats().loads_failed, 0u)
+      << "loads failed before every load had subscribed (they waited for a thread)";
 
   // One prefill step writes every request, layer by layer (the remote block of request i is
   // kLoads + 7 - i: not the local one).
