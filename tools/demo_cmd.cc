@@ -106,10 +106,6 @@ int RunDemo(const DemoArgs& a) {
       {"throughput_gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
       {"load_p50_ms", Percentile(load, 0.5)},
       {"load_p99_ms", Percentile(load, 0.99)},
-      {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
-      {"transfer_p90_us", r->decode_end.value("transfer_p90_us", 0)},
-      {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
-      {"transfer_max_us", r->decode_end.value("transfer_max_us", 0)},
       {"ttft_p50_ms", Percentile(ttft, 0.5)},
       {"ttft_p99_ms", Percentile(ttft, 0.99)},
       {"prefill_p50_ms", Percentile(prefill, 0.5)},
@@ -122,6 +118,7 @@ int RunDemo(const DemoArgs& a) {
       {"prefill_end", r->prefill_end},
       {"decode_end", r->decode_end},
       {"leaked", r->leaked}};
+  report.update(TransferPercentilesJson(r->decode_end));
   if (a.json) {
     std::cout << report.dump(2) << std::endl;
   } else {

@@ -316,16 +316,13 @@ int RunE2e(const E2eArgs& a) {
                           {"bytes_moved", r->bytes_moved},
                           {"wall_s", r->wall_s},
                           {"gbps", r->wall_s > 0 ? gb / r->wall_s : 0},
-                          {"transfer_p50_us", r->decode_end.value("transfer_p50_us", 0)},
-                          {"transfer_p90_us", r->decode_end.value("transfer_p90_us", 0)},
-                          {"transfer_p99_us", r->decode_end.value("transfer_p99_us", 0)},
-                          {"transfer_max_us", r->decode_end.value("transfer_max_us", 0)},
                           {"ttft_p50_ms", Percentile(ttft, 0.5)},
                           {"ttft_p99_ms", Percentile(ttft, 0.99)},
                           {"exposed_p50_ms", Percentile(exposed, 0.5)},
                           {"exposed_p99_ms", Percentile(exposed, 0.99)},
                           {"prefill_compute_p50_ms", Percentile(compute, 0.5)},
                           {"first_step_p50_ms", Percentile(first_step, 0.5)}});
+        points.back().update(TransferPercentilesJson(r->decode_end));
         if (!a.json) {
           std::fprintf(
               stdout,

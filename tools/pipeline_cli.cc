@@ -48,6 +48,15 @@ nlohmann::json FiguresJson(const ConnectorFigures& f) {
           {"request_bytes_p50", f.bytes_p50}};
 }
 
+nlohmann::json TransferPercentilesJson(const nlohmann::json& decode_end) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const char* key :
+       {"transfer_p50_us", "transfer_p90_us", "transfer_p99_us", "transfer_max_us"}) {
+    out[key] = decode_end.value(key, 0);
+  }
+  return out;
+}
+
 std::vector<std::vector<std::int32_t>> MakePrompts(int n, int min_len, int max_len, double shared,
                                                    std::uint32_t seed) {
   std::mt19937 rng(seed);

@@ -26,6 +26,9 @@ struct ConnectorFigures {
 };
 ConnectorFigures FiguresOf(const std::vector<RequestTiming>& timings);
 nlohmann::json FiguresJson(const ConnectorFigures& f);
+// The decode instances' transfer percentiles at the end of a run (transfer_p50_us, p90, p99,
+// max: the slowest instance's), to add to a report.
+nlohmann::json TransferPercentilesJson(const nlohmann::json& decode_end);
 
 // Prompt lengths spread log-uniformly; a share of them start with one of a few common system
 // prompts, so the decode side's prefix cache gets hits.

@@ -13,6 +13,7 @@
 #include "common/clock.h"
 #include "common/ports.h"
 #include "kvferry/connector.h"
+#include "tests/integration/test_workers.h"
 
 namespace kvferry {
 namespace {
@@ -83,15 +84,7 @@ struct HybridCaches {
 
 std::unique_ptr<Worker> MakeWorker(Role role, const std::string& engine, int port,
                                    const std::string& backend) {
-  WorkerConfig c;
-  c.role = role;
-  c.engine_id = engine;
-  c.base_port = port;
-  c.transport.backend = backend;
-  c.transfer_timeout = std::chrono::milliseconds(10000);
-  Result<std::unique_ptr<Worker>> w = Worker::Create(c);
-  EXPECT_TRUE(w.ok()) << w.status().ToString();
-  return std::move(w).value();
+  return testing::MakeTestWorker(role, engine, port, backend, std::chrono::milliseconds(10000));
 }
 
 template <typename Pred>
@@ -351,17 +344,8 @@ TEST_P(GroupsTpTest, EveryGroupMovesItsHeadsAcrossTpSizes) {
   for (int r = 0; r < p_tp; ++r) p_caches.emplace_back(groups_of(p_tp, r));
   for (int r = 0; r < d_tp; ++r) d_caches.emplace_back(groups_of(d_tp, r));
   auto make = [](Role role, const std::string& engine, int base, int tp, int rank) {
-    WorkerConfig c;
-    c.role = role;
-    c.engine_id = engine;
-    c.base_port = base;
-    c.tp_size = tp;
-    c.tp_rank = rank;
-    c.transport.backend = "tcp";
-    c.transfer_timeout = std::chrono::milliseconds(10000);
-    Result<std::unique_ptr<Worker>> w = Worker::Create(c);
-    EXPECT_TRUE(w.ok()) << w.status().ToString();
-    return std::move(w).value();
+    return testing::MakeTestWorker(role, engine, base, "tcp", std::chrono::milliseconds(10000), tp,
+                                   rank);
   };
   ConnectorMetadata hold;
   hold.holds.push_back({"req", 60000, ""});

@@ -15,6 +15,7 @@
 #include "common/clock.h"
 #include "common/ports.h"
 #include "kvferry/connector.h"
+#include "tests/integration/test_workers.h"
 
 namespace kvferry {
 namespace {
@@ -64,15 +65,7 @@ struct Cache {
 };
 
 std::unique_ptr<Worker> MakeWorker(Role role, const std::string& engine, int port) {
-  WorkerConfig c;
-  c.role = role;
-  c.engine_id = engine;
-  c.base_port = port;
-  c.transport.backend = "tcp";
-  c.transfer_timeout = std::chrono::milliseconds(60000);
-  Result<std::unique_ptr<Worker>> w = Worker::Create(c);
-  EXPECT_TRUE(w.ok()) << w.status().ToString();
-  return std::move(w).value();
+  return testing::MakeTestWorker(role, engine, port, "tcp", std::chrono::milliseconds(60000));
 }
 
 template <typename Pred>

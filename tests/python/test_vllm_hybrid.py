@@ -27,11 +27,12 @@ from test_vllm_today import aggregate, poll
 from test_vllm_today import worker_step as _worker_step
 
 
-def worker_step(work, md, finished=(), caches=None, sched=None):
-    """A worker step (test_vllm_today.worker_step: every per-step worker hook in vLLM's order);
-    then, with `sched`, the scheduler's per-step hooks on its output as vllm/v1/core/sched/
-    scheduler.py update_from_output calls them (take_events, update_connector_output)."""
-    out = _worker_step(work, md, finished, caches)
+def worker_step(work, md, finished=(), caches=None, sched=None, sync_loads=False):
+    """A worker step (test_vllm_today.worker_step: every per-step worker hook in vLLM's order,
+    start_load_kv before the forward with `sync_loads`, after it otherwise); then, with `sched`,
+    the scheduler's per-step hooks on its output as vllm/v1/core/sched/scheduler.py
+    update_from_output calls them (take_events, update_connector_output)."""
+    out = _worker_step(work, md, finished, caches, sync_loads=sync_loads)
     if sched is not None:
         assert tuple(sched.take_events()) == ()
         sched.update_connector_output(SimpleNamespace(
@@ -481,8 +482,9 @@ def test_every_per_step_hook_answers_for_a_hybrid_connector_in_every_state():
     assert set().union(*(o[2] for o in outputs)) == {4, 5, 6}, "every group's blocks, no null"
 
 
+@pytest.mark.parametrize("sync_loads", [False, True], ids=["start-after", "start-before"])
 def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_final(
-        monkeypatch):
+        monkeypatch, sync_loads):
     """Layer-wise legs of a hybrid SSM model (docs/layerwise.md, "KV cache groups"). The decode
     leg subscribes first; the prefill leg computes its prompt (less its last token, vLLM's rule)
     in two chunks, as vLLM's scheduler schedules them (Scheduler.schedule:
@@ -493,7 +495,8 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
     layers in wait_for_save. The first chunk leaves an intermediate state: a state read then
     (and not again) fails the byte check, and one read twice fails the byte count. The prefill
     request is held under the transfer id (request_finished_all_groups) and freed by its
-    reader; nothing is left held."""
+    reader; nothing is left held. Both of vLLM's step orders (start_load_kv before the forward
+    when the step has synchronous loads, after it otherwise: gpu_model_runner.py)."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     kcc = qwen3_next_like()
     (p_sched, p_work), p_caches, (d_sched, d_work), d_caches, d_raw = state_pair(
@@ -509,7 +512,7 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
     d_sched.update_state_after_alloc(dreq, KVCacheBlocks(d_blocks), prompt - 1)
     md = d_sched.build_connector_meta(None)
     assert md.awaited == ("d-1",)
-    assert not worker_step(d_work, md, caches=attention_layers(kcc, d_caches), sched=d_sched)[1]
+    assert not worker_step(d_work, md, caches=attention_layers(kcc, d_caches), sched=d_sched, sync_loads=sync_loads)[1]
 
     preq = request("p-1", {"do_remote_decode": True, "transfer_id": transfer}, prompt)
     preq.max_tokens = 16
@@ -534,7 +537,7 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
             g = 1 + i // 2
             p_caches[name][0][p_blocks[g][0]] = 100.0 * (n + 1) + i
             p_caches[name][1][p_blocks[g][0]] = -100.0 * (n + 1) - i
-        worker_step(p_work, md, caches=attention_layers(kcc, p_caches), sched=p_sched)
+        worker_step(p_work, md, caches=attention_layers(kcc, p_caches), sched=p_sched, sync_loads=sync_loads)
         if n == 0:
             # Before the next chunk (an event, not a sleep): the decode side has read the first
             # chunk's attention blocks (4 blocks of 2 parts of 2 layers, 64 bytes a part a
@@ -543,7 +546,7 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
             poll(lambda: d_work._worker.stats()["bytes_read"] >= chunk_bytes, "the first chunk")
             assert d_work._worker.stats()["bytes_read"] == chunk_bytes
     assert poll(lambda: worker_step(d_work, d_sched.build_connector_meta(None),
-                                    caches=attention_layers(kcc, d_caches), sched=d_sched)[1],
+                                    caches=attention_layers(kcc, d_caches), sched=d_sched, sync_loads=sync_loads)[1],
                 "the layer-wise load") == {"d-1"}
     assert d_work.get_block_ids_with_load_errors() == set()
     for name in full:
@@ -559,7 +562,7 @@ def test_a_qwen3_next_like_model_moves_layer_by_layer_in_chunks_its_state_once_f
     delay, params = p_sched.request_finished_all_groups(preq, p_blocks)
     assert delay and params["remote_request_id"] == transfer
     assert poll(lambda: worker_step(p_work, p_sched.build_connector_meta(None),
-                                    finished={"p-1"}, sched=p_sched)[0],
+                                    finished={"p-1"}, sched=p_sched, sync_loads=sync_loads)[0],
                 "the hold's release") == {"p-1"}
     assert p_work._worker.stats()["holds_outstanding"] == 0
     assert d_work._worker.stats()["loads_outstanding"] == 0
