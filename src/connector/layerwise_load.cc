@@ -300,11 +300,11 @@ Status LoadRunner::SetUpLayerwise(ProgressWatch& w) {
     }
   }
   st.start_deadline = std::min(st.deadline, st.start + cfg_.layerwise_start_timeout);
-  std::string listener;
   {
     MutexLock lock(mu_);
-    listener = listener_endpoint_;
+    st.listener = listener_endpoint_;
   }
+  const std::string& listener = st.listener;
   if (Status own = wire::CheckPushEndpoint(listener); !own.ok()) {
     // A prefill worker would refuse the subscription; say why here, where it can be fixed.
     return Status::NotSupported("request " + load.request_id + ": this decode worker listens on " +
@@ -324,11 +324,6 @@ Status LoadRunner::SubscribeAll(ProgressWatch& w) {
   // that died or stopped before it announced anything (the call fails) without waiting for the
   // start deadline.
   LayerwiseState& st = w.state;
-  std::string listener;
-  {
-    MutexLock lock(mu_);
-    listener = listener_endpoint_;
-  }
   const auto poll_every =
       std::max<Clock::duration>(cfg_.layerwise_progress_timeout / 2, std::chrono::milliseconds(1));
   for (const SourceAgent& a : st.agents) {
@@ -337,7 +332,7 @@ Status LoadRunner::SubscribeAll(ProgressWatch& w) {
     Result<wire::Message> reply = client_.Call(
         a.endpoint,
         wire::Subscribe{self_, st.load.transfer_id, static_cast<std::uint32_t>(cfg_.tp_size),
-                        listener, static_cast<std::uint32_t>(wait.count()),
+                        st.listener, static_cast<std::uint32_t>(wait.count()),
                         static_cast<std::uint32_t>(st.plan->caches.size())},
         std::min({st.deadline, DeadlineAfter(cfg_.handshake_timeout), Clock::now() + poll_every}));
     if (!reply.ok()) return reply.status().WithContext("subscribing at " + a.endpoint);
@@ -375,13 +370,17 @@ Result<std::optional<Clock::time_point>> LoadRunner::AdvanceLayerwise(ProgressWa
     std::map<int, wire::Progress> fresh;
     bool waiting = false;
     std::vector<LayerwiseGroup> groups;
+    std::map<int, std::vector<std::int64_t>> remote_blocks;  // by rank, as set up
     {
       MutexLock lock(w.mu);
       for (const auto& [rank, p] : w.latest) {
         if (p.state == wire::Progress::State::kWaiting) waiting = true;
         if (p.seq > st.taken[rank]) fresh.emplace(rank, p);
       }
-      if (!fresh.empty()) groups = w.groups;
+      if (!fresh.empty()) {
+        groups = w.groups;
+        remote_blocks = w.remote_blocks;
+      }
     }
     {
       MutexLock lock(mu_);
@@ -430,12 +429,9 @@ Result<std::optional<Clock::time_point>> LoadRunner::AdvanceLayerwise(ProgressWa
       const SourceAgent& a = *std::find_if(
           st.agents.begin(), st.agents.end(),
           [&, wanted = rank](const SourceAgent& s) { return s.source.prefill_rank == wanted; });
-      std::vector<std::int64_t> remote_blocks;
-      for (const CacheSpec& c : a.agent->metadata->caches.specs()) {
-        remote_blocks.push_back(c.num_blocks() / c.blocks_per_id());
-      }
-      KVFERRY_ASSIGN_OR_RETURN(std::vector<LayerGroupRead> reads,
-                               PlanLayerwiseReads(p, groups, remote_blocks, st.cursors[rank]));
+      KVFERRY_ASSIGN_OR_RETURN(
+          std::vector<LayerGroupRead> reads,
+          PlanLayerwiseReads(p, groups, remote_blocks[rank], st.cursors[rank]));
       batches.push_back({&a, {}, 0, 0});
       for (const LayerGroupRead& r : reads) {
         const StageRead layers{&a, r.first_layer, r.end_layer, 0};

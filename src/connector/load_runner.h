@@ -146,6 +146,7 @@ class LoadRunner {
     Deadline start_deadline{};
     Deadline progress_deadline = Deadline::max();
     Clock::time_point heard{};  // the last fresh announcement, or poll
+    std::string listener;       // this worker's, where progress is pushed
     std::uint64_t moved = 0;
     bool set_up = false;
   };
