@@ -32,6 +32,7 @@
 #include "common/pattern.h"
 #include "common/subprocess.h"
 #include "device/device.h"
+#include "kvferry/host_memory.h"
 #include "kvferry/transport.h"
 #include "tools/commands.h"
 #include "transport/shm/huge_pages.h"
@@ -42,12 +43,21 @@ namespace {
 
 constexpr std::uint64_t kPatternSeed = 0x6b76666572727900ull;  // "kvferry"
 
-// Page-aligned anonymous memory, unmapped on destruction, faulted in at once: with `huge`, as
-// transparent huge pages where the kernel has them (advised before the first touch, as an
-// allocator with THP does), else as 4 KiB pages.
+// Page-aligned memory, unmapped on destruction, faulted in at once: anonymous, or with `served`
+// a kvferry::HostMemory (a memfd that same-host shm readers map). With `huge`, as transparent huge
+// pages where the kernel has them (advised before the first touch, as an allocator with THP does;
+// shmem_enabled decides for a memfd), else as 4 KiB pages.
 class Buffer {
  public:
-  Buffer(std::uint64_t bytes, bool huge) : bytes_(bytes) {
+  Buffer(std::uint64_t bytes, bool huge, bool served = false) : bytes_(bytes) {
+    if (served) {
+      Result<HostMemory> m = HostMemory::Allocate(bytes, huge);
+      if (!m.ok()) return;
+      served_ = std::move(*m);
+      data_ = served_.data();
+      std::memset(data_, 0, bytes);  // faulted in now, not while measured
+      return;
+    }
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | (huge ? 0 : MAP_POPULATE), -1, 0);
     data_ = p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
@@ -58,7 +68,7 @@ class Buffer {
     }
   }
   ~Buffer() {
-    if (data_ != nullptr) munmap(data_, bytes_);
+    if (data_ != nullptr && served_.data() == nullptr) munmap(data_, bytes_);
   }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -67,7 +77,8 @@ class Buffer {
 
  private:
   std::uint64_t bytes_;
-  std::byte* data_;
+  std::byte* data_ = nullptr;
+  HostMemory served_;  // with `served`
 };
 
 // `bytes` of host memory ("host") or of a device of this process ("sim:0", "cuda:0"), which the
@@ -75,10 +86,10 @@ class Buffer {
 class BenchMemory {
  public:
   static Result<std::unique_ptr<BenchMemory>> Create(const std::string& kind, std::uint64_t bytes,
-                                                     bool huge_pages) {
+                                                     bool huge_pages, bool served = false) {
     auto m = std::unique_ptr<BenchMemory>(new BenchMemory(bytes));
     if (kind == "host") {
-      m->host_ = std::make_unique<Buffer>(bytes, huge_pages);
+      m->host_ = std::make_unique<Buffer>(bytes, huge_pages, served);
       if (m->host_->data() == nullptr) {
         return Status::ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes");
       }
@@ -152,6 +163,7 @@ struct PeerArgs {
   std::vector<std::string> transport_opts;
   std::string memory = "host";
   bool huge_pages = false;
+  bool anonymous = false;  // host memory not from kvferry::HostMemory
 };
 
 int RunPeer(const PeerArgs& a) {
@@ -173,7 +185,7 @@ int RunPeer(const PeerArgs& a) {
     return 1;
   }
   Result<std::unique_ptr<BenchMemory>> memory =
-      BenchMemory::Create(a.memory, a.bytes, a.huge_pages);
+      BenchMemory::Create(a.memory, a.bytes, a.huge_pages, !a.anonymous);
   const std::uint64_t per = a.bytes / static_cast<std::uint64_t>(a.regions);
   Status filled = memory.ok() ? (*memory)->FillPattern(a.seed, per) : memory.status();
   if (!filled.ok()) {
@@ -214,6 +226,8 @@ struct BenchArgs {
   std::string memory = "host";  // host, sim or cuda: where both sides' blocks are
   /// Host pools (both sides' and the memcpy baseline's) as transparent huge pages.
   bool huge_pages = true;
+  /// The serving peer's host pool: "host-memory" (kvferry::HostMemory) or "anonymous".
+  std::string peer_memory = "host-memory";
   bool json = false;
 };
 
@@ -445,6 +459,7 @@ class BackendBench {
         SelfExe(),  "bench", "peer", "--backend", backend, "--bytes", std::to_string(b->pool_),
         "--memory", memory};
     if (a.huge_pages) argv.push_back("--huge-pages");
+    if (a.peer_memory == "anonymous") argv.push_back("--anonymous");
     const std::vector<std::string> opts = TransportOpts(a);
     for (const std::string& arg : TransportOptArgv(opts)) argv.push_back(arg);
     KVFERRY_ASSIGN_OR_RETURN(Subprocess peer, Subprocess::Spawn(argv));
@@ -710,6 +725,7 @@ int RunBench(const BenchArgs& a) {
   if (a.json) {
     std::cout << "{\"rounds\": " << std::max(a.rounds, 1)
               << ", \"huge_pages\": " << (a.huge_pages ? "true" : "false")
+              << ", \"peer_memory\": \"" << a.peer_memory << "\""
               << ", \"huge_page_fraction\": " << huge_fraction << ", \"results\": [";
     bool first = true;
     for (const auto& per_target : results) {
@@ -737,7 +753,8 @@ int RunBench(const BenchArgs& a) {
   }
   std::cout << "medians of " << std::max(a.rounds, 1)
             << " alternating rounds (min-max); ratio of the medians; host pools "
-            << (a.huge_pages ? "advised to huge pages" : "in 4 KiB pages");
+            << (a.huge_pages ? "advised to huge pages" : "in 4 KiB pages") << ", the peer's "
+            << (a.peer_memory == "anonymous" ? "anonymous" : "from kvferry::HostMemory");
   if (huge_fraction >= 0) std::cout << " (" << std::lround(huge_fraction * 100) << " % huge)";
   std::cout << "\n"
             << "backend   block      GB/s (min-max)         baseline           GB/s (min-max)    "
@@ -805,6 +822,13 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
                    "Host pools (both sides' and the memcpy baseline's) as transparent huge pages, "
                    "as an allocator with THP gives them (false: 4 KiB pages; docs/performance.md)")
       ->capture_default_str();
+  transport
+      ->add_option("--peer-memory", targs->peer_memory,
+                   "host-memory: the serving process allocates its pool with kvferry::HostMemory, "
+                   "which a same-host shm reader maps and copies with memcpy; anonymous: plain "
+                   "anonymous memory, which shm reads with process_vm_readv (docs/performance.md)")
+      ->check(CLI::IsMember({"host-memory", "anonymous"}))
+      ->capture_default_str();
   transport->add_flag("--json", targs->json, "Machine-readable output");
   transport->callback([targs, &exit_code] { exit_code = RunBench(*targs); });
 
@@ -819,6 +843,9 @@ void AddBenchCommands(CLI::App& app, int& exit_code) {
   peer->add_option("--memory", pargs->memory, "host, or a device of this process (sim:0, cuda:0)");
   peer->add_flag("--huge-pages", pargs->huge_pages,
                  "Host memory as transparent huge pages (advised before its first touch)");
+  peer->add_flag("--anonymous", pargs->anonymous,
+                 "Host memory as anonymous memory, not kvferry::HostMemory (shm then reads it "
+                 "with process_vm_readv)");
   peer->callback([pargs, &exit_code] { exit_code = RunPeer(*pargs); });
 }
 

@@ -135,7 +135,9 @@ Status Instance::Init() {
       GroupMemory mem;
       // One allocation of `bytes` on the host, and on the device where the caches are there.
       auto allocate = [&](std::int64_t bytes) -> Result<std::pair<std::uint8_t*, std::uint64_t>> {
-        storage_.emplace_back(static_cast<std::size_t>((bytes + 7) / 8), 0);
+        KVFERRY_ASSIGN_OR_RETURN(HostMemory m,
+                                 HostMemory::Allocate(static_cast<std::size_t>(bytes)));
+        storage_.push_back(std::move(m));
         auto* host = reinterpret_cast<std::uint8_t*>(storage_.back().data());
         std::uint64_t device = 0;
         if (device_ != nullptr) {

@@ -19,6 +19,7 @@
 
 #include "device/device.h"
 #include "kvferry/connector.h"
+#include "kvferry/host_memory.h"
 #include "kvferry/metrics.h"
 
 namespace kvferry::engine {
@@ -258,8 +259,9 @@ class Instance {
     std::vector<std::uint8_t*> host;
     std::vector<std::uint64_t> device;
   };
-  std::vector<std::vector<GroupMemory>> memory_;    // [worker][group]
-  std::deque<std::vector<std::uint64_t>> storage_;  // the host memory memory_ points into
+  std::vector<std::vector<GroupMemory>> memory_;  // [worker][group]
+  // The host memory memory_ points into: HostMemory, which a same-host shm reader maps.
+  std::deque<HostMemory> storage_;
   // config_.memory a device: the caches themselves, memory_ their host mirror. Before workers_,
   // so they are freed after the workers stop reading them.
   device::Device* device_ = nullptr;

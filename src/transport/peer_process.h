@@ -61,6 +61,8 @@ class PeerProcess {
   ~PeerProcess();
 
   pid_t pid() const { return pid_; }
+  /// The pidfd that holds the process (pidfd_getfd of its descriptors); owned by this object.
+  int pidfd() const { return pidfd_; }
   /// True while the proven process lives (its pidfd is not readable). Does not block.
   bool Alive() const;
   /// PeerDisconnected: "peer process <pid> exited; <consequence>".

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <random>
 #include <thread>
@@ -412,6 +413,54 @@ TEST(ShmTransportTest, FrozenPeerIsStillReadable) {
   EXPECT_EQ(client->Wait(*b, DeadlineAfter(milliseconds(3000))).state, BatchState::kDone);
   EXPECT_EQ(FirstPatternMismatch(local.data(), 1u << 20, kSeed, 2, 4096), -1);
   peer.process->Signal(SIGCONT);
+}
+
+// The read-only mappings of kvferry::HostMemory in this process (/proc/self/maps lines).
+std::vector<std::string> ServedMappings() {
+  std::ifstream maps("/proc/self/maps");
+  std::vector<std::string> out;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/memfd:kvferry-served") != std::string::npos) out.push_back(line);
+  }
+  return out;
+}
+
+// Issue 30 item 6: memory the serving process allocated with kvferry::HostMemory (bench peer's
+// default) is mapped read-only by a same-host reader, once per region, and read with memcpy;
+// anonymous memory (--anonymous) is read with process_vm_readv. Both read the same bytes.
+TEST(ShmTransportTest, HostMemoryIsMappedReadOnceAndAnonymousMemoryIsReadThroughThePageTable) {
+  for (const bool anonymous : {false, true}) {
+    SCOPED_TRACE(anonymous ? "anonymous" : "HostMemory");
+    const std::size_t before = ServedMappings().size();
+    Peer peer =
+        StartPeer("shm", "",
+                  anonymous ? std::vector<std::string>{"--anonymous"} : std::vector<std::string>{});
+    ASSERT_FALSE(peer.descriptor.empty());
+    std::unique_ptr<Transport> client = MakeClient("shm");
+    LocalMemory local(16u << 20);
+    ASSERT_TRUE(client->RegisterMemory(1, local.data(), local.size()).ok());
+    Result<PeerId> p = client->Connect(peer.descriptor, DeadlineAfter(milliseconds(5000)));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    const std::vector<std::string> mapped = ServedMappings();
+    EXPECT_EQ(mapped.size() - before, anonymous ? 0u : static_cast<std::size_t>(kPeerRegions));
+    for (const std::string& line : mapped) {
+      // Read-only and shared: "r--s".
+      EXPECT_NE(line.find(" r--s "), std::string::npos) << line;
+    }
+    std::mt19937_64 rng(77);
+    for (int round = 0; round < 3; ++round) {
+      const std::vector<Op> ops = RandomOps(rng, 300, local.size());
+      Result<BatchId> b =
+          client->SubmitReads(*p, ToReadOps(ops, local.data()), DeadlineAfter(milliseconds(20000)));
+      ASSERT_TRUE(b.ok()) << b.status().ToString();
+      const BatchResult r = client->Wait(*b, DeadlineAfter(milliseconds(20000)));
+      ASSERT_EQ(r.state, BatchState::kDone) << r.status.ToString();
+      client->Release(*b);
+      ExpectPattern(ops, local.data());
+    }
+    client->Disconnect(*p);
+    EXPECT_EQ(ServedMappings().size(), before) << "the mappings outlived the peer";
+  }
 }
 
 TEST(TcpTransportTest, WrongOrMissingSecretIsRefused) {

@@ -13,6 +13,7 @@
 #include <functional>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -20,6 +21,7 @@
 #include "common/errno_text.h"
 #include "common/log.h"
 #include "common/mutex.h"
+#include "transport/shm/served_memory.h"
 #include "transport/shm/shm_ipc.h"
 #include "transport/shm/shm_peer.h"
 
@@ -99,9 +101,19 @@ void ShmBackend::RegionAdded(const RegionInfo& region) {
 }
 
 std::vector<std::uint8_t> ShmBackend::DescriptorSection() {
-  ShmSection section{self_, proof_, {}};
+  ShmSection section{self_, proof_, {}, {}};
   // Device regions: exported for same-host readers (shm_ipc.h).
-  if (regions_ != nullptr) section.ipc = ExportDeviceRegions(regions_->List());
+  if (regions_ != nullptr) {
+    const std::vector<RegionInfo> regions = regions_->List();
+    section.ipc = ExportDeviceRegions(regions);
+    // Host regions in memory kvferry allocated: a same-host reader maps them (served_memory.h).
+    for (const RegionInfo& r : regions) {
+      if (!r.kind.is_host()) continue;
+      if (const std::optional<ServedSpan> span = FindServedMemory(r.addr, r.length)) {
+        section.served.push_back({r.id, span->fd, span->offset});
+      }
+    }
+  }
   return EncodeShmSection(section);
 }
 
@@ -173,6 +185,7 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
   KVFERRY_ASSIGN_OR_RETURN(PeerProcess process,
                            PeerProcess::Prove(self_, section.host, section.proof.start_time));
   const pid_t pid = process.pid();
+  const int pidfd = process.pidfd();
   auto state = std::make_shared<ShmPeerState>(std::move(process));
   KVFERRY_RETURN_IF_ERROR(ProveShmInstance(*state, section.proof));
   // Probe one byte of a host region, so that unmapped memory is found now, not mid-transfer.
@@ -196,7 +209,28 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
   // Device regions: each allocation's handle opened once (shm_ipc.h).
   const RemoteRegionTable table = IndexRegions(peer.regions);
   KVFERRY_ASSIGN_OR_RETURN(auto imported, ImportPeerRegions(section.ipc, table));
-  return MakeShmPeer(std::move(state), table, pool_, threads_, std::move(imported), staging_bytes_);
+  // Host regions the peer allocated with HostMemory: mapped read-only once, then read with memcpy;
+  // any that does not map is read with process_vm_readv (served_memory.h).
+  std::map<RegionId, std::shared_ptr<const MappedRegion>> mapped;
+  std::uint64_t mapped_bytes = 0;
+  for (const ShmServedRegion& served : section.served) {
+    auto it = table.find(served.region);
+    if (it == table.end() || !it->second.kind.is_host()) continue;
+    Result<std::unique_ptr<MappedRegion>> m =
+        MapServedRegion(pidfd, pid, served.fd, served.offset, it->second.addr, it->second.length);
+    if (!m.ok()) {
+      Log().info("shm: region {}: {}", served.region, m.status().message());
+      continue;
+    }
+    mapped[served.region] = std::move(*m);
+    mapped_bytes += it->second.length;
+  }
+  if (!section.served.empty()) {
+    Log().debug("shm: process {}: {} of its regions ({} bytes) mapped read-only", pid,
+                mapped.size(), mapped_bytes);
+  }
+  return MakeShmPeer(std::move(state), table, pool_, threads_, std::move(imported),
+                     std::move(mapped), staging_bytes_);
 }
 
 }  // namespace kvferry

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -87,23 +88,48 @@ Status ReadPieces(const ShmPeerState& peer, const Batch& batch, std::vector<Piec
   return Status::Ok();
 }
 
+// A read of a peer's region mapped into this process (served_memory.h).
+struct CopyPiece {
+  std::byte* local;
+  const std::byte* remote;
+  std::uint64_t length;
+};
+
+// Copies every piece, stopping between pieces when the batch stops.
+Status CopyMapped(const ShmPeerState& peer, const Batch& batch,
+                  const std::vector<CopyPiece>& pieces, std::uint64_t* bytes) {
+  for (const CopyPiece& p : pieces) {
+    if (batch.ShouldStop()) return batch.StopStatus();
+    std::memcpy(p.local, p.remote, p.length);
+    *bytes += p.length;
+  }
+  // As for process_vm_readv: bytes copied while the peer exited may be half written.
+  if (!peer.Alive()) return PeerGone(peer.pid());
+  return Status::Ok();
+}
+
+using MappedRegions = std::map<RegionId, std::shared_ptr<const MappedRegion>>;
+
 class ShmPeer final : public BackendPeer {
  public:
   ShmPeer(std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions,
           std::shared_ptr<WorkQueue> pool, int threads, std::map<RegionId, ImportedRegion> imported,
-          std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge)
+          MappedRegions mapped, std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge)
       : threads_(static_cast<std::uint64_t>(std::max(threads, 1))),
         staging_gauge_(std::move(staging_gauge)),
         state_(std::move(state)),
         regions_(std::move(regions)),
         pool_(std::move(pool)),
-        imported_(std::make_shared<const std::map<RegionId, ImportedRegion>>(std::move(imported))) {
+        imported_(std::make_shared<const std::map<RegionId, ImportedRegion>>(std::move(imported))),
+        mapped_(std::move(mapped)) {
     for (const auto& [id, r] : *imported_) {
       if (streams_.count(r.device) == 0) {
         streams_[r.device] = std::make_shared<StreamPool>(r.device);
       }
     }
   }
+  // Units copy from the mappings only between Enter and Leave, so none does once Shutdown has
+  // returned: the mappings go with the peer (at Disconnect), not with a unit's closure.
   ~ShmPeer() override { Shutdown(); }
 
   void Start(const std::shared_ptr<Batch>& batch, std::vector<ReadOp> ops) override {
@@ -131,6 +157,7 @@ class ShmPeer final : public BackendPeer {
       const ReadOp& op = ops[i];
       if (imported_->count(op.remote_region) != 0) continue;  // StartDevice's
       if (!batch->local_kind(i).is_host()) continue;          // StartStaged's
+      if (mapped_.count(op.remote_region) != 0) continue;     // StartMapped's
       const std::uint64_t base = regions_.at(op.remote_region).addr + op.remote_offset;
       for (std::uint64_t off = 0; off < op.length;) {
         const std::uint64_t len = std::min(op.length - off, unit_limit - unit_bytes);
@@ -141,6 +168,7 @@ class ShmPeer final : public BackendPeer {
       }
     }
     flush();
+    if (!mapped_.empty()) StartMapped(batch, ops, unit_limit);
     if (!batch->local_all_host()) StartStaged(batch, ops);
   }
 
@@ -161,6 +189,37 @@ class ShmPeer final : public BackendPeer {
       state->Leave();
       batch->UnitDone(s, bytes);
     });
+  }
+
+  // The ops that read the peer's mapped host regions into host memory: units of at most
+  // `unit_limit` bytes, each copied with memcpy on the pool between Enter and Leave, so no copy
+  // outlives the mappings (~ShmPeer).
+  void StartMapped(const std::shared_ptr<Batch>& batch, const std::vector<ReadOp>& ops,
+                   std::uint64_t unit_limit) {
+    std::vector<CopyPiece> unit;
+    std::uint64_t unit_bytes = 0;
+    auto flush = [&] {
+      if (unit.empty()) return;
+      PostUnit(batch, [state = state_, batch, pieces = std::move(unit)](std::uint64_t* bytes) {
+        return CopyMapped(*state, *batch, pieces, bytes);
+      });
+      unit = {};
+      unit_bytes = 0;
+    };
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const ReadOp& op = ops[i];
+      auto it = mapped_.find(op.remote_region);
+      if (it == mapped_.end() || !batch->local_kind(i).is_host()) continue;
+      const std::byte* base = it->second->data() + op.remote_offset;
+      for (std::uint64_t off = 0; off < op.length;) {
+        const std::uint64_t len = std::min(op.length - off, unit_limit - unit_bytes);
+        unit.push_back({op.local + off, base + off, len});
+        unit_bytes += len;
+        off += len;
+        if (unit_bytes >= unit_limit) flush();
+      }
+    }
+    flush();
   }
 
   // The ops that read the peer's device regions: units of at most kMaxUnitBytes, each copied on
@@ -255,6 +314,8 @@ class ShmPeer final : public BackendPeer {
   std::shared_ptr<WorkQueue> pool_;
   // Shared with running units: the imports stay mapped while a unit copies from them.
   std::shared_ptr<const std::map<RegionId, ImportedRegion>> imported_;
+  // Host regions mapped read-only (served_memory.h); unmapped when the peer goes (~ShmPeer).
+  const MappedRegions mapped_;
   std::map<device::Device*, std::shared_ptr<StreamPool>> streams_;
   Mutex lanes_mu_;
   std::map<device::Device*, std::shared_ptr<StagingLanes>> lanes_ GUARDED_BY(lanes_mu_);
@@ -292,9 +353,11 @@ Status ProveShmInstance(const ShmPeerState& peer, const ShmProof& proof) {
 std::unique_ptr<BackendPeer> MakeShmPeer(
     std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions, std::shared_ptr<WorkQueue> pool,
     int threads, std::map<RegionId, ImportedRegion> imported,
+    std::map<RegionId, std::shared_ptr<const MappedRegion>> mapped,
     std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge) {
   return std::make_unique<ShmPeer>(std::move(state), std::move(regions), std::move(pool), threads,
-                                   std::move(imported), std::move(staging_gauge));
+                                   std::move(imported), std::move(mapped),
+                                   std::move(staging_gauge));
 }
 
 }  // namespace kvferry

@@ -15,6 +15,7 @@
 #include "common/work_queue.h"
 #include "transport/backend.h"
 #include "transport/peer_process.h"
+#include "transport/shm/served_memory.h"
 #include "transport/shm/shm_ipc.h"
 #include "transport/shm/shm_section.h"
 
@@ -62,11 +63,13 @@ class ShmPeerState {
 Status ProveShmInstance(const ShmPeerState& peer, const ShmProof& proof);
 
 /// The peer that reads a proven process: host regions with process_vm_readv on `pool` (a batch
-/// split into at least `threads` units), `imported` device regions over IPC, host memory into
-/// device memory through pinned lanes whose bytes `staging_gauge` counts.
-std::unique_ptr<BackendPeer> MakeShmPeer(std::shared_ptr<ShmPeerState> state,
-                                         RemoteRegionTable regions, std::shared_ptr<WorkQueue> pool,
-                                         int threads, std::map<RegionId, ImportedRegion> imported,
-                                         std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge);
+/// split into at least `threads` units), or with memcpy where `mapped` has them (host memory into
+/// host memory), `imported` device regions over IPC, host memory into device memory through
+/// pinned lanes whose bytes `staging_gauge` counts.
+std::unique_ptr<BackendPeer> MakeShmPeer(
+    std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions, std::shared_ptr<WorkQueue> pool,
+    int threads, std::map<RegionId, ImportedRegion> imported,
+    std::map<RegionId, std::shared_ptr<const MappedRegion>> mapped,
+    std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge);
 
 }  // namespace kvferry

@@ -35,11 +35,24 @@ struct ShmProof {
 using ShmIpcRegion = RegionBlob;
 inline constexpr std::size_t kMaxShmIpcHandleBytes = 4096 + 64;
 
+/// A registered host region that lies inside memory kvferry allocated (HostMemory): the serving
+/// process's read-only descriptor of its memfd and the offset of the region's first byte in it.
+struct ShmServedRegion {
+  std::uint32_t region = 0;
+  std::int32_t fd = 0;
+  std::uint64_t offset = 0;
+
+  friend bool operator==(const ShmServedRegion&, const ShmServedRegion&) = default;
+};
+
 struct ShmSection {
   HostIdentity host;
   ShmProof proof;
   /// Optional ("ipc"; absent when empty): the device regions a same-host reader may open.
   std::vector<ShmIpcRegion> ipc;
+  /// Optional ("memfd"; absent when empty; readers before it ignore it and use process_vm_readv):
+  /// the host regions a same-host reader may map read-only (served_memory.h).
+  std::vector<ShmServedRegion> served;
 
   friend bool operator==(const ShmSection&, const ShmSection&) = default;
 };
@@ -49,7 +62,8 @@ inline constexpr std::uint32_t kShmSectionVersion = 1;
 std::vector<std::uint8_t> EncodeShmSection(const ShmSection& section);
 /// Never trusts its input: malformed bytes, another version (NotSupported), a pid that is not
 /// positive, a zero nonce address and an "ipc" list that ReadRegionList refuses (an entry that is
-/// not [region id, handle bytes (1 to 4160)], a region listed twice) are refused.
+/// not [region id, handle bytes (1 to 4160)], a region listed twice) are refused, as is a "memfd"
+/// list whose entry is not [region id, descriptor (0 to 2^31-1), offset] or names a region twice.
 Result<ShmSection> DecodeShmSection(std::span<const std::uint8_t> bytes);
 
 }  // namespace kvferry

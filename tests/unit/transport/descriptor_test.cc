@@ -17,6 +17,7 @@ using ::testing::HasSubstr;
 
 const ShmSection kShm{{"87d27ef8-ec29-4dbb-b1ee-24fd9ed0171c", 4026531836u, 4242},
                       {123456789, 0x55d0c0de1000ull, 0x0123456789abcdefull},
+                      {},
                       {}};
 const TcpEndpoint kTcp{"127.0.0.1", 40001, 0xfedcba9876543210ull};
 

@@ -55,7 +55,7 @@ class ShmProofTest : public ::testing::Test {
 
   Result<std::unique_ptr<BackendPeer>> Connect(const ShmPeerDescription& d) {
     const std::vector<std::uint8_t> section =
-        d.shm ? EncodeShmSection(ShmSection{d.host, *d.shm, {}}) : std::vector<std::uint8_t>{};
+        d.shm ? EncodeShmSection(ShmSection{d.host, *d.shm, {}, {}}) : std::vector<std::uint8_t>{};
     return backend_.Connect(PeerView{d.regions, section}, DeadlineAfter(milliseconds(2000)));
   }
 
