@@ -16,6 +16,7 @@
 
 #include "kvferry/cache_spec.h"
 #include "kvferry/connector.h"
+#include "kvferry/host_memory.h"
 #include "kvferry/metrics.h"
 #include "kvferry/rank_table.h"
 #include "kvferry/status.h"
@@ -169,6 +170,7 @@ py::dict MetricsDict(const WorkerMetrics& m) {
   d["tp_rank"] = m.tp_rank;
   d["loads_done"] = s.loads_done;
   d["loads_failed"] = s.loads_failed;
+  d["loads_reread"] = s.loads_reread;
   d["failures"] = s.failures;
   d["loads_outstanding"] = s.loads_outstanding;
   d["bytes_read"] = s.bytes_read;
@@ -229,6 +231,25 @@ PYBIND11_MODULE(_kvferry, m) {
     m.attr(name) = type;
     Exceptions()[code] = type;
   }
+
+  py::class_<HostMemory>(m, "HostMemory", py::buffer_protocol(),
+                         "Host memory kvferry allocates (a sealed memfd): a same-host shm reader "
+                         "maps it read-only and copies it with memcpy instead of walking this "
+                         "process's page table (docs/transport.md). A writable buffer of bytes; "
+                         "torch.frombuffer(memory, dtype=torch.uint8) views it as a tensor.")
+      .def(py::init([](std::size_t bytes, bool huge_pages) {
+             return Unwrap(HostMemory::Allocate(bytes, huge_pages));
+           }),
+           py::arg("bytes"), py::arg("huge_pages") = false,
+           "`bytes` (> 0) of zeroed memory; huge_pages advises transparent huge pages.")
+      .def_property_readonly(
+          "address", [](const HostMemory& h) { return reinterpret_cast<std::uintptr_t>(h.data()); },
+          "The first byte's address.")
+      .def("__len__", &HostMemory::size)
+      .def_buffer([](HostMemory& h) {
+        return py::buffer_info(h.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(h.size())}, {1});
+      });
 
   py::class_<CacheSpec>(m, "CacheSpec", "The validated geometry of one TP rank's KV cache.")
       .def_static(
@@ -696,6 +717,7 @@ PYBIND11_MODULE(_kvferry, m) {
              d["merged_runs"] = s.merged_runs;
              d["loads_done"] = s.loads_done;
              d["loads_failed"] = s.loads_failed;
+             d["loads_reread"] = s.loads_reread;
              d["handshakes"] = s.handshakes;
              d["failures"] = s.failures;
              d["holds_outstanding"] = s.holds_outstanding;

@@ -433,6 +433,9 @@ struct WorkerStats {
   std::uint64_t merged_runs = 0;  ///< block runs after merging contiguous blocks
   std::uint64_t loads_done = 0;
   std::uint64_t loads_failed = 0;
+  /// Whole-request loads read a second time after a peer fault, through a new handshake (a
+  /// prefill rank restarted on its endpoint; docs/reliability.md, "A fleet").
+  std::uint64_t loads_reread = 0;
   std::uint64_t handshakes = 0;
   std::map<std::string, std::uint64_t> failures;  ///< by status code name
   /// Failed loads by the prefill engine they read from (remote_engine_id); at most 256 engines,

@@ -8,6 +8,7 @@ from ._kvferry import (  # noqa: F401
     CacheSpec,
     CancelledError,
     Error,
+    HostMemory,
     InternalError,
     InvalidArgumentError,
     NotFoundError,
@@ -24,7 +25,7 @@ from ._kvferry import (  # noqa: F401
 )
 
 __all__ = [
-    "CacheSpec", "RankTable", "Scheduler", "Worker", "Error", "InvalidArgumentError",
+    "CacheSpec", "HostMemory", "RankTable", "Scheduler", "Worker", "Error", "InvalidArgumentError",
     "NotFoundError", "UnavailableError", "PeerDisconnectedError", "TimeoutError",
     "CancelledError", "ResourceExhaustedError", "NotSupportedError", "InternalError",
     "UnauthenticatedError", "transport_backends",

@@ -205,8 +205,14 @@ def host_mirrors(kv_caches: dict[str, Any]) -> dict[str, Any]:
     """vLLM's host-buffer mode (kv_buffer_device "cpu"): a CPU tensor per device tensor with
     the same shape, strides and dtype, so the mirror's geometry is the device cache's and vLLM's
     block copy ops (which index blocks, whatever the strides) move whole blocks between them.
-    Layers sharing one device tensor share one mirror. Keys and tuple structure are kept."""
+    Layers sharing one device tensor share one mirror. Keys and tuple structure are kept.
+
+    Each mirror's memory is a kvferry.HostMemory (a sealed memfd) that the tensor keeps alive
+    through the buffer protocol: a same-host shm reader maps it read-only and copies it with
+    memcpy instead of walking this process's page table (docs/transport.md, shm)."""
     import torch  # host-buffer mode runs inside vLLM, which has torch
+
+    from ._kvferry import HostMemory
 
     made: dict[tuple[int, tuple[int, ...]], Any] = {}
 
@@ -214,8 +220,13 @@ def host_mirrors(kv_caches: dict[str, Any]) -> dict[str, Any]:
         info = tensor_info(t)
         key = (info.address, info.shape)
         if key not in made:
-            made[key] = torch.empty_strided(info.shape, info.strides, dtype=t.dtype,
-                                            device="cpu")
+            # The elements the strides reach, as torch.empty_strided would allocate them.
+            extent = 1 + sum((n - 1) * st for n, st in zip(info.shape, info.strides))
+            if any(n == 0 for n in info.shape):
+                extent = 0
+            nbytes = extent * t.element_size()
+            raw = torch.frombuffer(HostMemory(max(nbytes, 1)), dtype=torch.uint8)
+            made[key] = raw[:nbytes].view(t.dtype).as_strided(info.shape, info.strides)
         return made[key]
 
     out: dict[str, Any] = {}

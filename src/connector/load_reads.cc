@@ -347,30 +347,83 @@ Status LoadRunner::DoLoad(const LoadSpec& load, std::uint64_t* moved) {
   KVFERRY_ASSIGN_OR_RETURN(LoadPlan plan, Plan(load));
   std::set<std::string> read_from;
   if (!load.local_block_ids.empty()) {
-    // Every prefill stage the load reaches (one where the PP sizes are equal), handshaken.
-    const bool unequal = PpReaders(load) != 1;
-    std::vector<SourceAgent> agents;
-    for (const LoadSpec& stage : Stages(load)) {
-      KVFERRY_ASSIGN_OR_RETURN(
-          std::vector<SourceAgent> more,
-          ResolveSources(stage, plan, deadline, unequal ? wire::kFeaturePpReaders : nullptr));
-      for (SourceAgent& a : more) agents.push_back(std::move(a));
-    }
-    // One batch per prefill rank, with every group's reads from it.
-    std::vector<PlannedBatch> batches;
-    for (const SourceAgent& a : agents) batches.push_back({&a, {}, 0, 0});
-    for (int g = 0; g < plan.caches.size(); ++g) {
-      KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> reads,
-                               PlanStageReads(load, plan.caches[g], agents, g));
-      for (const StageRead& r : reads) {
-        PlannedBatch& batch = batches[static_cast<std::size_t>(r.from - agents.data())];
-        KVFERRY_RETURN_IF_ERROR(AddGroupReads(load, plan, r, g, batch));
-        read_from.insert(r.from->endpoint);
+    bool peer_fault = false;
+    Status s = ReadLoad(load, plan, deadline, moved, read_from, &peer_fault,
+                        /*probe_holds=*/false);
+    // A cached agent whose reads fail on a peer fault was handshaken with a process that may
+    // since have restarted on its endpoint (rule 12): it is dropped, and the load is read once
+    // more through a fresh handshake, so that a restart costs no recompute, but only from ranks
+    // that hold the request now (ReadLoad's probe): a restarted instance of the same engine id
+    // that holds nothing of it would otherwise serve other blocks at these ids, and confirm them
+    // as an early notice.
+    if (peer_fault && Clock::now() < deadline) {
+      Log().info(
+          "request {}: reads failed on a peer fault ({}); reading once more after a new "
+          "handshake",
+          load.request_id, s.ToString());
+      {
+        MutexLock lock(mu_);
+        ++stats_.loads_reread;
       }
+      read_from.clear();
+      s = ReadLoad(load, plan, deadline, moved, read_from, &peer_fault, /*probe_holds=*/true);
     }
-    KVFERRY_RETURN_IF_ERROR(RunBatches(load, batches, deadline, moved));
+    KVFERRY_RETURN_IF_ERROR(s);
   }
   return Confirm(load, plan.endpoints, read_from);
+}
+
+Status LoadRunner::ReadLoad(const LoadSpec& load, const LoadPlan& plan, Deadline deadline,
+                            std::uint64_t* moved, std::set<std::string>& read_from,
+                            bool* peer_fault, bool probe_holds) {
+  *peer_fault = false;
+  // Every prefill stage the load reaches (one where the PP sizes are equal), handshaken.
+  const bool unequal = PpReaders(load) != 1;
+  std::vector<SourceAgent> agents;
+  for (const LoadSpec& stage : Stages(load)) {
+    KVFERRY_ASSIGN_OR_RETURN(
+        std::vector<SourceAgent> more,
+        ResolveSources(stage, plan, deadline, unequal ? wire::kFeaturePpReaders : nullptr));
+    for (SourceAgent& a : more) agents.push_back(std::move(a));
+  }
+  // One batch per prefill rank, with every group's reads from it.
+  std::vector<PlannedBatch> batches;
+  for (const SourceAgent& a : agents) batches.push_back({&a, {}, 0, 0});
+  for (int g = 0; g < plan.caches.size(); ++g) {
+    KVFERRY_ASSIGN_OR_RETURN(std::vector<StageRead> reads,
+                             PlanStageReads(load, plan.caches[g], agents, g));
+    for (const StageRead& r : reads) {
+      PlannedBatch& batch = batches[static_cast<std::size_t>(r.from - agents.data())];
+      KVFERRY_RETURN_IF_ERROR(AddGroupReads(load, plan, r, g, batch));
+      read_from.insert(r.from->endpoint);
+    }
+  }
+  if (probe_holds) {
+    for (const std::string& endpoint : read_from) {
+      KVFERRY_RETURN_IF_ERROR(ProbeHold(load, endpoint));
+    }
+  }
+  Status s = RunBatches(load, batches, deadline, moved);
+  *peer_fault = PeerFault(s);
+  return s;
+}
+
+Status LoadRunner::ProbeHold(const LoadSpec& load, const std::string& endpoint) {
+  // A lease renewal's ack counts the holds it renewed: unknown ids (and early notices) are not.
+  Result<wire::Message> reply = client_.Call(
+      endpoint,
+      wire::LeaseRenewal{
+          self_, {load.remote_request_id}, static_cast<std::uint32_t>(cfg_.hold_lease.count())},
+      DeadlineAfter(cfg_.notice_timeout));
+  if (!reply.ok()) return reply.status().WithContext("asking " + endpoint + " for its hold");
+  const auto* ack = std::get_if<wire::Ack>(&*reply);
+  if (ack == nullptr || ack->count != 1) {
+    return Status::NotFound("the prefill rank at " + endpoint +
+                            " answered again after a peer fault (a restart) but does not hold "
+                            "request " +
+                            load.remote_request_id + "; its blocks are not read (recompute)");
+  }
+  return Status::Ok();
 }
 
 Status LoadRunner::Confirm(const LoadSpec& load, const std::vector<std::string>& endpoints,

@@ -197,6 +197,16 @@ class LoadRunner {
   void RunTimers() EXCLUDES(timer_mu_);
   // `*bytes`: what it read, once every read has ended.
   Status DoLoad(const LoadSpec& load, std::uint64_t* bytes) EXCLUDES(mu_);
+  // A whole-request load's reads: handshakes (or cached agents), the reads of every group from
+  // every rank, the ranks read from in `read_from`; `*peer_fault` when the reads (not the
+  // handshakes) failed on a peer fault, which dropped the agents concerned. With `probe_holds`
+  // every rank is first asked whether it holds the request (ProbeHold).
+  Status ReadLoad(const LoadSpec& load, const LoadPlan& plan, Deadline deadline,
+                  std::uint64_t* bytes, std::set<std::string>& read_from, bool* peer_fault,
+                  bool probe_holds) EXCLUDES(mu_);
+  // NotFound unless the prefill rank at `endpoint` holds the load's request now (a lease
+  // renewal's ack counts held requests only).
+  Status ProbeHold(const LoadSpec& load, const std::string& endpoint) EXCLUDES(mu_);
   // The caches, the TP plan and the notice endpoints of `load`; fails for an aborted load.
   Result<LoadPlan> Plan(const LoadSpec& load) EXCLUDES(mu_);
   // Handshakes with (or finds cached) every prefill rank of `sources`, checking that each is the

@@ -181,6 +181,10 @@ std::string PrometheusText(std::span<const WorkerMetrics> workers,
            [](S s) { return s.reads; });
   w.Simple("kvferry_merged_runs_total", "counter",
            "Block runs read after merging contiguous blocks", [](S s) { return s.merged_runs; });
+  w.Simple("kvferry_loads_reread_total", "counter",
+           "Loads read a second time after a peer fault, through a new handshake (a prefill "
+           "rank restarted on its endpoint)",
+           [](S s) { return s.loads_reread; });
   w.Simple("kvferry_handshakes_total", "counter",
            "Handshakes completed with prefill ranks (metadata, descriptor, connect)",
            [](S s) { return s.handshakes; });

@@ -261,3 +261,26 @@ def test_setup_py_names_the_interpreter_and_packages_it_lacks():
     assert out.returncode != 0
     assert "has no setuptools and no wheel package" in out.stderr, out.stderr
     assert "/usr/bin/python3 -m venv --system-site-packages" in out.stderr
+
+
+def test_host_memory_is_a_zeroed_writable_buffer_that_a_tensor_keeps_alive():
+    import gc
+
+    mem = kvferry.HostMemory(10_000)
+    assert len(mem) == 10_000 and mem.address % 4096 == 0
+    view = memoryview(mem)
+    assert (view.readonly, view.format, view.nbytes) == (False, "B", 10_000)
+    assert bytes(view[:16]) == bytes(16)
+    view[3] = 7
+    assert bytes(memoryview(mem)[:4]) == b"\x00\x00\x00\x07"
+    view.release()
+    with open("/proc/self/maps") as maps:  # a memfd a same-host shm reader can map (issue 30)
+        assert any("/memfd:kvferry-served" in line and
+                   int(line.split("-")[0], 16) == mem.address for line in maps)
+    with pytest.raises(kvferry.InvalidArgumentError):
+        kvferry.HostMemory(0)
+    torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
+    t = torch.frombuffer(kvferry.HostMemory(4096), dtype=torch.uint8)  # the only reference
+    gc.collect()
+    t.fill_(9)  # the memory lives as long as the tensor
+    assert int(t.sum()) == 9 * 4096

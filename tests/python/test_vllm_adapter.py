@@ -690,6 +690,13 @@ def device_caches(torch, make, seed_base, layers=LAYERS):
     return arrays, wrapped
 
 
+def served_ranges():
+    """The address ranges of this process's kvferry.HostMemory (its /proc/self/maps lines)."""
+    with open("/proc/self/maps") as maps:
+        return [tuple(int(x, 16) for x in line.split()[0].split("-"))
+                for line in maps if "/memfd:kvferry-served" in line]
+
+
 def host_mode_pair(make, d_fail=None, copy_ops=True):
     torch = pytest.importorskip("torch", reason="Debian's python3-torch (make deps) is absent")
     pport, dport = free_port(), free_port()
@@ -741,12 +748,15 @@ def offer_and_load(sides, preq, remote, local, decode_id):
 def test_host_buffer_mode_moves_every_byte_between_device_caches(make):
     sides, (p_arrays, p_dev, p_ops), (d_arrays, d_dev, d_ops) = host_mode_pair(make)
     (p_sched, p_work), (d_sched, d_work) = sides["kv_producer"], sides["kv_consumer"]
-    # Host mirrors: same shape and strides as the device tensors, memory of their own.
+    # Host mirrors: same shape and strides as the device tensors, memory of their own, which
+    # kvferry allocated (HostMemory: a memfd a same-host shm reader maps read-only, issue 30).
+    served = served_ranges()
     for name, dev in p_dev.items():
         mirror = p_work._host_caches[name]
         assert str(mirror.device) == "cpu"
         assert (tuple(mirror.shape), mirror.stride()) == (tuple(dev.shape), dev.stride())
         assert mirror.data_ptr() != dev.storage.data_ptr()
+        assert any(lo <= mirror.data_ptr() < hi for lo, hi in served), name
     assert p_work._registration.bases[0][0] == p_work._host_caches["l0"].data_ptr()
     remote, local = [12, 13, 3], [5, 6, 7]
     # Prefill: vLLM allocates and schedules the request; its prompt completes in this step.

@@ -64,8 +64,8 @@ bool ParseMapsLine(const std::string& line, MapsLine* out) {
   std::string perms;
   char dash = 0;
   char colon = 0;
-  in >> std::hex >> out->start >> dash >> out->end >> perms >> out->file_offset >>
-      out->dev_major >> colon >> out->dev_minor >> std::dec >> out->inode;
+  in >> std::hex >> out->start >> dash >> out->end >> perms >> out->file_offset >> out->dev_major >>
+      colon >> out->dev_minor >> std::dec >> out->inode;
   return !in.fail() && dash == '-' && colon == ':';
 }
 
@@ -154,14 +154,15 @@ Result<std::unique_ptr<MappedRegion>> MapServedRegion(int pidfd, pid_t pid, int 
     int fd;
     ~Closer() { close(fd); }
   } closer{local};
-  struct stat st{};
+  struct stat st {};
   if (fstat(local, &st) != 0 || !S_ISREG(st.st_mode)) {
     return NotMapped(pid, addr, "its descriptor " + std::to_string(fd) + " is not a file");
   }
   const int seals = fcntl(local, F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-    return NotMapped(pid, addr, "its descriptor " + std::to_string(fd) +
-                                    " is not a memfd sealed against shrinking");
+    return NotMapped(
+        pid, addr,
+        "its descriptor " + std::to_string(fd) + " is not a memfd sealed against shrinking");
   }
   if ((fcntl(local, F_GETFL) & O_ACCMODE) != O_RDONLY) {
     return NotMapped(pid, addr, "its descriptor " + std::to_string(fd) + " is not read-only");
@@ -169,8 +170,9 @@ Result<std::unique_ptr<MappedRegion>> MapServedRegion(int pidfd, pid_t pid, int 
   const auto size = static_cast<std::uint64_t>(st.st_size);
   if (offset > size || length > size - offset || addr > UINT64_MAX - length) {
     return NotMapped(pid, addr,
-                     "the memfd holds " + std::to_string(size) + " bytes, fewer than the region's " +
-                         std::to_string(length) + " at offset " + std::to_string(offset));
+                     "the memfd holds " + std::to_string(size) +
+                         " bytes, fewer than the region's " + std::to_string(length) +
+                         " at offset " + std::to_string(offset));
   }
   // The peer's own mappings must map [addr, addr + length) from this very file at `offset`, so a
   // wrong descriptor or offset is never read as the region.
