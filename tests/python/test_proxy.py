@@ -110,6 +110,44 @@ def test_xpyd_spreads_by_least_outstanding(xpyd):
     run(go())
 
 
+def test_layerwise_bursts_spread_their_prefill_legs_by_least_outstanding():
+    """Layer-wise legs count from the moment their instance is chosen. Before, a burst chose
+    every prefill instance before any of its legs' tasks had run, so the legs of a burst that
+    arrived while one prefill instance had a leg in flight all went to the other (an outside
+    test saw 39 of 40 on one instance while the decode legs split evenly; issue 31)."""
+    with Cluster(prefill=2, decode=2, serve_args=LONG_LEASE,
+                 prefill_serve_args=["--compute-us-per-token", "3000"],
+                 proxy_args=["--mode", "layerwise", "--layerwise-min-tokens", "16"]) as c:
+        prefills = [i for i in c.instances if i.role == "prefill"]
+
+        async def prefill_legs(s):
+            m = await c.metrics(s)
+            return [metric(m, "kvferry_proxy_legs_total", instance=i.name) for i in prefills]
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                before = await prefill_legs(s)
+                # A long prompt (1.2 s of prefill) holds one prefill instance's leg in flight.
+                slow = asyncio.ensure_future(post(s, c.url, {"model": "m", "max_tokens": 2,
+                                                             "prompt": list(range(1, 401))}))
+                deadline = time.monotonic() + 10
+                while sum(await prefill_legs(s)) == sum(before):
+                    assert time.monotonic() < deadline, "the slow request's leg never went"
+                    await asyncio.sleep(0.01)
+                assert not slow.done()
+                reqs = [{"model": "m", "prompt": list(range(1 + i, 21 + i)), "max_tokens": 2}
+                        for i in range(40)]
+                answers = await asyncio.gather(*(post(s, c.url, b) for b in reqs), slow)
+                for status, answer in answers:
+                    assert status == 200, answer
+                    check_verified(answer_info(answer))
+                sent = [a - b for a, b in zip(await prefill_legs(s), before)]
+                assert sum(sent) == 41, sent
+                assert all(10 <= n <= 31 for n in sent), sent
+                await c.wait_nothing_held(5)
+        run(go())
+
+
 def test_a_thousand_requests_with_a_third_abandoned_leave_nothing_held(xpyd):
     """1,000 requests, 16 at a time, 30 % of them abandoned by their client at a random moment
     (during either leg, between them, mid-stream). Every other one is answered and verified

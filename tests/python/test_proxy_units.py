@@ -170,3 +170,39 @@ def test_from_sources_without_a_file():
     config = from_sources({}, {"prefill": ["http://p:1"], "decode": ["http://d:1"],
                                "port": None})
     assert config.port == 8000 and config.mode == "whole"
+
+
+def test_unknown_paths_methods_and_bodies_past_the_cap_are_json_errors():
+    """aiohttp's own answers (404 for a path the proxy has not, 405, 413 past
+    --max-request-mib) come in the OpenAI API's error shape, as the proxy's others do; before,
+    a plain-text '404: Not Found'."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvferry.proxy.app import build_app
+
+    config = cli.load(["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9",
+                       "--max-request-mib", "1"])
+    assert config.max_request_mib == 1
+
+    async def go():
+        async with TestClient(TestServer(build_app(config))) as client:
+            for method, path, body, status in (
+                    ("GET", "/v1/nothing-here", None, 404),
+                    ("POST", "/health", None, 405),
+                    ("POST", "/v1/completions", b"[" + b"1," * (600 << 10) + b"1]", 413)):
+                r = await client.request(method, path, data=body)
+                assert r.status == status, (path, r.status)
+                assert r.headers["Content-Type"].startswith("application/json"), path
+                answer = await r.json()
+                assert answer["error"]["code"] == status, answer
+                assert answer["error"]["type"] == "invalid_request_error", answer
+                assert answer["error"]["message"], answer
+                if status == 413:
+                    assert "--max-request-mib" in answer["error"]["message"], answer
+
+    asyncio.run(go())
+    with pytest.raises(ConfigError, match="max_request_mib"):
+        cli.load(["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9",
+                  "--max-request-mib", "0"])

@@ -16,9 +16,6 @@ from .forward import Forwarder, error_response
 from .metrics import ProxyMetrics
 from .pool import Pool
 
-MAX_REQUEST_BYTES = 64 << 20  # long prompts as token lists are large JSON
-
-
 class Proxy:
     """State shared by the routes; one per application."""
 
@@ -91,9 +88,31 @@ def _auth(request: web.Request) -> dict[str, str]:
     return {"Authorization": value} if value else {}
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (an unknown path, a method a path does not take, a body past the
+    cap) answered in the OpenAI API's shape, as the proxy's other errors are."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        what = {404: f"no route {request.method} {request.path}; the proxy serves POST "
+                     "/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health "
+                     "and GET /metrics",
+                405: f"{request.path} does not take {request.method}",
+                413: f"the request body is larger than the proxy's cap "
+                     f"({request.app['proxy'].config.max_request_mib} MiB, --max-request-mib)"}
+        response = error_response(e.status, what.get(e.status, e.reason), "invalid_request_error")
+        if e.status == 405 and "Allow" in e.headers:
+            response.headers["Allow"] = e.headers["Allow"]
+        return response
+
+
 def build_app(config: ProxyConfig) -> web.Application:
     proxy = Proxy(config)
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    app = web.Application(client_max_size=config.max_request_mib << 20,
+                          middlewares=[json_errors])
     app["proxy"] = proxy
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)

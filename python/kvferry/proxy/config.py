@@ -74,6 +74,9 @@ class ProxyConfig:
     stream_idle_timeout_s: float = 60.0  # between two chunks of a stream, either side
     decode_timeout_s: float = 3600.0  # a decode leg in all
     client_body_timeout_s: float = 30.0  # reading a client's request body
+    # The largest request body taken, MiB (long prompts as token lists are large JSON: 64 MiB
+    # is about 8 M tokens written as numbers); a larger one is answered 413.
+    max_request_mib: int = 64
     # A leg whose client left: a whole-request prefill may still answer in this time (its KV is
     # then read and freed by a release leg), a decode leg still start its response (the
     # instance has then taken it), before it is closed (forward.py).
@@ -110,7 +113,7 @@ class ProxyConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: expected a positive number, found {value!r}")
-        for name in ("layerwise_min_tokens", "health_failures"):
+        for name in ("layerwise_min_tokens", "health_failures", "max_request_mib"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}: expected a positive integer, found {value!r}")

@@ -127,6 +127,10 @@ def _failure_of(error: BaseException, role: str, instance: Instance, timeout_s: 
                       f"{type(error).__name__}: {error}", 502)
 
 
+def _uncount(instance: Instance) -> None:
+    instance.outstanding -= 1
+
+
 class Forwarder:
     def __init__(self, config: ProxyConfig, prefill: Pool, decode: Pool, metrics: ProxyMetrics,
                  session: aiohttp.ClientSession):
@@ -228,8 +232,12 @@ class Forwarder:
             return await self._whole(request, flight)
         transfer_id = new_transfer_id()
         flight.prefill_name = instance.name
+        # The leg counts from the moment it is chosen, not from when its task first runs: a burst
+        # picks every prefill instance before any of its legs' tasks has started.
+        instance.outstanding += 1
         prefill = asyncio.ensure_future(self._background_prefill(
             instance, flight, prefill_body(flight.body, transfer_id)))
+        prefill.add_done_callback(lambda _: _uncount(instance))
         leg = decode_body(flight.body, layerwise_decode_params(instance.config.connector,
                                                                transfer_id))
         self._keep(prefill)
@@ -286,9 +294,13 @@ class Forwarder:
 
         return await self._on_two_instances(self.prefill, attempt, lambda f: True)
 
-    async def _prefill_leg(self, instance: Instance, flight: Flight, body: dict) -> dict:
-        """The prefill's answer (a JSON object); LegFailure or UpstreamAnswer otherwise."""
-        instance.outstanding += 1
+    async def _prefill_leg(self, instance: Instance, flight: Flight, body: dict,
+                           counted: bool = False) -> dict:
+        """The prefill's answer (a JSON object); LegFailure or UpstreamAnswer otherwise.
+        `counted`: the caller counted the leg in the instance's outstanding legs and uncounts
+        it (a layer-wise leg, counted when its instance was chosen)."""
+        if not counted:
+            instance.outstanding += 1
         self.metrics.legs.labels("prefill", instance.name).inc()
         timeout = self.config.prefill_timeout_s
         try:
@@ -303,7 +315,8 @@ class Forwarder:
             self._failed(self.prefill, instance, failure)
             raise failure from e
         finally:
-            instance.outstanding -= 1
+            if not counted:
+                instance.outstanding -= 1
         if status >= 500:
             failure = LegFailure("status", f"prefill instance {instance.name} answered "
                                  f"{status}: {data[:300].decode(errors='replace')}")
@@ -323,9 +336,11 @@ class Forwarder:
         return answer
 
     async def _background_prefill(self, instance: Instance, flight: Flight, body: dict) -> None:
-        """A layer-wise prefill leg: its answer only ends it; failures are logged and counted."""
+        """A layer-wise prefill leg: its answer only ends it; failures are logged and counted.
+        Its instance counted it when it was chosen; the task's end uncounts it (also when the
+        task is cancelled before it ran)."""
         try:
-            await self._prefill_leg(instance, flight, body)
+            await self._prefill_leg(instance, flight, body, counted=True)
         except LegFailure as f:
             logger.info("request %s: layer-wise prefill leg: %s", flight.request_id, f.message)
         except UpstreamAnswer as a:
