@@ -25,6 +25,7 @@ PACKAGES=(
   iproute2 nftables                    # two-host tests: namespaces, tbf, packet loss
   python3-venv python3-setuptools python3-wheel python3-build  # the wheel, offline (setup.py)
   python3-aiohttp python3-zmq          # kvferry-proxy; its tests' control client (docs/control.md)
+  etcd-server                          # the fleet tests' real etcd (docs/fleet.md)
 )
 
 missing=()

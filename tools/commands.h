@@ -72,6 +72,8 @@ void AddBenchCommands(CLI::App& app, int& exit_code);
 /// `kvferry bench control`, registered by AddBenchCommands on its `bench` command.
 void AddBenchControlCommand(CLI::App& bench, int& exit_code);
 void AddServeCommand(CLI::App& app, int& exit_code);
+/// `kvferry drain ENDPOINT`: the control message "drain" to a running `kvferry serve`.
+void AddDrainCommand(CLI::App& app, int& exit_code);
 /// `kvferry demo`, and `kvferry bench e2e` on the `bench` command (AddBenchE2eCommand), which
 /// AddBenchCommands must have added.
 void AddDemoCommands(CLI::App& app, int& exit_code);

@@ -94,18 +94,22 @@ ControlOp OpFromName(const std::string& name) {
   if (name == "abort") return ControlOp::kAbort;
   if (name == "stats") return ControlOp::kStats;
   if (name == "shutdown") return ControlOp::kShutdown;
+  if (name == "drain") return ControlOp::kDrain;
   return ControlOp::kUnknown;
 }
 
 Status ParseInto(const Json& j, std::size_t max_prompt_tokens, ControlRequest& r) {
   if (!j.is_object()) return Wrong("message", "a JSON object", j);
   const Json* op = Member(j, "op", false);
-  constexpr std::string_view kOps = "one of \"generate\", \"abort\", \"stats\", \"shutdown\"";
+  constexpr std::string_view kOps =
+      "one of \"generate\", \"abort\", \"stats\", \"shutdown\", \"drain\"";
   if (op == nullptr) return Status::InvalidArgument("op: missing; expected " + std::string(kOps));
   if (!op->is_string()) return Wrong("op", kOps, *op);
   r.op = OpFromName(op->get_ref<const std::string&>());
   if (r.op == ControlOp::kUnknown) return Wrong("op", kOps, *op);
-  if (r.op == ControlOp::kStats || r.op == ControlOp::kShutdown) return Status::Ok();
+  if (r.op == ControlOp::kStats || r.op == ControlOp::kShutdown || r.op == ControlOp::kDrain) {
+    return Status::Ok();
+  }
 
   const Json* id = Member(j, "request_id", false);
   if (id == nullptr) {

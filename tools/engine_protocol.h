@@ -34,7 +34,7 @@ inline constexpr std::int64_t kMaxRemoteTpSize = 1024;
 /// request's nonce is remembered against replays for twice this (sidechannel::ReplayGuard).
 inline constexpr std::chrono::milliseconds kControlMaxClockSkew{30000};
 
-enum class ControlOp : std::uint8_t { kUnknown, kGenerate, kAbort, kStats, kShutdown };
+enum class ControlOp : std::uint8_t { kUnknown, kGenerate, kAbort, kStats, kShutdown, kDrain };
 
 /// One control request as parsed. Fields that parsed before a refusal are kept, so the error
 /// reply can name the request it refuses.

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   kvferry::cli::AddPlanCommand(app, exit_code);
   kvferry::cli::AddBenchCommands(app, exit_code);
   kvferry::cli::AddServeCommand(app, exit_code);
+  kvferry::cli::AddDrainCommand(app, exit_code);
   kvferry::cli::AddDemoCommands(app, exit_code);
   kvferry::cli::AddTopCommand(app, exit_code);
   CLI11_PARSE(app, argc, argv);

@@ -4,6 +4,8 @@
 #include <zmq.h>
 
 #include <algorithm>
+#include <atomic>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -19,6 +21,7 @@
 #include "engine/engine.h"
 #include "sidechannel/zmq_util.h"
 #include "tools/commands.h"
+#include "tools/control_client.h"
 #include "tools/engine_protocol.h"
 #include "tools/metrics_server.h"
 
@@ -55,6 +58,13 @@ struct ServeArgs {
   int metrics_port = -1;  // -1: no metrics endpoint
 };
 
+// SIGTERM asks the instance to drain (docs/fleet.md); a second one ends it at once.
+std::atomic<bool> g_drain_signal{false};
+
+extern "C" void OnSigterm(int /*signo*/) {
+  if (g_drain_signal.exchange(true)) _exit(128 + SIGTERM);
+}
+
 const char* OpName(ControlOp op) {
   switch (op) {
     case ControlOp::kGenerate:
@@ -65,6 +75,8 @@ const char* OpName(ControlOp op) {
       return "stats";
     case ControlOp::kShutdown:
       return "shutdown";
+    case ControlOp::kDrain:
+      return "drain";
     case ControlOp::kUnknown:
       break;
   }
@@ -203,6 +215,14 @@ int RunServe(const ServeArgs& a) {
   if (metrics) std::cout << "METRICS " << metrics->url() << std::endl;
 
   bool running = true;
+  // Draining (SIGTERM or the control message "drain"): no new requests; the instance exits 0 once
+  // the requests it has taken have ended, its holds have been read (or their leases ended) and
+  // its loads have ended.
+  bool draining = false;
+  struct sigaction on_term {};
+  on_term.sa_handler = OnSigterm;
+  sigemptyset(&on_term.sa_mask);
+  sigaction(SIGTERM, &on_term, nullptr);
   int threads_peak = 0;  // the process's, sampled every 20 ms and at each stats request
   Clock::time_point next_sample{};
   std::size_t max_prompt_tokens = 0;
@@ -281,6 +301,14 @@ int RunServe(const ServeArgs& a) {
     ControlRequest& r = parsed.request;
     switch (r.op) {
       case ControlOp::kGenerate: {
+        if (draining) {
+          refuse(identity, nonce,
+                 Status::Unavailable("this instance is draining: it takes no new requests and "
+                                     "exits once its requests, holds and loads have ended; send "
+                                     "the request to another instance"),
+                 &r);
+          return;
+        }
         if (reply_to.count(*r.request_id) != 0) {
           refuse(identity, nonce,
                  Status::InvalidArgument("request_id: \"" + *r.request_id +
@@ -303,6 +331,7 @@ int RunServe(const ServeArgs& a) {
         threads_peak = std::max(threads_peak, proc.threads);
         reply(identity, nonce,
               {{"ok", true},
+               {"state", draining ? "draining" : "serving"},
                {"used_blocks", s.used_blocks},
                {"cached_blocks", s.cached_blocks},
                {"holds", s.holds},
@@ -337,6 +366,18 @@ int RunServe(const ServeArgs& a) {
         reply(identity, nonce, {{"ok", true}});
         running = false;
         return;
+      case ControlOp::kDrain: {
+        if (!draining) std::cerr << "kvferry serve: draining (control message)\n";
+        draining = true;
+        const engine::InstanceStats s = (*instance)->Stats();
+        reply(identity, nonce,
+              {{"ok", true},
+               {"state", "draining"},
+               {"requests_in_flight", reply_to.size()},
+               {"holds", s.holds},
+               {"loads_outstanding", s.loads_outstanding}});
+        return;
+      }
       case ControlOp::kUnknown:
         return;  // ParseControlRequest refuses unknown ops
     }
@@ -346,6 +387,17 @@ int RunServe(const ServeArgs& a) {
     if (Clock::now() >= next_sample) {
       threads_peak = std::max(threads_peak, ReadProcStatus().threads);
       next_sample = Clock::now() + std::chrono::milliseconds(20);
+      if (g_drain_signal.load() && !draining) {
+        std::cerr << "kvferry serve: draining (SIGTERM; a second one ends the instance now)\n";
+        draining = true;
+      }
+      if (draining && reply_to.empty() && (*instance)->Idle()) {
+        const engine::InstanceStats s = (*instance)->Stats();
+        if (s.holds == 0 && s.loads_outstanding == 0) {
+          std::cerr << "kvferry serve: drained; exiting\n";
+          break;
+        }
+      }
     }
     // With --exit-on-stdin-eof (kvferry demo passes it) the instance ends with its parent.
     zmq_pollitem_t items[2] = {{control.get(), 0, ZMQ_POLLIN, 0},
@@ -505,6 +557,53 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   AddModelOptions(*serve, a->model);
   serve->callback([a, &exit_code] { exit_code = RunServe(*a); });
+}
+
+void AddDrainCommand(CLI::App& app, int& exit_code) {
+  struct DrainArgs {
+    std::string endpoint;
+    bool wait = false;
+    int timeout_ms = 180000;
+  };
+  auto a = std::make_shared<DrainArgs>();
+  CLI::App* drain = app.add_subcommand(
+      "drain",
+      "Tell a kvferry serve instance to drain: it takes no new requests, keeps serving its holds "
+      "until their readers confirm (or their leases end), finishes its loads, then exits 0 "
+      "(docs/fleet.md). Signed with KVFERRY_SECRET, as every control message");
+  drain->add_option("endpoint", a->endpoint, "The instance's control endpoint, tcp://HOST:PORT")
+      ->required();
+  drain->add_flag("--wait", a->wait, "Wait until the instance has drained and exited");
+  drain->add_option("--timeout-ms", a->timeout_ms, "How long --wait waits")->capture_default_str();
+  drain->callback([a, &exit_code] {
+    const char* env = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe)
+    ControlClient client(a->endpoint, env == nullptr ? "" : env);
+    Result<Json> r = client.Call({{"op", "drain"}}, std::chrono::milliseconds(5000));
+    if (!r.ok() || !r->value("ok", false)) {
+      std::cerr << "kvferry drain: " << a->endpoint << ": "
+                << (r.ok() ? r->dump() : r.status().ToString()) << "\n";
+      exit_code = 1;
+      return;
+    }
+    std::cout << "draining: " << r->dump() << std::endl;
+    if (!a->wait) return;
+    // Drained once the instance stops answering: it exits when its requests, holds and loads
+    // have ended.
+    const Deadline deadline = DeadlineAfter(std::chrono::milliseconds(a->timeout_ms));
+    while (Clock::now() < deadline) {
+      Result<Json> s = client.Call({{"op", "stats"}}, std::chrono::milliseconds(1000));
+      if (!s.ok()) {
+        std::cout << "drained: the instance no longer answers" << std::endl;
+        return;
+      }
+      std::cout << "holds " << s->value("holds", 0) << ", loads "
+                << s->value("loads_outstanding", 0) << std::endl;
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    std::cerr << "kvferry drain: " << a->endpoint << " still answers after " << a->timeout_ms
+              << " ms\n";
+    exit_code = 1;
+  });
 }
 
 }  // namespace kvferry::cli

@@ -157,6 +157,35 @@ def _prompt_tokens(request: Any) -> int:
     return len(prompt) if prompt is not None else int(_get(request, "num_prompt_tokens", 0))
 
 
+def _register(s: "_Settings") -> list:
+    """kv_connector_extra_config "register": {"etcd": "etcd://HOST:PORT/PREFIX", "url":
+    "http://HOST:API_PORT", "name": NAME, "ttl_s": 10, "kv_host": HOST}: DP rank 0's scheduler
+    registers the instance (both roles for kv_both) with its connector endpoint (docs/fleet.md),
+    in the background when etcd is not reachable yet."""
+    spec = s.extra.get("register")
+    if not spec or s.dp_rank != 0:
+        return []
+    from .fleet import Registration
+    if not isinstance(spec, dict) or not spec.get("etcd") or not spec.get("url"):
+        raise _kvferry.InvalidArgumentError(
+            "kv_connector_extra_config register: expected {\"etcd\": \"etcd://HOST:PORT/PREFIX\", "
+            f"\"url\": \"http://HOST:PORT\" (this instance's OpenAI API), ...}}, found {spec!r}")
+    roles = {"kv_producer": ["prefill"], "kv_consumer": ["decode"],
+             "kv_both": ["prefill", "decode"]}.get(str(s.kv_role), ["prefill"])
+    name = str(spec.get("name") or s.engine_id)
+    connector = {"engine_id": s.engine_id, "host": str(spec.get("kv_host") or s.host),
+                 "port": s.base_port, "tp_size": s.tp_size, "pp_size": s.pp_size}
+    out = []
+    for role in roles:
+        try:
+            out.append(Registration(str(spec["etcd"]), role, name, str(spec["url"]),
+                                    connector if role == "prefill" else None,
+                                    ttl_s=int(spec.get("ttl_s", 10))).start(wait=False))
+        except ValueError as e:
+            raise _kvferry.InvalidArgumentError(f"kv_connector_extra_config register: {e}")
+    return out
+
+
 def _is_scheduler(role: Any) -> bool:
     return "scheduler" in str(getattr(role, "name", role)).lower()
 
@@ -485,10 +514,12 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         self._saved_layers: set[int] = set()
         self._save_warned = False
         self._applied = False  # worker: the bound metadata went to the native worker
+        self._registrations: list = []  # scheduler: this instance's keys in etcd (fleet.py)
         if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
                 s.native_role, s.engine_id, s.host, s.base_port, s.dp_rank, s.tp_size,
                 s.hold_lease_ms, s.pp_size, vllm_groups.has_state(self._groups))
+            self._registrations = _register(s)
 
     if _Base is object:
         @property
@@ -1167,8 +1198,11 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         return self._worker.stats() if self._worker is not None else {}
 
     def shutdown(self) -> None:
-        """Stops the native worker and joins its threads (Worker.close); a second call, or one
-        on the scheduler side, does nothing."""
+        """Stops the native worker and joins its threads (Worker.close); on the scheduler side,
+        leaves the fleet (the instance's etcd keys are revoked). A second call does nothing."""
+        registrations, self._registrations = self._registrations, []
+        for r in registrations:
+            r.close()
         worker, self._worker = self._worker, None
         close = getattr(worker, "close", None)
         if close is not None:

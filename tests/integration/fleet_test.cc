@@ -122,9 +122,8 @@ struct Rank {
     return {layer};
   }
   const std::uint8_t* Block(int p, std::int64_t b) const {
-    return parts[static_cast<std::size_t>(p)].data() + static_cast<std::size_t>(b) *
-                                                           static_cast<std::size_t>(
-                                                               spec.BlockBytes(p));
+    return parts[static_cast<std::size_t>(p)].data() +
+           static_cast<std::size_t>(b) * static_cast<std::size_t>(spec.BlockBytes(p));
   }
 };
 
@@ -377,8 +376,8 @@ TEST(FleetTest, DecodeRanksReadAgainFromARestartedPrefillRankWithNoCapReached) {
       num_prefill, num_decode, kConnectionsPerPeer,
       static_cast<double>(threads_idle - threads_before) / (num_prefill + num_decode),
       threads_idle - threads_before, num_prefill + num_decode, cold.seconds, Failures(cold).c_str(),
-      spread.seconds, killed.done, killed.failed, Failures(killed).c_str(), killed.seconds, storm.seconds,
-      Failures(storm).c_str(), static_cast<unsigned long long>(handshakes),
+      spread.seconds, killed.done, killed.failed, Failures(killed).c_str(), killed.seconds,
+      storm.seconds, Failures(storm).c_str(), static_cast<unsigned long long>(handshakes),
       static_cast<unsigned long long>(reread), static_cast<unsigned long long>(refused),
       static_cast<double>(rss_warm - rss_idle) / (2.0 * num_decode), fds_idle, fds_warm,
       static_cast<double>(fds_warm - fds_idle) / (2.0 * num_decode), side_warm, data_warm,

@@ -47,22 +47,17 @@ struct Instance {
   std::string endpoint;  // from the READY line
 };
 
-Result<Instance> StartServe(const std::vector<std::string>& extra, const std::string& secret) {
+Result<Instance> StartServe(const std::vector<std::string>& extra, const std::string& secret,
+                            bool exit_on_stdin_eof = true) {
   const int base = FreeLoopbackPorts(1);
   if (base == 0) return Status::Unavailable("no free port for the side channel");
-  std::vector<std::string> argv = {KVFERRY_CLI_PATH,
-                                   "serve",
-                                   "--role",
-                                   "prefill",
-                                   "--base-port",
-                                   std::to_string(base),
-                                   "--control-port",
-                                   "0",
-                                   "--num-blocks",
-                                   std::to_string(kNumBlocks),
-                                   "--layers",
-                                   "2",
-                                   "--exit-on-stdin-eof"};
+  std::vector<std::string> argv = {KVFERRY_CLI_PATH, "serve",
+                                   "--role",         "prefill",
+                                   "--base-port",    std::to_string(base),
+                                   "--control-port", "0",
+                                   "--num-blocks",   std::to_string(kNumBlocks),
+                                   "--layers",       "2"};
+  if (exit_on_stdin_eof) argv.push_back("--exit-on-stdin-eof");
   argv.insert(argv.end(), extra.begin(), extra.end());
   // Always set: an empty value means no secret, whatever this process's environment holds.
   KVFERRY_ASSIGN_OR_RETURN(Subprocess p, Subprocess::Spawn(argv, {"KVFERRY_SECRET=" + secret}));
@@ -395,5 +390,80 @@ TEST(ServeControlBindTest, ANonLoopbackControlHostNeedsASecret) {
   EXPECT_THAT(output, HasSubstr("KVFERRY_SECRET"));
 }
 
+// Issue 31: a drained instance (the control message "drain", or SIGTERM) takes no new request,
+// keeps its holds until they end (here by their lease: no reader comes), then exits 0 by itself.
+// The exit is the event waited for; the instance is not told to stop otherwise (no
+// --exit-on-stdin-eof, so closing its stdin does nothing).
+void HoldThenDrain(bool by_signal) {
+  Result<Instance> i = StartServe({"--hold-lease-ms", "1500"}, kSecret, false);
+  ASSERT_TRUE(i.ok()) << i.status().ToString();
+  ControlClient client(i->endpoint, kSecret);
+  Result<Json> held = client.Call({{"op", "generate"},
+                                   {"request_id", "held"},
+                                   {"prompt", {1, 2, 3, 4, 5}},
+                                   {"kv_transfer_params", {{"do_remote_decode", true}}}},
+                                  kReplyTimeout);
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  ASSERT_EQ(held->value("ok", false), true) << held->dump();
+  if (by_signal) {
+    i->process->Signal(SIGTERM);
+  } else {  // kvferry drain ENDPOINT
+    Result<Subprocess> cli = Subprocess::Spawn({KVFERRY_CLI_PATH, "drain", i->endpoint},
+                                               {"KVFERRY_SECRET=" + std::string(kSecret)});
+    ASSERT_TRUE(cli.ok()) << cli.status().ToString();
+    Result<std::string> line = cli->ReadLine(kReplyTimeout);
+    ASSERT_TRUE(line.ok()) << line.status().ToString();
+    ASSERT_EQ(line->rfind("draining: ", 0), 0u) << *line;
+    const Json d = Json::parse(line->substr(10), nullptr, false);
+    EXPECT_EQ(d.value("state", std::string()), "draining") << d.dump();
+    EXPECT_EQ(d.value("holds", -1), 1) << d.dump();
+    Result<int> cli_code = cli->CloseAndWait(kReplyTimeout);
+    ASSERT_TRUE(cli_code.ok() && *cli_code == 0);
+  }
+  // Draining (the signal is taken within the loop's 20 ms sampling), with the hold kept.
+  Json stats;
+  for (const Deadline until = DeadlineAfter(kReplyTimeout); !Expired(until);) {
+    Result<Json> s = client.Call({{"op", "stats"}}, kReplyTimeout);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    stats = *s;
+    if (stats.value("state", std::string()) == "draining") break;
+  }
+  ASSERT_EQ(stats.value("state", std::string()), "draining") << stats.dump();
+  EXPECT_EQ(stats.value("holds", -1), 1) << stats.dump();
+  Result<Json> refused =
+      client.Call({{"op", "generate"}, {"request_id", "new"}, {"prompt", {1, 2}}}, kReplyTimeout);
+  ASSERT_TRUE(refused.ok()) << refused.status().ToString();
+  EXPECT_EQ(refused->value("code", std::string()), "Unavailable") << refused->dump();
+  EXPECT_THAT(refused->value("error", std::string()), HasSubstr("draining"));
+  Result<int> code = i->process->CloseAndWait(milliseconds(30000));
+  ASSERT_TRUE(code.ok()) << "the drained instance did not exit: " << code.status().ToString();
+  EXPECT_EQ(*code, 0);
+}
+
+TEST(ServeDrainTest, TheDrainMessageKeepsTheHoldsThenExitsZero) { HoldThenDrain(false); }
+
+TEST(ServeDrainTest, SigtermDrainsAndASecondOneEndsTheInstanceAtOnce) {
+  HoldThenDrain(true);
+  Result<Instance> i = StartServe({"--hold-lease-ms", "60000"}, kSecret, false);
+  ASSERT_TRUE(i.ok()) << i.status().ToString();
+  ControlClient client(i->endpoint, kSecret);
+  Result<Json> held = client.Call({{"op", "generate"},
+                                   {"request_id", "held"},
+                                   {"prompt", {1, 2, 3}},
+                                   {"kv_transfer_params", {{"do_remote_decode", true}}}},
+                                  kReplyTimeout);
+  ASSERT_TRUE(held.ok() && held->value("ok", false)) << held.status().ToString();
+  i->process->Signal(SIGTERM);
+  // The second only once the first was taken (two sent at once may arrive as one).
+  for (const Deadline until = DeadlineAfter(kReplyTimeout); !Expired(until);) {
+    Result<Json> s = client.Call({{"op", "stats"}}, kReplyTimeout);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    if (s->value("state", std::string()) == "draining") break;
+  }
+  i->process->Signal(SIGTERM);
+  Result<int> code = i->process->CloseAndWait(milliseconds(30000));
+  ASSERT_TRUE(code.ok()) << code.status().ToString();
+  EXPECT_EQ(*code, 128 + SIGTERM);
+}
 }  // namespace
 }  // namespace kvferry::cli

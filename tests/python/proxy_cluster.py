@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import select
 import signal
 import subprocess
@@ -80,6 +81,9 @@ class Cluster:
     decode_queue_ms: float = 0.0  # how long a decode request waits before its engine takes it
     decode_num_blocks: int = 1024  # blocks of each decode engine (prefill engines have 1024)
     proxy_args: list[str] = field(default_factory=list)
+    # False: the proxy is not given the instances (they join through etcd or the admin API).
+    static: bool = True
+    proxy_env: dict = field(default_factory=dict)
     instances: list[Instance] = field(default_factory=list)
     proxy: Optional[subprocess.Popen] = None
     url: str = ""
@@ -110,14 +114,15 @@ class Cluster:
                                            info["metrics"], info["connector"]))
         cmd = proxy_command() + ["--port", "0", "--health-interval-s", "0.2",
                                  "--health-timeout-s", "0.5", "--health-failures", "2"]
-        for inst in self.instances:
+        for inst in self.instances if self.static else []:
             spec = f"{inst.url},name={inst.name}"
             if inst.role == "prefill":
                 c = inst.connector
                 spec += (f",engine_id={c['engine_id']},kv_host={c['host']},kv_port={c['port']},"
                          f"tp_size={c['tp_size']}")
             cmd += [f"--{inst.role}", spec]
-        self.proxy = subprocess.Popen(cmd + self.proxy_args, stdout=subprocess.PIPE, text=True)
+        self.proxy = subprocess.Popen(cmd + self.proxy_args, stdout=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, **self.proxy_env))
         self.url = read_ready(self.proxy, "kvferry-proxy").split(" ", 1)[1]
         return self
 
@@ -192,6 +197,26 @@ class Cluster:
         async with session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(10)) as r:
             assert r.status == 200
             return await r.text()
+
+
+def bodies(n: int, seed: int) -> list[dict]:
+    """A mix of completions and chat, streamed or not, token lists and text, 20 to 600 tokens."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(20, 600)
+        stream = rng.random() < 0.5
+        kind = i % 3
+        if kind == 0:
+            body = {"prompt": [rng.randint(1, 50000) for _ in range(length)]}
+        elif kind == 1:
+            body = {"prompt": "".join(rng.choice("abcdefgh ") for _ in range(length))}
+        else:
+            body = {"messages": [{"role": "user",
+                                  "content": "".join(rng.choice("xyz ") for _ in range(length))}]}
+        body.update(model="fake-model", max_tokens=rng.randint(1, 8), stream=stream)
+        out.append(body)
+    return out
 
 
 def metric(text: str, name: str, **labels: str) -> float:

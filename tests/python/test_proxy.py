@@ -21,8 +21,8 @@ pytest.importorskip("prometheus_client", reason="python3-prometheus-client (make
 
 import aiohttp  # noqa: E402
 
-from proxy_cluster import (CLI, Cluster, answer_info, answer_text, check_verified,  # noqa: E402
-                           metric, post)
+from proxy_cluster import (CLI, Cluster, answer_info, answer_text, bodies,  # noqa: E402
+                           check_verified, metric, post)
 
 if not CLI:
     pytest.skip("KVFERRY_CLI (the kvferry binary) is not set; ctest sets it",
@@ -37,26 +37,6 @@ SLOW_PREFILL = ["--compute-us-per-token", "3000", "--prefill-chunk-tokens", "32"
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def bodies(n: int, seed: int) -> list[dict]:
-    """A mix of completions and chat, streamed or not, token lists and text, 20 to 600 tokens."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        length = rng.randint(20, 600)
-        stream = rng.random() < 0.5
-        kind = i % 3
-        if kind == 0:
-            body = {"prompt": [rng.randint(1, 50000) for _ in range(length)]}
-        elif kind == 1:
-            body = {"prompt": "".join(rng.choice("abcdefgh ") for _ in range(length))}
-        else:
-            body = {"messages": [{"role": "user",
-                                  "content": "".join(rng.choice("xyz ") for _ in range(length))}]}
-        body.update(model="fake-model", max_tokens=rng.randint(1, 8), stream=stream)
-        out.append(body)
-    return out
 
 
 @pytest.fixture(scope="module")

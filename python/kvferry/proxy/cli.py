@@ -51,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
                        ("health_timeout_s", "one health check")):
         add("--" + name.replace("_", "-"), type=float, metavar="S",
             help=f"seconds: {what} (default {getattr(DEFAULTS, name):g})")
+    add("--discovery", metavar="URL",
+        help="etcd://HOST:PORT/PREFIX: instances registered there join, drain and leave with no "
+             "restart (docs/fleet.md); --prefill/--decode may then be left out")
     add("--max-request-mib", type=int, metavar="M",
         help="the largest request body taken, MiB; a larger one is answered 413 (default "
              f"{DEFAULTS.max_request_mib})")

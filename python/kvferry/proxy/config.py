@@ -77,6 +77,9 @@ class ProxyConfig:
     # The largest request body taken, MiB (long prompts as token lists are large JSON: 64 MiB
     # is about 8 M tokens written as numbers); a larger one is answered 413.
     max_request_mib: int = 64
+    # etcd://HOST:PORT/PREFIX: instances registered under PREFIX join, drain and leave at run
+    # time (docs/fleet.md); the static lists above stay, and may then be empty.
+    discovery: str = ""
     # A leg whose client left: a whole-request prefill may still answer in this time (its KV is
     # then read and freed by a release leg), a decode leg still start its response (the
     # instance has then taken it), before it is closed (forward.py).
@@ -88,19 +91,22 @@ class ProxyConfig:
     log_level: str = "info"
 
     def validate(self) -> "ProxyConfig":
-        if not self.prefill:
-            raise ConfigError("prefill: expected at least one prefill instance (--prefill URL), "
-                              "found none")
-        if not self.decode:
-            raise ConfigError("decode: expected at least one decode instance (--decode URL), "
-                              "found none")
+        if self.discovery:
+            parse_discovery(self.discovery)
+        elif not self.prefill:
+            raise ConfigError("prefill: expected at least one prefill instance (--prefill URL, "
+                              "or --discovery etcd://...), found none")
+        elif not self.decode:
+            raise ConfigError("decode: expected at least one decode instance (--decode URL, "
+                              "or --discovery etcd://...), found none")
         for role, instances in (("prefill", self.prefill), ("decode", self.decode)):
             names = [i.name for i in instances]
             if len(set(names)) != len(names):
                 raise ConfigError(f"{role}: instance names must differ, found {names}")
         if self.mode not in MODES:
             raise ConfigError(f"mode: expected one of {MODES}, found {self.mode!r}")
-        if self.mode == "layerwise" and not any(i.connector for i in self.prefill):
+        if (self.mode == "layerwise" and not self.discovery
+                and not any(i.connector for i in self.prefill)):
             raise ConfigError("mode layerwise: expected the connector endpoint (engine_id, "
                               "kv_host, kv_port, tp_size) of at least one prefill instance, found "
                               "none; without them only whole-request transfers are possible")
@@ -121,6 +127,23 @@ class ProxyConfig:
             raise ConfigError(f"health_path: expected a path starting with /, found "
                               f"{self.health_path!r}")
         return self
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """Where the membership is kept: etcd's v3 JSON gateway and a key prefix (kvferry.fleet)."""
+
+    base: str  # http://HOST:PORT
+    prefix: str  # no trailing slash
+
+
+def parse_discovery(text: str) -> Discovery:
+    """``etcd://HOST:PORT/PREFIX`` (PREFIX defaults to /kvferry)."""
+    from ..fleet import parse_etcd_url
+    try:
+        return Discovery(*parse_etcd_url(text))
+    except ValueError as e:
+        raise ConfigError(f"discovery: {e}") from None
 
 
 _SCALARS = {f.name: f for f in dataclasses.fields(ProxyConfig) if f.name not in ("prefill",

@@ -9,7 +9,11 @@
 - kvferry_proxy_retries_total (counter): role
 - kvferry_proxy_ttft_seconds (histogram): prefill, decode (instance names)
 - kvferry_proxy_outstanding_legs (gauge): role, instance
-- kvferry_proxy_instance_up (gauge): role, instance
+- kvferry_proxy_instance_up (gauge): role, instance (1 when up and serving, not draining)
+- kvferry_proxy_instances (gauge): role, state (serving, draining): the pools' members now
+
+The gauges are read from the pools at each scrape, so instances added or removed at run time
+(the admin API, etcd discovery) appear and go.
 
 TTFT is from the proxy receiving the request to the first byte of the decode instance's answer
 (for a non-streaming request, the whole answer). A layer-wise request's prefill label is the
@@ -19,10 +23,11 @@ answered, so the prefill's hold is read and freed (forward.py).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .pool import Pool
+from .pool import SERVING, STATES, Pool
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -48,15 +53,37 @@ class ProxyMetrics:
                               "Request received to the decode answer's first byte",
                               ["prefill", "decode"], buckets=TTFT_BUCKETS, registry=r)
         self._pools = pools
-        outstanding = Gauge("kvferry_proxy_outstanding_legs", "Legs in flight",
-                            ["role", "instance"], registry=r)
-        up = Gauge("kvferry_proxy_instance_up", "1 when the instance takes requests",
-                   ["role", "instance"], registry=r)
-        for pool in pools:
-            for inst in pool.instances:
-                outstanding.labels(pool.role, inst.name).set_function(
-                    lambda i=inst: i.outstanding)
-                up.labels(pool.role, inst.name).set_function(lambda i=inst: 1 if i.up else 0)
+        r.register(_PoolCollector(pools))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PoolCollector:
+    """The pools' gauges, read at each scrape."""
+
+    def __init__(self, pools: list[Pool]):
+        self._pools = pools
+
+    def describe(self):  # no samples at registration: the pools change
+        return []
+
+    def collect(self):
+        outstanding = GaugeMetricFamily("kvferry_proxy_outstanding_legs", "Legs in flight",
+                                        labels=["role", "instance"])
+        up = GaugeMetricFamily("kvferry_proxy_instance_up",
+                               "1 when the instance takes requests (up and not draining)",
+                               labels=["role", "instance"])
+        members = GaugeMetricFamily("kvferry_proxy_instances", "Instances in the pools",
+                                    labels=["role", "state"])
+        for pool in self._pools:
+            for inst in pool.instances:
+                outstanding.add_metric([pool.role, inst.name], inst.outstanding)
+                up.add_metric([pool.role, inst.name],
+                              1 if inst.up and inst.state == SERVING else 0)
+            for state in STATES:
+                members.add_metric([pool.role, state],
+                                   sum(1 for i in pool.instances if i.state == state))
+        yield outstanding
+        yield up
+        yield members

@@ -1,9 +1,13 @@
-"""The instances of one role (prefill or decode): outstanding requests and whether each is up.
+"""The instances of one role (prefill or decode): outstanding requests, whether each is up, and
+whether it takes new legs.
 
 Pure bookkeeping, one event loop: no I/O here. The proxy sends each leg to the instance of its
-role with the fewest outstanding legs among those up (ties rotate, so sequential requests spread);
-a failed connection takes an instance out at once, and the health checker (health.py) takes
-instances out after repeated failed checks and puts them back after one good one.
+role with the fewest outstanding legs among those up and serving (ties rotate, so sequential
+requests spread); a failed connection takes an instance out at once, and the health checker
+(health.py) takes instances out after repeated failed checks and puts them back after one good
+one. Membership changes at run time (the admin API, etcd discovery: docs/fleet.md): an instance
+added takes legs at once; one draining or removed takes no new legs, and the legs it has in
+flight finish (they hold their Instance).
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from .config import InstanceConfig
 logger = logging.getLogger("kvferry.proxy")
 
 
+SERVING, DRAINING = "serving", "draining"
+STATES = (SERVING, DRAINING)
+
+
 @dataclass(eq=False)
 class Instance:
     config: InstanceConfig
@@ -25,6 +33,9 @@ class Instance:
     outstanding: int = 0
     up: bool = True
     failed_checks: int = 0
+    state: str = SERVING
+    # Where it came from: "static" (flags or file), "admin" (the admin API), "etcd".
+    source: str = "static"
 
     @property
     def name(self) -> str:
@@ -46,7 +57,8 @@ class Pool:
         """The up instance with the fewest outstanding legs, not in `exclude` (and with a
         connector endpoint when `need_connector`); None when there is none."""
         skip = set(map(id, exclude))
-        candidates = [i for i in self.instances if i.up and id(i) not in skip
+        candidates = [i for i in self.instances if i.up and i.state == SERVING
+                      and id(i) not in skip
                       and (i.config.connector is not None or not need_connector)]
         if not candidates:
             return None
@@ -55,7 +67,48 @@ class Pool:
         return tied[next(self._turn) % len(tied)]
 
     def up_count(self) -> int:
-        return sum(1 for i in self.instances if i.up)
+        return sum(1 for i in self.instances if i.up and i.state == SERVING)
+
+    def find(self, name: str) -> Optional[Instance]:
+        return next((i for i in self.instances if i.name == name), None)
+
+    def add(self, config: InstanceConfig, source: str, state: str = SERVING) -> Instance:
+        """Adds an instance, or updates the one of that name (its URL, connector and state; its
+        legs in flight are kept). Returns it."""
+        if state not in STATES:
+            raise ValueError(f"state: expected one of {STATES}, found {state!r}")
+        inst = self.find(config.name)
+        if inst is None:
+            inst = Instance(config, self.role, state=state, source=source)
+            self.instances.append(inst)
+            logger.info("%s instance %s (%s) added (%s, %s)", self.role, inst.name, inst.url,
+                        source, state)
+            return inst
+        if (inst.config, inst.state) != (config, state):
+            logger.info("%s instance %s (%s) updated (%s, %s)", self.role, inst.name,
+                        config.url, source, state)
+        if inst.config.url != config.url:  # another process: up until its checks say otherwise
+            inst.up, inst.failed_checks = True, 0
+        inst.config, inst.state, inst.source = config, state, source
+        return inst
+
+    def drain(self, name: str) -> Optional[Instance]:
+        """No new legs go to the instance; those in flight finish. None when it is unknown."""
+        inst = self.find(name)
+        if inst is not None and inst.state != DRAINING:
+            inst.state = DRAINING
+            logger.info("%s instance %s (%s) draining: %d legs in flight", self.role, inst.name,
+                        inst.url, inst.outstanding)
+        return inst
+
+    def remove(self, name: str) -> Optional[Instance]:
+        """Takes the instance out of the pool (its legs in flight finish). None when unknown."""
+        inst = self.find(name)
+        if inst is not None:
+            self.instances.remove(inst)
+            logger.info("%s instance %s (%s) removed: %d legs in flight", self.role, inst.name,
+                        inst.url, inst.outstanding)
+        return inst
 
     def mark_down(self, instance: Instance, why: str) -> None:
         if instance.up:

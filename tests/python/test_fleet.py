@@ -1,0 +1,301 @@
+"""An elastic fleet (issue 31): instances join, drain and leave kvferry-proxy at run time, through
+a real etcd (Debian's etcd-server, started here on the loopback) or the proxy's admin API.
+
+The instances are fake_vllm.py servers over `kvferry serve` (proxy_cluster.py), which the proxy
+is not told about: they register with kvferry.fleet.Registration (what the vLLM adapter's
+kv_connector_extra_config "register" does), and every answered request's KV is checked byte for
+byte by the decode engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="python3-aiohttp is not installed (make deps)")
+pytest.importorskip("zmq", reason="python3-zmq is not installed (make deps)")
+pytest.importorskip("prometheus_client", reason="python3-prometheus-client (make deps)")
+
+import aiohttp  # noqa: E402
+
+import etcd_server  # noqa: E402
+from kvferry.fleet import Registration  # noqa: E402
+from proxy_cluster import (CLI, Cluster, answer_info, bodies, check_verified,  # noqa: E402
+                           metric, post)
+
+if not CLI:
+    pytest.skip("KVFERRY_CLI (the kvferry binary) is not set; ctest sets it",
+                allow_module_level=True)
+if not etcd_server.available():
+    pytest.skip("SKIPPED LOUDLY: etcd is not installed (Debian's etcd-server; make deps installs "
+                "it): the fleet tests need a real etcd", allow_module_level=True)
+
+TOKEN = "fleet-admin-token"
+PREFIX = "/fleet"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def cluster(etcd, **kwargs) -> Cluster:
+    args = ["--discovery", etcd.url(PREFIX)] + kwargs.pop("proxy_args", [])
+    return Cluster(static=False, proxy_args=args, proxy_env={"KVFERRY_PROXY_ADMIN_TOKEN": TOKEN},
+                   serve_args=["--hold-lease-ms", "60000"], **kwargs)
+
+
+def register(etcd, inst, ttl_s: int = 6) -> Registration:
+    connector = dict(inst.connector, pp_size=1) if inst.role == "prefill" else None
+    return Registration(etcd.url(PREFIX), inst.role, inst.name, inst.url, connector,
+                        ttl_s=ttl_s).start()
+
+
+async def members(s: aiohttp.ClientSession, c: Cluster) -> dict:
+    async with s.get(c.url + "/admin/instances", headers={"Authorization": f"Bearer {TOKEN}"},
+                     timeout=aiohttp.ClientTimeout(10)) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+def names(m: dict, role: str, state: str = "") -> set[str]:
+    return {i["name"] for i in m[role] if not state or i["state"] == state}
+
+
+async def wait_for(s, c, check, what: str, timeout: float = 20.0) -> float:
+    """Seconds until check(members) holds; fails naming `what` after `timeout`."""
+    start = time.monotonic()
+    while True:
+        m = await members(s, c)
+        if check(m):
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout, f"{what}: not within {timeout} s: {m}"
+        await asyncio.sleep(0.02)
+
+
+async def answer_all(s, c, reqs: list[dict]) -> None:
+    answers = await asyncio.gather(*(post(s, c.url, b) for b in reqs))
+    for status, answer in answers:
+        assert status == 200, answer
+        check_verified(answer_info(answer))
+
+
+async def legs(s, c, name: str) -> float:
+    return metric(await c.metrics(s), "kvferry_proxy_legs_total", instance=name)
+
+
+def test_instances_that_register_are_routed_and_those_that_leave_are_not():
+    with etcd_server.EtcdServer() as etcd, cluster(etcd, prefill=1, decode=2) as c:
+        p0, d0, d1 = c.of("prefill")[0], *c.of("decode")
+        regs = {i.name: register(etcd, i) for i in (p0, d0, d1)}
+        try:
+            async def go():
+                async with aiohttp.ClientSession() as s:
+                    # Routed within two keepalive intervals (ttl / 3 each) of registering.
+                    took = await wait_for(s, c, lambda m: names(m, "prefill") == {"p0"} and
+                                          names(m, "decode") == {"d0", "d1"}, "registered")
+                    assert took <= 2 * regs["d0"].ttl_s / 3, took
+                    await answer_all(s, c, bodies(8, 3))
+                    assert await legs(s, c, "d0") > 0 and await legs(s, c, "d1") > 0
+                    # d1 leaves (its lease revoked): nothing is routed to it afterwards.
+                    regs.pop("d1").close()
+                    await wait_for(s, c, lambda m: names(m, "decode") == {"d0"}, "d1 left")
+                    before = await legs(s, c, "d1")
+                    await answer_all(s, c, bodies(8, 4))
+                    assert await legs(s, c, "d1") == before
+                    # d1 is back; d0 stops renewing its lease (it died): it is removed once the
+                    # lease ends, and then routed nothing.
+                    regs["d1"] = register(etcd, d1)
+                    regs.pop("d0").close(revoke=False)
+                    await wait_for(s, c, lambda m: names(m, "decode") == {"d1"},
+                                   "d0's lease ended", timeout=30)
+                    before = await legs(s, c, "d0")
+                    await answer_all(s, c, bodies(8, 5))
+                    assert await legs(s, c, "d0") == before
+                    m = await c.metrics(s)
+                    assert metric(m, "kvferry_proxy_instances", role="decode") == 1
+                    await c.wait_nothing_held(5)
+            run(go())
+        finally:
+            for r in regs.values():
+                r.close()
+
+
+def test_etcd_down_and_back_keeps_the_last_membership_and_reconciles():
+    with etcd_server.EtcdServer() as etcd, cluster(etcd, prefill=1, decode=2) as c:
+        p0, d0, d1 = c.of("prefill")[0], *c.of("decode")
+        regs = {i.name: register(etcd, i, ttl_s=4) for i in (p0, d0)}
+        try:
+            async def go():
+                async with aiohttp.ClientSession() as s:
+                    await wait_for(s, c, lambda m: names(m, "decode") == {"d0"}, "registered")
+                    etcd.stop()
+                    await wait_for(s, c, lambda m: not m["discovery"]["connected"],
+                                   "the proxy saw etcd go")
+                    # Routed to the last membership known while etcd is away.
+                    await answer_all(s, c, bodies(6, 6))
+                    assert names(await members(s, c), "decode") == {"d0"}
+                    # d0 leaves while etcd is away (its revoke fails; its lease ends later).
+                    regs.pop("d0").close()
+                    etcd.start()
+                    regs["d1"] = register(etcd, d1, ttl_s=4)
+                    # Back: d1 joins, and d0's key goes with its lease (etcd renews a lease's
+                    # TTL when it restarts), which the watch or the next listing removes.
+                    await wait_for(s, c, lambda m: m["discovery"]["connected"] and
+                                   names(m, "decode") == {"d1"}, "reconciled", timeout=30)
+                    before = await legs(s, c, "d0")
+                    await answer_all(s, c, bodies(6, 7))
+                    assert await legs(s, c, "d0") == before
+                    await c.wait_nothing_held(5)
+            run(go())
+        finally:
+            for r in regs.values():
+                r.close()
+
+
+def test_five_hundred_requests_with_a_prefill_instance_drained_and_another_added_midway():
+    """Layer-wise and whole-request requests (prompts of 20 to 600 tokens, the layer-wise path
+    from 256), 16 at a time. After 150 answers a second prefill instance registers and the first
+    is set draining: every request is answered and verified, the drained instance takes no leg
+    after that, and nothing is held at the end."""
+    with etcd_server.EtcdServer() as etcd, cluster(
+            etcd, prefill=2, decode=2,
+            proxy_args=["--mode", "layerwise", "--layerwise-min-tokens", "256"]) as c:
+        p0, p1 = c.of("prefill")
+        regs = {i.name: register(etcd, i) for i in (p0, *c.of("decode"))}
+        try:
+            async def go():
+                async with aiohttp.ClientSession() as s:
+                    await wait_for(s, c, lambda m: names(m, "prefill") == {"p0"} and
+                                   len(m["decode"]) == 2, "registered")
+                    reqs = bodies(500, 31)
+                    answered = 0
+                    drained_at = None
+                    queue = iter(reqs)
+
+                    async def worker():
+                        nonlocal answered, drained_at
+                        for body in queue:
+                            status, answer = await post(s, c.url, body)
+                            assert status == 200, answer
+                            check_verified(answer_info(answer))
+                            answered += 1
+                            if answered == 150:
+                                regs["p1"] = register(etcd, p1)
+                                regs["p0"].set_state("draining")
+                                await wait_for(s, c, lambda m: names(m, "prefill", "serving")
+                                               == {"p1"}, "p0 draining, p1 serving")
+                                drained_at = await legs(s, c, "p0")
+                    await asyncio.gather(*(worker() for _ in range(16)))
+                    assert answered == 500
+                    assert drained_at is not None
+                    assert await legs(s, c, "p0") == drained_at, "a leg went to the drained p0"
+                    assert await legs(s, c, "p1") > 0
+                    m = await c.metrics(s)
+                    for path in ("whole", "layerwise"):
+                        assert metric(m, "kvferry_proxy_requests_total", path=path) > 50, path
+                    await c.wait_nothing_held(10)
+            run(go())
+        finally:
+            for r in regs.values():
+                r.close()
+
+
+def test_the_admin_api_adds_drains_lists_and_removes_instances_and_checks_its_token():
+    with etcd_server.EtcdServer() as etcd, cluster(etcd, prefill=1, decode=1) as c:
+        p0, d0 = c.of("prefill")[0], c.of("decode")[0]
+        reg = register(etcd, d0)
+        try:
+            async def go():
+                async with aiohttp.ClientSession() as s:
+                    auth = {"Authorization": f"Bearer {TOKEN}"}
+                    for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401)):
+                        async with s.get(c.url + "/admin/instances", headers=headers) as r:
+                            assert r.status == status
+                            assert (await r.json())["error"]["code"] == status
+                    spec = {"role": "prefill", "name": "p0", "url": p0.url,
+                            "connector": {k: p0.connector[k]
+                                          for k in ("engine_id", "host", "port", "tp_size")}}
+                    async with s.post(c.url + "/admin/instances", json=spec, headers=auth) as r:
+                        assert r.status == 201, await r.text()
+                        assert (await r.json())["source"] == "admin"
+                    await wait_for(s, c, lambda m: names(m, "decode") == {"d0"}, "d0 registered")
+                    await answer_all(s, c, bodies(4, 8))
+                    # An etcd-owned instance is changed in etcd, not here.
+                    async with s.post(c.url + "/admin/instances", headers=auth,
+                                      json={"role": "decode", "name": "d0",
+                                            "url": d0.url}) as r:
+                        assert r.status == 409
+                    async with s.post(c.url + "/admin/instances/prefill/p0/drain",
+                                      headers=auth) as r:
+                        assert r.status == 200 and (await r.json())["state"] == "draining"
+                    async with s.post(c.url + "/v1/completions", json=bodies(1, 9)[0]) as r:
+                        assert r.status == 503, await r.text()  # no prefill instance serving
+                    async with s.delete(c.url + "/admin/instances/prefill/p0",
+                                        headers=auth) as r:
+                        assert r.status == 200
+                    async with s.delete(c.url + "/admin/instances/prefill/p0",
+                                        headers=auth) as r:
+                        assert r.status == 404
+                    assert names(await members(s, c), "prefill") == set()
+                    await c.wait_nothing_held(5)
+            run(go())
+        finally:
+            reg.close()
+
+
+def test_the_admin_api_is_off_without_a_token():
+    with etcd_server.EtcdServer() as etcd:
+        with Cluster(prefill=1, decode=1, proxy_args=["--discovery", etcd.url(PREFIX)]) as c:
+            async def go():
+                async with aiohttp.ClientSession() as s:
+                    async with s.get(c.url + "/admin/instances",
+                                     headers={"Authorization": "Bearer x"}) as r:
+                        assert r.status == 403
+                        assert "KVFERRY_PROXY_ADMIN_TOKEN" in (await r.json())["error"]["message"]
+                    # The static instances still serve beside an empty etcd prefix.
+                    await answer_all(s, c, bodies(2, 10))
+            run(go())
+
+
+def test_the_vllm_adapter_registers_the_instance_and_leaves_at_shutdown():
+    """kv_connector_extra_config "register": the scheduler-side connector (DP rank 0) writes the
+    instance's key with its connector endpoint, and vLLM's shutdown() of the connector revokes
+    it; a proxy watching the prefix adds and removes it."""
+    from types import SimpleNamespace
+
+    import kvferry.vllm
+    from common import free_port
+    from kvferry.fleet import b64, call, parse_etcd_url
+
+    with etcd_server.EtcdServer() as etcd, cluster(etcd, prefill=1, decode=1) as c:
+        port = free_port()
+        extra = {"base_port": port, "register": {"etcd": etcd.url(PREFIX), "name": "vllm-p0",
+                                                 "url": "http://127.0.0.1:8100", "ttl_s": 3}}
+        vllm_config = SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(
+                kv_role="kv_producer", engine_id="prefill-vllm", kv_load_failure_policy=None,
+                kv_buffer_device=None, kv_connector_extra_config=extra),
+            parallel_config=SimpleNamespace(tensor_parallel_size=2, data_parallel_rank=0),
+            cache_config=SimpleNamespace(block_size=16),
+            model_config=SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 8))
+        sched = kvferry.vllm.KvferryConnector(vllm_config, "SCHEDULER")
+        base, _ = parse_etcd_url(etcd.url(PREFIX))
+        key = f"{PREFIX}/instances/prefill/vllm-p0"
+        got = call(base, "/v3/kv/range", {"key": b64(key)}, 2).get("kvs", [])
+        assert len(got) == 1, got
+        import base64
+        import json
+        value = json.loads(base64.b64decode(got[0]["value"]))
+        assert value["connector"] == {"engine_id": "prefill-vllm", "host": "127.0.0.1",
+                                      "port": port, "tp_size": 2, "pp_size": 1}, value
+        assert value["state"] == "serving" and value["url"] == "http://127.0.0.1:8100"
+
+        async def go(present: bool):
+            async with aiohttp.ClientSession() as s:
+                await wait_for(s, c, lambda m: ("vllm-p0" in names(m, "prefill")) == present,
+                               "the adapter's registration" + ("" if present else " revoked"))
+        run(go(True))
+        sched.shutdown()
+        assert call(base, "/v3/kv/range", {"key": b64(key)}, 2).get("kvs", []) == []
+        run(go(False))
