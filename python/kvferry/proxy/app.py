@@ -7,7 +7,7 @@ import asyncio
 import hmac
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import aiohttp
 from aiohttp import web
@@ -163,26 +163,21 @@ class Proxy:
         return web.json_response(self._describe(inst), status=200 if existing else 201)
 
     async def admin_drain(self, request: web.Request) -> web.Response:
-        refused = self._admin_refusal(request)
-        if refused is not None:
-            return refused
-        pool, bad = self._pool_of(request)
-        if bad is not None:
-            return bad
-        inst = pool.drain(request.match_info["name"])
-        if inst is None:
-            return error_response(404, f"no {pool.role} instance "
-                                  f"{request.match_info['name']!r}", "invalid_request_error")
-        return web.json_response(self._describe(inst))
+        return self._admin_change(request, Pool.drain)
 
     async def admin_remove(self, request: web.Request) -> web.Response:
+        return self._admin_change(request, Pool.remove)
+
+    def _admin_change(self, request: web.Request,
+                      change: Callable[[Pool, str], Optional[Instance]]) -> web.Response:
+        """change(pool, name) on the instance the path names; 404 when there is none."""
         refused = self._admin_refusal(request)
         if refused is not None:
             return refused
         pool, bad = self._pool_of(request)
         if bad is not None:
             return bad
-        inst = pool.remove(request.match_info["name"])
+        inst = change(pool, request.match_info["name"])
         if inst is None:
             return error_response(404, f"no {pool.role} instance "
                                   f"{request.match_info['name']!r}", "invalid_request_error")
