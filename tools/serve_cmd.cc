@@ -23,6 +23,7 @@
 #include "tools/commands.h"
 #include "tools/control_client.h"
 #include "tools/engine_protocol.h"
+#include "tools/fleet_register.h"
 #include "tools/metrics_server.h"
 
 namespace kvferry::cli {
@@ -55,7 +56,11 @@ struct ServeArgs {
   std::string memory = "host";
   bool exit_on_stdin_eof = false;
   std::string metrics_host = "127.0.0.1";
-  int metrics_port = -1;  // -1: no metrics endpoint
+  int metrics_port = -1;      // -1: no metrics endpoint
+  std::string register_etcd;  // etcd://HOST:PORT/PREFIX (docs/fleet.md); empty: none
+  std::string register_name;  // default: the engine id
+  std::string register_url;   // the OpenAI API in front of this instance, if any
+  int register_ttl_s = 10;
 };
 
 // SIGTERM asks the instance to drain (docs/fleet.md); a second one ends it at once.
@@ -211,6 +216,35 @@ int RunServe(const ServeArgs& a) {
   char bound[256] = {};
   std::size_t bound_len = sizeof(bound);
   zmq_getsockopt(control.get(), ZMQ_LAST_ENDPOINT, bound, &bound_len);
+  // Its key in etcd, revoked when it exits (docs/fleet.md), after the control socket is bound:
+  // a proxy that finds the key can reach the instance.
+  std::unique_ptr<FleetRegistration> registration;
+  if (!a.register_etcd.empty()) {
+    Result<EtcdTarget> etcd = ParseEtcdUrl(a.register_etcd);
+    if (!etcd.ok()) {
+      std::cerr << "kvferry serve: --register: " << etcd.status().ToString() << "\n";
+      return 2;
+    }
+    Json value = {{"role", *role == Role::kDecode ? "decode" : "prefill"},
+                  {"name", a.register_name.empty() ? c.engine_id : a.register_name},
+                  {"url", a.register_url},
+                  {"control", bound},
+                  {"connector",
+                   {{"engine_id", c.engine_id},
+                    {"host", c.host},
+                    {"port", c.base_port + c.dp_rank * c.pp_size * c.tp_size},
+                    {"tp_size", c.tp_size},
+                    {"pp_size", c.pp_size}}},
+                  {"state", "serving"},
+                  {"version", "kvferry serve"}};
+    Result<std::unique_ptr<FleetRegistration>> r =
+        FleetRegistration::Start(*etcd, std::move(value), a.register_ttl_s);
+    if (!r.ok()) {
+      std::cerr << "kvferry serve: --register: " << r.status().ToString() << "\n";
+      return 1;
+    }
+    registration = std::move(r).value();
+  }
   std::cout << "READY " << bound << std::endl;
   if (metrics) std::cout << "METRICS " << metrics->url() << std::endl;
 
@@ -219,6 +253,12 @@ int RunServe(const ServeArgs& a) {
   // the requests it has taken have ended, its holds have been read (or their leases ended) and
   // its loads have ended.
   bool draining = false;
+  auto start_draining = [&](const char* why) {
+    if (draining) return;
+    std::cerr << "kvferry serve: draining (" << why << ")\n";
+    draining = true;
+    if (registration) registration->SetState("draining");
+  };
   struct sigaction on_term {};
   on_term.sa_handler = OnSigterm;
   sigemptyset(&on_term.sa_mask);
@@ -367,8 +407,7 @@ int RunServe(const ServeArgs& a) {
         running = false;
         return;
       case ControlOp::kDrain: {
-        if (!draining) std::cerr << "kvferry serve: draining (control message)\n";
-        draining = true;
+        start_draining("control message");
         const engine::InstanceStats s = (*instance)->Stats();
         reply(identity, nonce,
               {{"ok", true},
@@ -387,10 +426,7 @@ int RunServe(const ServeArgs& a) {
     if (Clock::now() >= next_sample) {
       threads_peak = std::max(threads_peak, ReadProcStatus().threads);
       next_sample = Clock::now() + std::chrono::milliseconds(20);
-      if (g_drain_signal.load() && !draining) {
-        std::cerr << "kvferry serve: draining (SIGTERM; a second one ends the instance now)\n";
-        draining = true;
-      }
+      if (g_drain_signal.load()) start_draining("SIGTERM; a second one ends the instance now");
       if (draining && reply_to.empty() && (*instance)->Idle()) {
         const engine::InstanceStats s = (*instance)->Stats();
         if (s.holds == 0 && s.loads_outstanding == 0) {
@@ -546,6 +582,16 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   serve->add_flag("--exit-on-stdin-eof", a->exit_on_stdin_eof,
                   "Exit when stdin closes (for instances started by another process)");
+  serve->add_option("--register", a->register_etcd,
+                    "etcd://HOST:PORT/PREFIX: register this instance there under a lease, mark it "
+                    "draining when it drains, revoke it when it exits (docs/fleet.md)");
+  serve->add_option("--register-name", a->register_name,
+                    "Its name in the fleet (default: the engine id)");
+  serve->add_option("--register-url", a->register_url,
+                    "The OpenAI API in front of this instance, which a proxy routes to");
+  serve->add_option("--register-ttl-s", a->register_ttl_s, "The lease's TTL, seconds")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 3600));
   serve
       ->add_option("--metrics-port", a->metrics_port,
                    "Serve GET /metrics (Prometheus text) on this port (0: any free port, named in "

@@ -219,10 +219,20 @@ async def main() -> None:
     p.add_argument("--token-delay-ms", type=float, default=0.0)
     p.add_argument("--queue-ms", type=float, default=0.0)
     p.add_argument("--model", default="fake-model")
+    # etcd://HOST:PORT/PREFIX: kvferry serve registers this server there (--register, with this
+    # server's URL and --name), as a fleet's instances do (docs/fleet.md).
+    p.add_argument("--register", default="")
+    p.add_argument("--name", default="")
     args = p.parse_args()
+    register = []
+    if args.register:
+        from common import free_port
+        args.port = args.port or free_port()
+        register = ["--register", args.register, "--register-name", args.name,
+                    "--register-url", f"http://127.0.0.1:{args.port}", "--register-ttl-s", "3"]
     serve = subprocess.Popen([args.cli, "serve", "--role", args.role, "--control-port", "0",
                               "--base-port", str(args.base_port), "--metrics-port", "0",
-                              "--exit-on-stdin-eof", *args.serve_arg],
+                              "--exit-on-stdin-eof", *register, *args.serve_arg],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready, metrics = serve.stdout.readline().strip(), serve.stdout.readline().strip()
     if not ready.startswith("READY ") or not metrics.startswith("METRICS "):

@@ -83,6 +83,8 @@ class Cluster:
     proxy_args: list[str] = field(default_factory=list)
     # False: the proxy is not given the instances (they join through etcd or the admin API).
     static: bool = True
+    # etcd://...: every instance's kvferry serve registers itself there (--register).
+    register: str = ""
     proxy_env: dict = field(default_factory=dict)
     instances: list[Instance] = field(default_factory=list)
     proxy: Optional[subprocess.Popen] = None
@@ -103,6 +105,8 @@ class Cluster:
                        "--token-delay-ms", str(self.decode_token_delay_ms)]
                 if role == "decode":
                     cmd += ["--queue-ms", str(self.decode_queue_ms)]
+                if self.register:
+                    cmd += ["--register", self.register, "--name", f"{role[0]}{i}"]
                 cmd += [f"--serve-arg={a}" for a in serve]
                 starting.append((role, i, subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                                            text=True, env=env)))

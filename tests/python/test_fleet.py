@@ -299,3 +299,47 @@ def test_the_vllm_adapter_registers_the_instance_and_leaves_at_shutdown():
         sched.shutdown()
         assert call(base, "/v3/kv/range", {"key": b64(key)}, 2).get("kvs", []) == []
         run(go(False))
+
+
+def test_a_serve_instance_registers_itself_and_drains_out_of_the_fleet():
+    """Every kvferry serve registers itself (--register, with its fake vLLM server's URL). After
+    100 of 300 requests, `kvferry drain` tells prefill p0's engine to drain: its key says
+    draining (the proxy stops sending it legs), it finishes what it holds, exits, and its key is
+    revoked (the proxy removes it). Every request is answered and verified."""
+    import subprocess
+
+    from proxy_cluster import SECRET
+
+    with etcd_server.EtcdServer() as etcd, cluster(etcd, prefill=2, decode=1,
+                                                   register=etcd.url(PREFIX)) as c:
+        p0 = c.of("prefill")[0]
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                await wait_for(s, c, lambda m: names(m, "prefill") == {"p0", "p1"} and
+                               names(m, "decode") == {"d0"}, "the engines registered")
+                queue = iter(bodies(300, 41))
+                answered = 0
+                drained = None
+
+                async def worker():
+                    nonlocal answered, drained
+                    for body in queue:
+                        status, answer = await post(s, c.url, body)
+                        assert status == 200, answer
+                        check_verified(answer_info(answer))
+                        answered += 1
+                        if answered == 100:
+                            drained = await asyncio.to_thread(
+                                subprocess.run, [CLI, "drain", p0.control], capture_output=True,
+                                text=True, timeout=30, env={"KVFERRY_SECRET": SECRET})
+                await asyncio.gather(*(worker() for _ in range(8)))
+                assert answered == 300
+                assert drained is not None and drained.returncode == 0, drained
+                assert drained.stdout.startswith("draining: "), drained.stdout
+                # The drained engine exits once nothing is held, and its key goes with it.
+                await wait_for(s, c, lambda m: names(m, "prefill") == {"p1"}, "p0 left",
+                               timeout=30)
+                p0.kill()  # its fake server, whose engine is gone
+                await c.wait_nothing_held(10)
+        run(go())

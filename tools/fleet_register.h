@@ -1,0 +1,47 @@
+// `kvferry serve --register etcd://HOST:PORT/PREFIX`: the instance's key in etcd (docs/fleet.md),
+// on a lease kept alive by a thread, its state (serving, draining), revoked when it exits. The
+// same keys and values as the Python kvferry.fleet.Registration, over etcd's v3 JSON gateway.
+#pragma once
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "kvferry/status.h"
+
+namespace kvferry::cli {
+
+/// etcd://HOST:PORT/PREFIX: the gateway's host, port and the prefix (no trailing slash;
+/// /kvferry when none is given). InvalidArgument naming what was expected otherwise.
+struct EtcdTarget {
+  std::string host;
+  int port = 0;
+  std::string prefix;
+};
+Result<EtcdTarget> ParseEtcdUrl(const std::string& url);
+
+class FleetRegistration {
+ public:
+  /// Grants a lease of `ttl_s` seconds and writes PREFIX/instances/ROLE/NAME = `value` (which
+  /// names "role" and "name") on it; Unavailable, naming the call, when etcd cannot be reached.
+  /// A thread renews the lease every ttl_s / 3, retries every failure (logged once per outage)
+  /// and writes the key again under a new lease when the lease was lost.
+  static Result<std::unique_ptr<FleetRegistration>> Start(const EtcdTarget& etcd,
+                                                          nlohmann::json value, int ttl_s);
+  /// Stops the thread and revokes the lease (the key goes now).
+  ~FleetRegistration();
+  FleetRegistration(const FleetRegistration&) = delete;
+  FleetRegistration& operator=(const FleetRegistration&) = delete;
+
+  /// "serving" or "draining", written now (and again by the thread if etcd was away).
+  void SetState(const std::string& state);
+  const std::string& key() const;
+
+  struct State;
+
+ private:
+  explicit FleetRegistration(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace kvferry::cli
