@@ -22,9 +22,12 @@ def available() -> bool:
 
 
 class EtcdServer:
-    def __init__(self) -> None:
+    def __init__(self, extra_hosts: tuple[str, ...] = ()) -> None:
+        """`extra_hosts`: more addresses etcd listens on for clients (a veth's, for a client in a
+        network namespace), beside 127.0.0.1."""
         self.dir = tempfile.mkdtemp(prefix="kvferry-etcd-")
         self.client_port, self.peer_port = free_port(), free_port()
+        self.extra_hosts = extra_hosts
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -38,7 +41,9 @@ class EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
             [ETCD, "--name", "kvferry-test", "--data-dir", os.path.join(self.dir, "data"),
-             "--listen-client-urls", self.base, "--advertise-client-urls", self.base,
+             "--listen-client-urls", ",".join(
+                 [self.base] + [f"http://{h}:{self.client_port}" for h in self.extra_hosts]),
+             "--advertise-client-urls", self.base,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"kvferry-test={peer}", "--log-level", "error"],
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "log"), "ab"))

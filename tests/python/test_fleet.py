@@ -343,3 +343,92 @@ def test_a_serve_instance_registers_itself_and_drains_out_of_the_fleet():
                 p0.kill()  # its fake server, whose engine is gone
                 await c.wait_nothing_held(10)
         run(go())
+
+
+class _Namespace:
+    """A network namespace joined to this one by a veth pair (made and removed here): this side
+    10.232.N.1, the namespace's side 10.232.N.2."""
+
+    def __init__(self) -> None:
+        import os
+        import subprocess
+        tag = f"kvfe{os.getpid() % 100000}"
+        self.ns, self.outer, self.inner = tag, tag + "a", tag + "b"
+        n = os.getpid() % 200 + 20
+        self.host, self.peer = f"10.232.{n}.1", f"10.232.{n}.2"
+        made = subprocess.run(["ip", "netns", "add", self.ns], capture_output=True, text=True)
+        if made.returncode != 0:
+            why = (f"cannot create network namespaces here (uid {os.getuid()}; 'ip netns add' "
+                   f"said: {made.stderr.strip() or 'nothing'})")
+            if os.environ.get("CI", "") in ("true", "1", "yes"):
+                pytest.fail(f"{why}; under CI=true this test must run (as root), not skip")
+            pytest.skip(f"SKIPPED LOUDLY: {why}; the partition test needs root and iproute2")
+        self.ok = False
+        for cmd in (["ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner],
+                    ["ip", "link", "set", self.inner, "netns", self.ns],
+                    ["ip", "addr", "add", f"{self.host}/30", "dev", self.outer],
+                    ["ip", "-n", self.ns, "addr", "add", f"{self.peer}/30", "dev", self.inner],
+                    ["ip", "-n", self.ns, "link", "set", "lo", "up"],
+                    ["ip", "-n", self.ns, "link", "set", self.inner, "up"],
+                    ["ip", "link", "set", self.outer, "up"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        self.ok = True
+
+    def link(self, up: bool) -> None:
+        import subprocess
+        subprocess.run(["ip", "link", "set", self.outer, "up" if up else "down"], check=True)
+
+    def close(self) -> None:
+        import subprocess
+        subprocess.run(["ip", "link", "del", self.outer], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+
+# Registers one instance from inside the namespace and keeps it registered until stdin closes.
+_REGISTER_IN_NS = """
+import logging, sys
+logging.basicConfig(level="INFO")
+from kvferry.fleet import Registration
+r = Registration(sys.argv[1], "decode", "d-far", "http://127.0.0.1:9", ttl_s=2).start()
+print("REGISTERED", flush=True)
+sys.stdin.read()
+r.close()
+"""
+
+
+def test_an_instance_partitioned_from_etcd_leaves_and_comes_back():
+    """The instance registers from another network namespace, over a veth; the veth goes down:
+    its keepalives fail, its lease ends and the proxy (which still reaches etcd) removes it; the
+    veth comes back: the instance registers again under a new lease and the proxy adds it."""
+    import os
+    import subprocess
+    import sys
+
+    ns = _Namespace()
+    try:
+        with etcd_server.EtcdServer(extra_hosts=(ns.host,)) as etcd, \
+                cluster(etcd, prefill=1, decode=1) as c:
+            env = dict(os.environ)
+            far = subprocess.Popen(
+                ["ip", "netns", "exec", ns.ns, sys.executable, "-c", _REGISTER_IN_NS,
+                 f"etcd://{ns.host}:{etcd.client_port}{PREFIX}"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            try:
+                assert far.stdout.readline().strip() == "REGISTERED"
+
+                async def go():
+                    async with aiohttp.ClientSession() as s:
+                        await wait_for(s, c, lambda m: "d-far" in names(m, "decode"),
+                                       "the far instance registered")
+                        ns.link(False)
+                        await wait_for(s, c, lambda m: "d-far" not in names(m, "decode"),
+                                       "the partitioned instance removed", timeout=30)
+                        ns.link(True)
+                        await wait_for(s, c, lambda m: "d-far" in names(m, "decode"),
+                                       "the instance back after the partition", timeout=30)
+                run(go())
+            finally:
+                far.stdin.close()
+                far.wait(timeout=20)
+    finally:
+        ns.close()
