@@ -96,6 +96,7 @@ int RunDemo(const DemoArgs& a) {
       {"aborted_after_prefill", r->aborted_after_prefill},
       {"aborted_at_decode", r->aborted_at_decode},
       {"aborts_too_late", r->aborts_too_late},
+      {"resent_to_another_instance", r->resent_to_another_instance},
       {"errors", std::vector<std::string>(
                      r->errors.begin(),
                      r->errors.begin() +

@@ -25,6 +25,23 @@ std::string Base64(const std::string& text) {
   return {reinterpret_cast<const char*>(out.data()), static_cast<std::size_t>(n)};
 }
 
+std::string Unbase64(const std::string& text) {
+  std::vector<unsigned char> out(3 * (text.size() / 4) + 3);
+  const int n = EVP_DecodeBlock(out.data(), reinterpret_cast<const unsigned char*>(text.data()),
+                                static_cast<int>(text.size()));
+  if (n < 0) return {};
+  // EVP_DecodeBlock counts the padding's zero bytes.
+  std::size_t len = static_cast<std::size_t>(n);
+  for (auto it = text.rbegin(); it != text.rend() && *it == '=' && len > 0; ++it) --len;
+  return {reinterpret_cast<const char*>(out.data()), len};
+}
+
+// The range end of every key that starts with `prefix`: its last byte plus one.
+std::string PrefixEnd(std::string prefix) {
+  prefix.back() = static_cast<char>(prefix.back() + 1);
+  return prefix;
+}
+
 constexpr int kCallTimeoutS = 2;
 
 // One JSON call to etcd's v3 gateway: its answer ("result" of a streamed call's first line), or
@@ -44,7 +61,8 @@ Result<Json> Call(const EtcdTarget& etcd, const std::string& path, const Json& b
   }
   const std::string line = r->body.substr(0, r->body.find('\n'));
   Json j = Json::parse(line, nullptr, false);
-  if (!j.is_object()) return Status::Unavailable(where + "expected JSON, found " + line.substr(0, 200));
+  if (!j.is_object())
+    return Status::Unavailable(where + "expected JSON, found " + line.substr(0, 200));
   if (j.contains("error")) return Status::Unavailable(where + j["error"].dump());
   return j.contains("result") ? j["result"] : j;
 }
@@ -60,8 +78,10 @@ std::int64_t IdOf(const Json& j, const char* key) {
 }  // namespace
 
 Result<EtcdTarget> ParseEtcdUrl(const std::string& url) {
-  const std::string bad = "expected etcd://HOST:PORT/PREFIX (for example "
-                          "etcd://127.0.0.1:2379/kvferry), found '" + url + "'";
+  const std::string bad =
+      "expected etcd://HOST:PORT/PREFIX (for example "
+      "etcd://127.0.0.1:2379/kvferry), found '" +
+      url + "'";
   constexpr std::string_view kScheme = "etcd://";
   if (url.rfind(kScheme, 0) != 0) return Status::InvalidArgument(bad);
   const std::string rest = url.substr(kScheme.size());
@@ -88,6 +108,21 @@ Result<EtcdTarget> ParseEtcdUrl(const std::string& url) {
   return t;
 }
 
+Result<std::vector<Json>> ListInstances(const EtcdTarget& etcd) {
+  const std::string prefix = etcd.prefix + "/instances/";
+  KVFERRY_ASSIGN_OR_RETURN(
+      Json r, Call(etcd, "/v3/kv/range",
+                   {{"key", Base64(prefix)}, {"range_end", Base64(PrefixEnd(prefix))}}));
+  std::vector<Json> out;
+  if (!r.contains("kvs") || !r["kvs"].is_array()) return out;
+  for (const Json& kv : r["kvs"]) {
+    if (!kv.contains("value") || !kv["value"].is_string()) continue;
+    Json v = Json::parse(Unbase64(kv["value"].get<std::string>()), nullptr, false);
+    if (v.is_object() && v.contains("role") && v.contains("name")) out.push_back(std::move(v));
+  }
+  return out;
+}
+
 struct FleetRegistration::State {
   EtcdTarget etcd;
   std::string key;
@@ -102,7 +137,8 @@ struct FleetRegistration::State {
 
   Status Put() REQUIRES(mu) {
     return Call(etcd, "/v3/kv/put",
-                {{"key", Base64(key)}, {"value", Base64(value.dump())},
+                {{"key", Base64(key)},
+                 {"value", Base64(value.dump())},
                  {"lease", std::to_string(lease)}})
         .status();
   }
@@ -152,8 +188,8 @@ Result<std::unique_ptr<FleetRegistration>> FleetRegistration::Start(const EtcdTa
   auto state = std::make_shared<State>();
   state->etcd = etcd;
   state->ttl_s = ttl_s;
-  state->key = etcd.prefix + "/instances/" + value.value("role", "") + "/" +
-               value.value("name", "");
+  state->key =
+      etcd.prefix + "/instances/" + value.value("role", "") + "/" + value.value("name", "");
   {
     MutexLock lock(state->mu);
     state->value = std::move(value);

@@ -6,6 +6,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "kvferry/status.h"
 
@@ -19,6 +20,11 @@ struct EtcdTarget {
   std::string prefix;
 };
 Result<EtcdTarget> ParseEtcdUrl(const std::string& url);
+
+/// The instances registered under the target's prefix (their values, each a JSON object with
+/// "role" and "name"; values that are not JSON objects are left out). Unavailable when etcd
+/// cannot be reached.
+Result<std::vector<nlohmann::json>> ListInstances(const EtcdTarget& etcd);
 
 class FleetRegistration {
  public:

@@ -21,6 +21,7 @@
 #include "kvferry/rank_table.h"
 #include "tools/control_client.h"
 #include "tools/engine_protocol.h"
+#include "tools/fleet_register.h"
 
 namespace kvferry::cli {
 namespace {
@@ -48,12 +49,42 @@ class Deployment {
  public:
   static Result<std::unique_ptr<Deployment>> Start(const PipelineArgs& a) {
     auto d = std::unique_ptr<Deployment>(new Deployment());
-    d->external_ = !a.prefill_control.empty() && !a.decode_control.empty();
+    d->external_ =
+        (!a.prefill_control.empty() && !a.decode_control.empty()) || !a.discovery.empty();
     // Control messages are signed with the instances' secret (docs/control.md): KVFERRY_SECRET,
     // or for the instances started here when it is unset, a fresh random one passed to them.
     const char* env_secret = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe)
     std::string secret = env_secret != nullptr ? env_secret : "";
     if (secret.empty() && !d->external_) secret = RandomSecret();
+    d->secret_ = secret;
+    if (!a.discovery.empty()) {
+      // The instances registered now (at least one serving of each role, waited for); the proxy
+      // follows the membership during the run.
+      KVFERRY_ASSIGN_OR_RETURN(EtcdTarget etcd, ParseEtcdUrl(a.discovery));
+      const Deadline until = DeadlineAfter(milliseconds(30000));
+      for (;;) {
+        Result<std::vector<Json>> members = ListInstances(etcd);
+        if (members.ok()) {
+          int prefill = 0;
+          int decode = 0;
+          for (const Json& m : *members) {
+            if (m.value("state", "") != "serving" || !m.contains("control")) continue;
+            ++(m.value("role", "") == "prefill" ? prefill : decode);
+          }
+          if (prefill > 0 && decode > 0) break;
+        }
+        if (Clock::now() > until) {
+          return Status::Unavailable(
+              "--discovery " + a.discovery +
+              ": expected a serving prefill and decode instance registered there (kvferry serve "
+              "--register), found none within 30 s" +
+              (members.ok() ? std::string() : ": " + members.status().ToString()));
+        }
+        std::this_thread::sleep_for(milliseconds(100));
+      }
+      d->etcd_ = etcd;
+      return d;
+    }
     if (d->external_) {
       for (const std::string& e : ParseVisibleDevices(a.prefill_control)) {
         d->prefill_.push_back(std::make_unique<ControlClient>(e, secret));
@@ -126,6 +157,9 @@ class Deployment {
   Deployment& operator=(const Deployment&) = delete;
 
   bool external() const { return external_; }
+  /// Where the membership is registered (--discovery); the proxy adds its instances.
+  const std::optional<EtcdTarget>& etcd() const { return etcd_; }
+  const std::string& secret() const { return secret_; }
   std::vector<std::unique_ptr<ControlClient>>& prefill() { return prefill_; }
   std::vector<std::unique_ptr<ControlClient>>& decode() { return decode_; }
 
@@ -178,6 +212,8 @@ class Deployment {
   }
 
   bool external_ = false;
+  std::optional<EtcdTarget> etcd_;
+  std::string secret_;
   std::filesystem::path dir_;
   std::vector<Subprocess> prefill_procs_;
   std::vector<Subprocess> decode_procs_;
@@ -205,14 +241,23 @@ class Proxy {
         block_bytes_(block_bytes),
         rng_(a.seed),
         request_timeout_(a.request_timeout_ms),
-        prefill_connectors_(std::move(prefill_connectors)) {}
+        prefill_connectors_(std::move(prefill_connectors)),
+        prefill_excluded_(d.prefill().size(), false),
+        decode_excluded_(d.decode().size(), false),
+        etcd_(d.etcd()),
+        secret_(d.secret()) {}
 
   // Runs until every prompt ended or the run's deadline passed.
   PipelineResult Run() {
     const auto start = Clock::now();
     last_progress_ = start;
     const Deadline deadline = DeadlineAfter(milliseconds(600000));
+    Clock::time_point next_refresh{};
     while (finished_ < static_cast<int>(prompts_.size()) && Clock::now() < deadline) {
+      if (etcd_ && Clock::now() >= next_refresh) {
+        RefreshMembership();
+        next_refresh = Clock::now() + milliseconds(200);
+      }
       SubmitUpToConcurrency();
       SendDueAborts();
       std::vector<zmq_pollitem_t> items;
@@ -288,34 +333,111 @@ class Proxy {
       if (!it->second.prefill_answered) --prefill_load_[it->second.prefill_instance];
       if (!it->second.decode_answered) --decode_load_[it->second.instance];
     }
+    forwarded_params_.erase(it->first);
     inflight_.erase(it);
     ++finished_;
   }
-  // The instance with the fewest outstanding requests among those not marked down (all of them
-  // when every one is); ties go to the lowest index.
+  // The instance with the fewest outstanding requests among those serving and not marked down
+  // (among those serving when every one is down; any when none is serving: with --discovery a
+  // caller checks Serving first); ties go to the lowest index.
   static std::size_t LeastLoaded(const std::vector<int>& load,
-                                 const std::vector<Clock::time_point>& down_until) {
+                                 const std::vector<Clock::time_point>& down_until,
+                                 const std::vector<bool>& excluded) {
     const auto now = Clock::now();
     std::size_t best = load.size();
-    for (int pass = 0; pass < 2 && best == load.size(); ++pass) {
+    for (int pass = 0; pass < 3 && best == load.size(); ++pass) {
       for (std::size_t i = 0; i < load.size(); ++i) {
+        if (pass < 2 && excluded[i]) continue;
         if (pass == 0 && down_until[i] > now) continue;
         if (best == load.size() || load[i] < load[best]) best = i;
       }
     }
     return best;
   }
+  static bool Serving(const std::vector<bool>& excluded) {
+    return std::find(excluded.begin(), excluded.end(), false) != excluded.end();
+  }
+
+  // --discovery: instances registered since are added (serving ones take requests at once);
+  // those draining or gone take no new requests, and what they have in flight ends as it would.
+  // etcd out of reach: the membership known stays (logged once).
+  void RefreshMembership() {
+    Result<std::vector<Json>> members = ListInstances(*etcd_);
+    if (!members.ok()) {
+      if (!etcd_away_) {
+        std::fprintf(stderr,
+                     "[kvferry] etcd out of reach (%s): keeping the %zu+%zu instances "
+                     "known\n",
+                     members.status().ToString().c_str(), prefill_.size(), decode_.size());
+      }
+      etcd_away_ = true;
+      return;
+    }
+    etcd_away_ = false;
+    std::vector<bool> prefill_seen(prefill_.size(), false);
+    std::vector<bool> decode_seen(decode_.size(), false);
+    for (const Json& m : *members) {
+      if (!m.contains("control") || !m["control"].is_string()) continue;
+      const bool prefill = m.value("role", "") == "prefill";
+      const std::string control = m["control"].get<std::string>();
+      const bool serving = m.value("state", "") == "serving";
+      std::vector<std::string>& endpoints = prefill ? prefill_endpoints_ : decode_endpoints_;
+      auto at = std::find(endpoints.begin(), endpoints.end(), control);
+      if (at == endpoints.end()) {
+        if (!serving) continue;
+        (prefill ? prefill_ : decode_).push_back(std::make_unique<ControlClient>(control, secret_));
+        (prefill ? prefill_load_ : decode_load_).push_back(0);
+        (prefill ? prefill_down_until_ : decode_down_until_).emplace_back();
+        (prefill ? prefill_excluded_ : decode_excluded_).push_back(false);
+        (prefill ? prefill_seen : decode_seen).push_back(true);
+        if (prefill) prefill_connectors_.push_back(m.value("connector", Json()));
+        endpoints.push_back(control);
+        std::fprintf(stderr, "[kvferry] %s instance %s joined (%s)\n",
+                     prefill ? "prefill" : "decode", m.value("name", "").c_str(), control.c_str());
+        continue;
+      }
+      const auto i = static_cast<std::size_t>(at - endpoints.begin());
+      (prefill ? prefill_seen : decode_seen)[i] = true;
+      std::vector<bool>& excluded = prefill ? prefill_excluded_ : decode_excluded_;
+      if (excluded[i] == serving) {
+        std::fprintf(stderr, "[kvferry] %s instance %s %s\n", prefill ? "prefill" : "decode",
+                     m.value("name", "").c_str(), serving ? "serving again" : "draining");
+      }
+      excluded[i] = !serving;
+    }
+    for (bool prefill : {true, false}) {
+      const std::vector<bool>& seen = prefill ? prefill_seen : decode_seen;
+      std::vector<bool>& excluded = prefill ? prefill_excluded_ : decode_excluded_;
+      for (std::size_t i = 0; i < seen.size(); ++i) {
+        // Instances not registered at all (given as --prefill-control) are never dropped here.
+        const auto& endpoints = prefill ? prefill_endpoints_ : decode_endpoints_;
+        if (!seen[i] && i < endpoints.size() && !endpoints[i].empty() && !excluded[i]) {
+          std::fprintf(stderr, "[kvferry] %s instance %s left\n", prefill ? "prefill" : "decode",
+                       endpoints[i].c_str());
+          excluded[i] = true;
+        }
+      }
+    }
+  }
+
+  // A leg refused because its instance is draining (it began before this proxy saw it): the
+  // instance takes no new requests from now on, and the leg goes to another one.
+  bool RefusedAsDraining(const Json& r) const {
+    return !r.value("ok", true) && r.value("code", "") == "Unavailable" &&
+           r.value("error", "").find("draining") != std::string::npos;
+  }
   std::chrono::microseconds RandomDelay(int max_us) {
     return std::chrono::microseconds(static_cast<std::int64_t>(unit_(rng_) * max_us));
   }
 
   void SubmitUpToConcurrency() {
-    while (next_ < prompts_.size() && static_cast<int>(inflight_.size()) < a_.concurrency) {
+    while (next_ < prompts_.size() && static_cast<int>(inflight_.size()) < a_.concurrency &&
+           Serving(prefill_excluded_) && Serving(decode_excluded_)) {
       const std::string id = "req-" + std::to_string(next_);
       Json params = ParamsToJson(KvTransferParams{});
       params["do_remote_decode"] = true;
       InFlight f;
-      f.instance = LeastLoaded(prefill_load_, prefill_down_until_);
+      f.instance = LeastLoaded(prefill_load_, prefill_down_until_, prefill_excluded_);
       ++prefill_load_[f.instance];
       f.layerwise = a_.layerwise &&
                     static_cast<std::int64_t>(prompts_[next_].size()) >= a_.layerwise_min_tokens &&
@@ -352,7 +474,7 @@ class Proxy {
         }
         f.prefill_instance = f.instance;
         f.forwarded = f.sent;
-        f.instance = LeastLoaded(decode_load_, decode_down_until_);
+        f.instance = LeastLoaded(decode_load_, decode_down_until_, decode_excluded_);
         ++decode_load_[f.instance];
         (void)decode_[f.instance]->Send({{"op", "generate"},
                                          {"request_id", id},
@@ -415,6 +537,23 @@ class Proxy {
       End(it);
       return;
     }
+    if (RefusedAsDraining(r) && it->second.abort_at == AbortAt::kNone &&
+        Serving(prefill_excluded_)) {
+      prefill_excluded_[it->second.instance] = true;
+      --prefill_load_[it->second.instance];
+      it->second.instance = LeastLoaded(prefill_load_, prefill_down_until_, prefill_excluded_);
+      ++prefill_load_[it->second.instance];
+      it->second.sent = Clock::now();
+      ++out_.resent_to_another_instance;
+      const auto index = static_cast<std::size_t>(std::stoul(id.substr(4)));
+      Json params = ParamsToJson(KvTransferParams{});
+      params["do_remote_decode"] = true;
+      (void)prefill_[it->second.instance]->Send({{"op", "generate"},
+                                                 {"request_id", id},
+                                                 {"prompt", prompts_[index]},
+                                                 {"kv_transfer_params", params}});
+      return;
+    }
     if (!r.value("ok", false)) {
       ++out_.failed;
       out_.errors.push_back(id + " (prefill): " + r.value("error", ""));
@@ -431,12 +570,13 @@ class Proxy {
     it->second.computed_at_us = r.value("computed_at_us", std::int64_t{0});
     --prefill_load_[it->second.instance];
     it->second.forwarded = Clock::now();
-    it->second.instance = LeastLoaded(decode_load_, decode_down_until_);
+    it->second.instance = LeastLoaded(decode_load_, decode_down_until_, decode_excluded_);
     ++decode_load_[it->second.instance];
     if (it->second.abort_at == AbortAt::kDecode) {
       aborts_.push_back({Clock::now() + RandomDelay(20000), true, it->second.instance, id});
     }
     const auto index = static_cast<std::size_t>(std::stoul(id.substr(4)));
+    if (etcd_) forwarded_params_[id] = r["kv_transfer_params"];  // to resend to another decode
     (void)decode_[it->second.instance]->Send({{"op", "generate"},
                                               {"request_id", id},
                                               {"prompt", prompts_[index]},
@@ -448,6 +588,23 @@ class Proxy {
     auto it = inflight_.find(id);
     if (it == inflight_.end() || it->second.decode_answered) return;
     const auto now = Clock::now();
+    if (RefusedAsDraining(r) && !it->second.layerwise && it->second.abort_at == AbortAt::kNone &&
+        Serving(decode_excluded_)) {
+      auto params = forwarded_params_.find(id);
+      if (params != forwarded_params_.end()) {
+        decode_excluded_[it->second.instance] = true;
+        --decode_load_[it->second.instance];
+        it->second.instance = LeastLoaded(decode_load_, decode_down_until_, decode_excluded_);
+        ++decode_load_[it->second.instance];
+        ++out_.resent_to_another_instance;
+        const auto index = static_cast<std::size_t>(std::stoul(id.substr(4)));
+        (void)decode_[it->second.instance]->Send({{"op", "generate"},
+                                                  {"request_id", id},
+                                                  {"prompt", prompts_[index]},
+                                                  {"kv_transfer_params", params->second}});
+        return;
+      }
+    }
     if (r.value("aborted", false)) {
       ++out_.aborted_at_decode;
     } else if (r.value("ok", false)) {
@@ -550,7 +707,19 @@ class Proxy {
   std::map<std::string, RequestTiming> pending_timings_;  // layer-wise, until the prefill answers
   // The prefill instances' connectors (stats "connector"), for layer-wise decode legs; null for
   // an instance that did not say (an older kvferry serve: it gets whole-request legs).
-  const std::vector<Json> prefill_connectors_;
+  std::vector<Json> prefill_connectors_;
+  // Instances draining or gone (--discovery): no new requests.
+  std::vector<bool> prefill_excluded_;
+  std::vector<bool> decode_excluded_;
+  // --discovery: the registered control endpoints, by index; "" for one given otherwise.
+  std::vector<std::string> prefill_endpoints_ =
+      std::vector<std::string>(prefill_.size(), std::string());
+  std::vector<std::string> decode_endpoints_ =
+      std::vector<std::string>(decode_.size(), std::string());
+  const std::optional<EtcdTarget> etcd_;
+  const std::string secret_;
+  bool etcd_away_ = false;
+  std::map<std::string, Json> forwarded_params_;  // whole-request, --discovery: by request id
   // Makes transfer ids unique across runs against the same instances.
   const std::string run_tag_ = std::to_string(getpid()) + "-" +
                                std::to_string(Clock::now().time_since_epoch().count() % 1000000);
@@ -669,7 +838,7 @@ Result<PipelineResult> RunPipeline(const PipelineArgs& a,
   KVFERRY_ASSIGN_OR_RETURN(std::unique_ptr<Deployment> d, Deployment::Start(a));
   // Instances that already ran count from before this run: report this run's bytes only.
   std::uint64_t bytes_before = 0;
-  if (d->external()) {
+  if (d->external() && !d->decode().empty()) {
     Result<Json> s = RoleStats(d->decode());
     if (!s.ok()) return s.status().WithContext("asking " + a.decode_control + " for its stats");
     bytes_before = s->value("bytes_read", std::uint64_t{0});

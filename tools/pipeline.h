@@ -58,6 +58,9 @@ struct PipelineArgs {
   /// control endpoints, comma-separated for several.
   std::string prefill_control;
   std::string decode_control;
+  /// etcd://HOST:PORT/PREFIX: drive the kvferry serve instances registered there (serve
+  /// --register), which may join, drain and leave during the run (docs/fleet.md).
+  std::string discovery;
 };
 
 struct RequestTiming {
@@ -96,7 +99,9 @@ struct PipelineResult {
   int aborted_at_prefill = 0;     // the prefill instance ended it as aborted
   int aborted_after_prefill = 0;  // the client left after prefill: the hold ends by lease
   int aborted_at_decode = 0;      // the decode instance ended it as aborted (load stopped)
-  int aborts_too_late = 0;        // abort sent, the request had already ended: done
+  /// --discovery: legs refused by an instance that had begun draining, sent to another one.
+  int resent_to_another_instance = 0;
+  int aborts_too_late = 0;  // abort sent, the request had already ended: done
   int aborted() const { return aborted_at_prefill + aborted_after_prefill + aborted_at_decode; }
   std::vector<std::string> errors;
   std::vector<RequestTiming> timings;

@@ -151,6 +151,10 @@ void AddPipelineOptions(CLI::App& cmd, PipelineArgs& p) {
                  "Where both instances keep their KV caches: host, or a device (sim:0, cuda:0); "
                  "every byte is verified by copying it back")
       ->capture_default_str();
+  cmd.add_option("--discovery", p.discovery,
+                 "etcd://HOST:PORT/PREFIX: drive the kvferry serve instances registered there "
+                 "(serve --register), which may join, drain and leave during the run; instead of "
+                 "starting instances here (docs/fleet.md)");
   cmd.add_option("--prefill-control", p.prefill_control,
                  "Control endpoints of running prefill instances, comma-separated (with "
                  "--decode-control: drive those instead of starting instances here)");

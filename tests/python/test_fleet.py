@@ -432,3 +432,80 @@ def test_an_instance_partitioned_from_etcd_leaves_and_comes_back():
                 far.wait(timeout=20)
     finally:
         ns.close()
+
+
+def test_kvferry_demo_with_discovery_while_instances_join_and_drain():
+    """`kvferry demo --discovery etcd://...` drives the kvferry serve instances registered there
+    (serve --register). Once requests are done, a third prefill instance starts (it joins) and
+    the first is drained with `kvferry drain` (it leaves): every request is done and verified
+    byte for byte by the decode instance, none failed, nothing held at the end."""
+    import json
+    import os
+    import subprocess
+
+    from common import free_port
+
+    model = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--num-blocks", "512",
+             "--tp", "1"]
+    env = dict(os.environ, KVFERRY_SECRET="demo-discovery-secret")
+    procs: list[subprocess.Popen] = []
+
+    def serve(role: str, name: str) -> str:
+        proc = subprocess.Popen(
+            [CLI, "serve", "--role", role, "--base-port", str(free_port()), "--control-port",
+             "0", "--compute-us-per-token", "300", "--hold-lease-ms", "20000",
+             "--register", etcd.url(PREFIX), "--register-name", name, "--register-ttl-s", "3",
+             *model], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(proc)
+        line = proc.stdout.readline().strip()
+        assert line.startswith("READY "), line
+        return line.split(" ", 1)[1]
+
+    with etcd_server.EtcdServer() as etcd:
+        try:
+            p0 = serve("prefill", "p0")
+            serve("prefill", "p1")
+            serve("decode", "d0")
+            demo = subprocess.Popen(
+                [CLI, "demo", "--discovery", etcd.url(PREFIX), "--requests", "240",
+                 "--concurrency", "8", "--min-prompt", "32", "--max-prompt", "256",
+                 "--prefill-tp", "1", "--decode-tp", "1", "--layers", "2", "--kv-heads", "2",
+                 "--head-dim", "16", "--num-blocks", "512", "--hold-lease-ms", "20000",
+                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            try:
+                # Midway (a progress line with requests done): one joins, one drains.
+                for line in demo.stderr:
+                    if "requests done" in line and not line.split("]", 1)[1].strip().startswith(
+                            "0/"):
+                        break
+                p2 = serve("prefill", "p2")
+                drained = subprocess.run([CLI, "drain", p0], capture_output=True, text=True,
+                                         timeout=30, env=env)
+                assert drained.returncode == 0, drained.stderr
+                out, err = demo.communicate(timeout=300)
+            finally:
+                if demo.poll() is None:
+                    demo.kill()
+            assert demo.returncode == 0, err[-3000:]
+            report = json.loads(out)
+            assert report["done"] == 240 and report["failed"] == 0, report["errors"]
+            assert report["leaked"] is False
+            assert report["bytes_verified"] > 0
+            # p0 drained and exited by itself (its holds were read); p2 took requests.
+            assert procs[0].wait(timeout=30) == 0
+            assert "prefill instance p2 joined" in err, err[-3000:]
+
+            async def p2_stats():
+                from serve_control import ControlClient
+                client = ControlClient(p2, env["KVFERRY_SECRET"])
+                try:
+                    return await client.stats(timeout=10)
+                finally:
+                    client.close()
+            assert run(p2_stats())["requests_done"] > 0
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.stdin.close()
+                    p.terminate()
+                    p.wait(timeout=10)
