@@ -455,7 +455,8 @@ def test_kvferry_demo_with_discovery_while_instances_join_and_drain():
             [CLI, "serve", "--role", role, "--base-port", str(free_port()), "--control-port",
              "0", "--compute-us-per-token", "300", "--hold-lease-ms", "20000",
              "--register", etcd.url(PREFIX), "--register-name", name, "--register-ttl-s", "3",
-             *model], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             "--exit-on-stdin-eof", *model],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         procs.append(proc)
         line = proc.stdout.readline().strip()
         assert line.startswith("READY "), line
