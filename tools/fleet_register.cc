@@ -123,6 +123,32 @@ Result<std::vector<Json>> ListInstances(const EtcdTarget& etcd) {
   return out;
 }
 
+Result<std::optional<Registered>> GetRegistered(const EtcdTarget& etcd, const std::string& key) {
+  KVFERRY_ASSIGN_OR_RETURN(Json r, Call(etcd, "/v3/kv/range", {{"key", Base64(key)}}));
+  if (!r.contains("kvs") || !r["kvs"].is_array() || r["kvs"].empty()) {
+    return std::optional<Registered>();
+  }
+  const Json& kv = r["kvs"][0];
+  Registered out;
+  out.value = Json::parse(Unbase64(kv.value("value", "")), nullptr, false);
+  if (!out.value.is_object()) {
+    return Status::InvalidArgument("etcd key " + key + ": expected a JSON object, found '" +
+                                   Unbase64(kv.value("value", "")).substr(0, 200) + "'");
+  }
+  out.lease = IdOf(kv, "lease");
+  return std::optional<Registered>(std::move(out));
+}
+
+Status SetRegisteredState(const EtcdTarget& etcd, const std::string& key,
+                          const std::string& state) {
+  KVFERRY_ASSIGN_OR_RETURN(std::optional<Registered> r, GetRegistered(etcd, key));
+  if (!r) return Status::NotFound("etcd key " + key + " is not there: no instance registered so");
+  r->value["state"] = state;
+  Json put = {{"key", Base64(key)}, {"value", Base64(r->value.dump())}};
+  if (r->lease != 0) put["lease"] = std::to_string(r->lease);
+  return Call(etcd, "/v3/kv/put", put).status();
+}
+
 struct FleetRegistration::State {
   EtcdTarget etcd;
   std::string key;

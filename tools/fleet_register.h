@@ -3,8 +3,10 @@
 // same keys and values as the Python kvferry.fleet.Registration, over etcd's v3 JSON gateway.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +27,17 @@ Result<EtcdTarget> ParseEtcdUrl(const std::string& url);
 /// "role" and "name"; values that are not JSON objects are left out). Unavailable when etcd
 /// cannot be reached.
 Result<std::vector<nlohmann::json>> ListInstances(const EtcdTarget& etcd);
+
+/// One registered instance's value (the key PREFIX/instances/ROLE/NAME, whole) and its lease;
+/// nullopt when the key is not there.
+struct Registered {
+  nlohmann::json value;
+  std::int64_t lease = 0;
+};
+Result<std::optional<Registered>> GetRegistered(const EtcdTarget& etcd, const std::string& key);
+/// Writes `state` into the key's value, under the lease it has (`kvferry drain etcd://...`).
+/// NotFound when the key is not there.
+Status SetRegisteredState(const EtcdTarget& etcd, const std::string& key, const std::string& state);
 
 class FleetRegistration {
  public:

@@ -605,6 +605,36 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
   serve->callback([a, &exit_code] { exit_code = RunServe(*a); });
 }
 
+// kvferry drain etcd://HOST:PORT/PREFIX/instances/ROLE/NAME: the instance's key says draining
+// (proxies stop sending it requests; the vLLM adapter, which watches its key, reports "drained"
+// there once nothing is held or loading). --wait: until it says drained, or its key is gone.
+static int DrainRegistered(const std::string& url, bool wait, int timeout_ms) {
+  Result<EtcdTarget> etcd = ParseEtcdUrl(url);
+  if (!etcd.ok() || etcd->prefix.find("/instances/") == std::string::npos) {
+    std::cerr << "kvferry drain: expected etcd://HOST:PORT/PREFIX/instances/ROLE/NAME, found '"
+              << url << "'\n";
+    return 2;
+  }
+  const std::string key = etcd->prefix;
+  if (Status s = SetRegisteredState(*etcd, key, "draining"); !s.ok()) {
+    std::cerr << "kvferry drain: " << s.ToString() << "\n";
+    return 1;
+  }
+  std::cout << "draining: " << key << std::endl;
+  if (!wait) return 0;
+  const Deadline deadline = DeadlineAfter(std::chrono::milliseconds(timeout_ms));
+  while (Clock::now() < deadline) {
+    Result<std::optional<Registered>> r = GetRegistered(*etcd, key);
+    if (r.ok() && (!*r || (*r)->value.value("state", "") == "drained")) {
+      std::cout << "drained: " << (*r ? "the instance reports it" : "the key is gone") << std::endl;
+      return 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  std::cerr << "kvferry drain: " << key << " not drained after " << timeout_ms << " ms\n";
+  return 1;
+}
+
 void AddDrainCommand(CLI::App& app, int& exit_code) {
   struct DrainArgs {
     std::string endpoint;
@@ -617,11 +647,19 @@ void AddDrainCommand(CLI::App& app, int& exit_code) {
       "Tell a kvferry serve instance to drain: it takes no new requests, keeps serving its holds "
       "until their readers confirm (or their leases end), finishes its loads, then exits 0 "
       "(docs/fleet.md). Signed with KVFERRY_SECRET, as every control message");
-  drain->add_option("endpoint", a->endpoint, "The instance's control endpoint, tcp://HOST:PORT")
+  drain
+      ->add_option("endpoint", a->endpoint,
+                   "The instance's control endpoint, tcp://HOST:PORT (kvferry serve), or its key "
+                   "in etcd, etcd://HOST:PORT/PREFIX/instances/ROLE/NAME (any registered "
+                   "instance, the vLLM adapter's included)")
       ->required();
   drain->add_flag("--wait", a->wait, "Wait until the instance has drained and exited");
   drain->add_option("--timeout-ms", a->timeout_ms, "How long --wait waits")->capture_default_str();
   drain->callback([a, &exit_code] {
+    if (a->endpoint.rfind("etcd://", 0) == 0) {
+      exit_code = DrainRegistered(a->endpoint, a->wait, a->timeout_ms);
+      return;
+    }
     const char* env = std::getenv("KVFERRY_SECRET");  // NOLINT(concurrency-mt-unsafe)
     ControlClient client(a->endpoint, env == nullptr ? "" : env);
     Result<Json> r = client.Call({{"op", "drain"}}, std::chrono::milliseconds(5000));

@@ -31,7 +31,9 @@ from urllib.parse import urlsplit
 logger = logging.getLogger("kvferry.fleet")
 
 ROLES = ("prefill", "decode")
-STATES = ("serving", "draining")
+# drained: an instance that was draining reports that nothing is held or loading any more (the
+# vLLM adapter); a proxy treats it as draining.
+STATES = ("serving", "draining", "drained")
 
 
 class FleetError(RuntimeError):
@@ -105,7 +107,11 @@ class Registration:
     outage), and the key is written again whenever the lease was lost."""
 
     def __init__(self, etcd: str, role: str, name: str, url: str,
-                 connector: Optional[dict] = None, ttl_s: int = 10, timeout_s: float = 2.0):
+                 connector: Optional[dict] = None, ttl_s: int = 10, timeout_s: float = 2.0,
+                 on_drain: Optional[Any] = None):
+        """`on_drain`: called (from the keepalive thread, once) when someone else set this
+        instance's key to draining (`kvferry drain etcd://.../instances/ROLE/NAME`); the state is
+        kept, not written back."""
         if role not in ROLES:
             raise ValueError(f"role: expected one of {ROLES}, found {role!r}")
         if not name or "/" in name:
@@ -118,6 +124,7 @@ class Registration:
         self.value: dict[str, Any] = {"role": role, "name": name, "url": url,
                                       "connector": connector, "state": "serving",
                                       "version": _version()}
+        self._on_drain = on_drain
         self._lease = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -176,10 +183,26 @@ class Registration:
         call(self.base, "/v3/kv/put", {"key": b64(self.key), "value": b64(json.dumps(self.value)),
                                        "lease": str(self._lease)}, self.timeout_s)
 
+    def _adopt_external_state(self) -> None:
+        """A drain set on the key by someone else is this instance's state from now on."""
+        answer = call(self.base, "/v3/kv/range", {"key": b64(self.key)}, self.timeout_s)
+        for kv in answer.get("kvs", []):
+            try:
+                state = json.loads(unb64(kv.get("value", ""))).get("state")
+            except (ValueError, AttributeError):
+                continue
+            if state == "draining" and self.value["state"] == "serving":
+                self.value["state"] = "draining"
+                logger.info("%s was set draining in etcd", self.key)
+                if self._on_drain is not None:
+                    self._on_drain()
+
     def _keepalive(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 with self._lock:
+                    if self._lease and not self._out:
+                        self._adopt_external_state()
                     answer = (call(self.base, "/v3/lease/keepalive", {"ID": str(self._lease)},
                                    self.timeout_s) if self._lease else {})
                     if int(answer.get("TTL", 0)) <= 0:  # no lease, or it is gone: register

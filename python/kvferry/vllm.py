@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from typing import Any, Optional
 
 from . import _kvferry
@@ -157,7 +158,7 @@ def _prompt_tokens(request: Any) -> int:
     return len(prompt) if prompt is not None else int(_get(request, "num_prompt_tokens", 0))
 
 
-def _register(s: "_Settings") -> list:
+def _register(s: "_Settings", on_drain: Any = None) -> list:
     """kv_connector_extra_config "register": {"etcd": "etcd://HOST:PORT/PREFIX", "url":
     "http://HOST:API_PORT", "name": NAME, "ttl_s": 10, "kv_host": HOST}: DP rank 0's scheduler
     registers the instance (both roles for kv_both) with its connector endpoint (docs/fleet.md),
@@ -180,7 +181,8 @@ def _register(s: "_Settings") -> list:
         try:
             out.append(Registration(str(spec["etcd"]), role, name, str(spec["url"]),
                                     connector if role == "prefill" else None,
-                                    ttl_s=int(spec.get("ttl_s", 10))).start(wait=False))
+                                    ttl_s=int(spec.get("ttl_s", 10)),
+                                    on_drain=on_drain).start(wait=False))
         except ValueError as e:
             raise _kvferry.InvalidArgumentError(f"kv_connector_extra_config register: {e}")
     return out
@@ -515,11 +517,17 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         self._save_warned = False
         self._applied = False  # worker: the bound metadata went to the native worker
         self._registrations: list = []  # scheduler: this instance's keys in etcd (fleet.py)
+        # Scheduler, for a drain (docs/fleet.md): requests held for their readers, loads vLLM
+        # waits for, until vLLM reports them in finished_sending / finished_recving.
+        self._held_ids: set[str] = set()
+        self._loading_ids: set[str] = set()
+        self._draining = threading.Event()
+        self._drained = False
         if self._is_scheduler:
             self._scheduler = _kvferry.Scheduler(
                 s.native_role, s.engine_id, s.host, s.base_port, s.dp_rank, s.tp_size,
                 s.hold_lease_ms, s.pp_size, vllm_groups.has_state(self._groups))
-            self._registrations = _register(s)
+            self._registrations = _register(s, self._draining.set)
 
     if _Base is object:
         @property
@@ -651,6 +659,7 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
             self._scheduler.update_state_after_alloc_all_groups(rid, params, groups, ext, prompt)
             if ext > 0:
                 self._awaited_next.append(rid)
+                self._loading_ids.add(rid)
             return
         block_ids: list[int] = []
         if num_external_tokens > 0:
@@ -663,6 +672,7 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
                                                  _prompt_tokens(request))
         if num_external_tokens > 0:
             self._awaited_next.append(rid)  # else: a full prefix hit only notifies the prefill side
+            self._loading_ids.add(rid)
             self._load_blocks_next[rid] = block_ids
 
     def _saves_this_step(self, scheduler_output: Any) -> dict[str, list[int]]:
@@ -755,7 +765,15 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         return out
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        return self._finished(request, [int(b) for b in block_ids], None)
+        return self._held(request, self._finished(request, [int(b) for b in block_ids], None))
+
+    def _held(self, request: Any, result: tuple[bool, Optional[dict]]
+              ) -> tuple[bool, Optional[dict]]:
+        """Counts a request held for its readers (vLLM keeps its blocks) until finished_sending
+        reports it (a drain waits for none to be left)."""
+        if result[0]:
+            self._held_ids.add(str(_get(request, "request_id")))
+        return result
 
     def request_finished_all_groups(self, request: Any, block_ids: Any
                                     ) -> tuple[bool, Optional[dict]]:
@@ -763,8 +781,10 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
         when the request has finished in every group, with each group's block ids."""
         groups = list(block_ids or ())
         if self._groups is None:
-            return self._finished(request, [int(b) for b in (groups[0] if groups else ())], None)
-        return self._finished(request, [], vllm_groups.group_block_ids(groups, self._groups))
+            return self._held(request, self._finished(
+                request, [int(b) for b in (groups[0] if groups else ())], None))
+        return self._held(request, self._finished(
+            request, [], vllm_groups.group_block_ids(groups, self._groups)))
 
     def _finished(self, request: Any, block_ids: list[int],
                   groups: Optional[list[list[int]]]) -> tuple[bool, Optional[dict]]:
@@ -1177,9 +1197,24 @@ class KvferryConnector(*_BASES):  # type: ignore[misc, valid-type]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Scheduler, every step with the workers' output (vllm/v1/core/sched/scheduler.py
-        _update_from_kv_xfer_finished): nothing to fold in; what ended reaches the native
-        scheduler through vLLM's own finished sets and request_finished."""
-        del connector_output
+        _update_from_kv_xfer_finished): what ended reaches the native scheduler through vLLM's
+        own finished sets and request_finished; here only a drain's bookkeeping: held requests
+        and awaited loads leave with finished_sending and finished_recving, and a draining
+        instance with none left reports itself drained (its etcd state; docs/fleet.md)."""
+        self._held_ids.difference_update(
+            str(r) for r in (_get(connector_output, "finished_sending") or ()))
+        self._loading_ids.difference_update(
+            str(r) for r in (_get(connector_output, "finished_recving") or ()))
+        if self._draining.is_set() and not self._drained and not self._held_ids \
+                and not self._loading_ids:
+            self._drained = True
+            logger.info("kvferry: drained: nothing held for readers and no load in flight; the "
+                        "instance can be stopped")
+            for r in self._registrations:
+                try:
+                    r.set_state("drained")
+                except Exception as e:  # noqa: BLE001 - etcd away: the thread writes it later
+                    logger.warning("kvferry: cannot report drained to etcd now: %s", e)
 
     def take_events(self) -> tuple:
         """Scheduler, every step (scheduler.py update_from_output): kvferry publishes no KV cache

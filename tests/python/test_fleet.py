@@ -258,10 +258,20 @@ def test_the_admin_api_is_off_without_a_token():
             run(go())
 
 
-def test_the_vllm_adapter_registers_the_instance_and_leaves_at_shutdown():
+def state_of(base: str, key: str) -> str:
+    import base64
+    import json
+
+    from kvferry.fleet import b64, call
+    kvs = call(base, "/v3/kv/range", {"key": b64(key)}, 2).get("kvs", [])
+    return json.loads(base64.b64decode(kvs[0]["value"]))["state"] if kvs else ""
+
+
+def test_the_vllm_adapter_registers_the_instance_drains_and_leaves_at_shutdown():
     """kv_connector_extra_config "register": the scheduler-side connector (DP rank 0) writes the
     instance's key with its connector endpoint, and vLLM's shutdown() of the connector revokes
     it; a proxy watching the prefix adds and removes it."""
+    import subprocess
     from types import SimpleNamespace
 
     import kvferry.vllm
@@ -296,6 +306,39 @@ def test_the_vllm_adapter_registers_the_instance_and_leaves_at_shutdown():
                 await wait_for(s, c, lambda m: ("vllm-p0" in names(m, "prefill")) == present,
                                "the adapter's registration" + ("" if present else " revoked"))
         run(go(True))
+
+        # A drain through etcd (`kvferry drain etcd://.../instances/prefill/vllm-p0`): the proxy
+        # stops sending legs at once; the adapter adopts the state on its next keepalive and,
+        # once vLLM reports its last held request in finished_sending, reports itself drained.
+        held = SimpleNamespace(request_id="held-1", kv_transfer_params={"do_remote_decode": True},
+                               prompt_token_ids=list(range(32)), num_prompt_tokens=32,
+                               status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+        delay, _ = sched.request_finished(held, [1, 2])
+        assert delay  # held for its readers
+        env = {"KVFERRY_SECRET": ""}
+        drained = subprocess.run([CLI, "drain", etcd.url(key)], capture_output=True, text=True,
+                                 timeout=30, env=env)
+        assert drained.returncode == 0, drained.stderr
+        waiter = subprocess.Popen([CLI, "drain", etcd.url(key), "--wait", "--timeout-ms",
+                                   "30000"], stdout=subprocess.PIPE, text=True, env=env)
+
+        async def draining():
+            async with aiohttp.ClientSession() as s:
+                await wait_for(s, c, lambda m: "vllm-p0" in names(m, "prefill", "draining"),
+                               "the proxy saw the drain")
+        run(draining())
+        deadline = time.monotonic() + 20
+        while not sched._draining.is_set():
+            assert time.monotonic() < deadline, "the adapter never saw its drain"
+            time.sleep(0.01)
+        sched.update_connector_output(SimpleNamespace(finished_sending=set(),
+                                                      finished_recving=set()))
+        assert state_of(base, key) == "draining"  # held-1 is still held
+        sched.update_connector_output(SimpleNamespace(finished_sending={"held-1"},
+                                                      finished_recving=set()))
+        assert state_of(base, key) == "drained"
+        out, _ = waiter.communicate(timeout=30)
+        assert waiter.returncode == 0 and "drained: the instance reports it" in out, out
         sched.shutdown()
         assert call(base, "/v3/kv/range", {"key": b64(key)}, 2).get("kvs", []) == []
         run(go(False))

@@ -60,6 +60,8 @@ def parse_value(key: str, value: str, instances_prefix: str
         raise ConfigError(f"etcd key {key}: its value names role {data.get('role')!r} and name "
                           f"{data.get('name')!r}, not the key's")
     state = data.get("state", "serving")
+    if state == "drained":  # a draining instance with nothing left (kvferry.fleet): no legs
+        state = "draining"
     if state not in STATES:
         raise ConfigError(f"etcd key {key}: state: expected one of {STATES}, found {state!r}")
     entry: dict[str, Any] = {"url": data.get("url"), "name": name}
