@@ -9,6 +9,7 @@ byte by the decode engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -51,6 +52,18 @@ def register(etcd, inst, ttl_s: int = 6) -> Registration:
                         ttl_s=ttl_s).start()
 
 
+@contextlib.contextmanager
+def registered(etcd, instances, ttl_s: int = 6):
+    """Each instance registered (a dict by name, which the test may change); whatever is in it
+    at the end leaves."""
+    regs = {i.name: register(etcd, i, ttl_s) for i in instances}
+    try:
+        yield regs
+    finally:
+        for r in regs.values():
+            r.close()
+
+
 async def members(s: aiohttp.ClientSession, c: Cluster) -> dict:
     async with s.get(c.url + "/admin/instances", headers={"Authorization": f"Bearer {TOKEN}"},
                      timeout=aiohttp.ClientTimeout(10)) as r:
@@ -87,8 +100,7 @@ async def legs(s, c, name: str) -> float:
 def test_instances_that_register_are_routed_and_those_that_leave_are_not():
     with etcd_server.EtcdServer() as etcd, cluster(etcd, prefill=1, decode=2) as c:
         p0, d0, d1 = c.of("prefill")[0], *c.of("decode")
-        regs = {i.name: register(etcd, i) for i in (p0, d0, d1)}
-        try:
+        with registered(etcd, (p0, d0, d1)) as regs:
             async def go():
                 async with aiohttp.ClientSession() as s:
                     # Routed within two keepalive intervals (ttl / 3 each) of registering.
@@ -116,16 +128,12 @@ def test_instances_that_register_are_routed_and_those_that_leave_are_not():
                     assert metric(m, "kvferry_proxy_instances", role="decode") == 1
                     await c.wait_nothing_held(5)
             run(go())
-        finally:
-            for r in regs.values():
-                r.close()
 
 
 def test_etcd_down_and_back_keeps_the_last_membership_and_reconciles():
     with etcd_server.EtcdServer() as etcd, cluster(etcd, prefill=1, decode=2) as c:
         p0, d0, d1 = c.of("prefill")[0], *c.of("decode")
-        regs = {i.name: register(etcd, i, ttl_s=4) for i in (p0, d0)}
-        try:
+        with registered(etcd, (p0, d0), ttl_s=4) as regs:
             async def go():
                 async with aiohttp.ClientSession() as s:
                     await wait_for(s, c, lambda m: names(m, "decode") == {"d0"}, "registered")
@@ -148,9 +156,6 @@ def test_etcd_down_and_back_keeps_the_last_membership_and_reconciles():
                     assert await legs(s, c, "d0") == before
                     await c.wait_nothing_held(5)
             run(go())
-        finally:
-            for r in regs.values():
-                r.close()
 
 
 def test_five_hundred_requests_with_a_prefill_instance_drained_and_another_added_midway():
@@ -162,8 +167,7 @@ def test_five_hundred_requests_with_a_prefill_instance_drained_and_another_added
             etcd, prefill=2, decode=2,
             proxy_args=["--mode", "layerwise", "--layerwise-min-tokens", "256"]) as c:
         p0, p1 = c.of("prefill")
-        regs = {i.name: register(etcd, i) for i in (p0, *c.of("decode"))}
-        try:
+        with registered(etcd, (p0, *c.of("decode"))) as regs:
             async def go():
                 async with aiohttp.ClientSession() as s:
                     await wait_for(s, c, lambda m: names(m, "prefill") == {"p0"} and
@@ -196,16 +200,12 @@ def test_five_hundred_requests_with_a_prefill_instance_drained_and_another_added
                         assert metric(m, "kvferry_proxy_requests_total", path=path) > 50, path
                     await c.wait_nothing_held(10)
             run(go())
-        finally:
-            for r in regs.values():
-                r.close()
 
 
 def test_the_admin_api_adds_drains_lists_and_removes_instances_and_checks_its_token():
     with etcd_server.EtcdServer() as etcd, cluster(etcd, prefill=1, decode=1) as c:
         p0, d0 = c.of("prefill")[0], c.of("decode")[0]
-        reg = register(etcd, d0)
-        try:
+        with registered(etcd, (d0,)):
             async def go():
                 async with aiohttp.ClientSession() as s:
                     auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -240,8 +240,6 @@ def test_the_admin_api_adds_drains_lists_and_removes_instances_and_checks_its_to
                     assert names(await members(s, c), "prefill") == set()
                     await c.wait_nothing_held(5)
             run(go())
-        finally:
-            reg.close()
 
 
 def test_the_admin_api_is_off_without_a_token():
