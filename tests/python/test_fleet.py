@@ -93,6 +93,25 @@ async def answer_all(s, c, reqs: list[dict]) -> None:
         check_verified(answer_info(answer))
 
 
+async def answer_with_midway(s, c, reqs: list[dict], workers: int, at: int, midway) -> int:
+    """Sends `reqs`, `workers` at a time, each answered 200 and verified; once `at` have been
+    answered, awaits midway() (while the others are in flight). Returns how many answered."""
+    queue = iter(reqs)
+    answered = 0
+
+    async def worker():
+        nonlocal answered
+        for body in queue:
+            status, answer = await post(s, c.url, body)
+            assert status == 200, answer
+            check_verified(answer_info(answer))
+            answered += 1
+            if answered == at:
+                await midway()
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return answered
+
+
 async def legs(s, c, name: str) -> float:
     return metric(await c.metrics(s), "kvferry_proxy_legs_total", instance=name)
 
@@ -172,26 +191,16 @@ def test_five_hundred_requests_with_a_prefill_instance_drained_and_another_added
                 async with aiohttp.ClientSession() as s:
                     await wait_for(s, c, lambda m: names(m, "prefill") == {"p0"} and
                                    len(m["decode"]) == 2, "registered")
-                    reqs = bodies(500, 31)
-                    answered = 0
                     drained_at = None
-                    queue = iter(reqs)
 
-                    async def worker():
-                        nonlocal answered, drained_at
-                        for body in queue:
-                            status, answer = await post(s, c.url, body)
-                            assert status == 200, answer
-                            check_verified(answer_info(answer))
-                            answered += 1
-                            if answered == 150:
-                                regs["p1"] = register(etcd, p1)
-                                regs["p0"].set_state("draining")
-                                await wait_for(s, c, lambda m: names(m, "prefill", "serving")
-                                               == {"p1"}, "p0 draining, p1 serving")
-                                drained_at = await legs(s, c, "p0")
-                    await asyncio.gather(*(worker() for _ in range(16)))
-                    assert answered == 500
+                    async def midway():
+                        nonlocal drained_at
+                        regs["p1"] = register(etcd, p1)
+                        regs["p0"].set_state("draining")
+                        await wait_for(s, c, lambda m: names(m, "prefill", "serving") == {"p1"},
+                                       "p0 draining, p1 serving")
+                        drained_at = await legs(s, c, "p0")
+                    assert await answer_with_midway(s, c, bodies(500, 31), 16, 150, midway) == 500
                     assert drained_at is not None
                     assert await legs(s, c, "p0") == drained_at, "a leg went to the drained p0"
                     assert await legs(s, c, "p1") > 0
@@ -359,23 +368,14 @@ def test_a_serve_instance_registers_itself_and_drains_out_of_the_fleet():
             async with aiohttp.ClientSession() as s:
                 await wait_for(s, c, lambda m: names(m, "prefill") == {"p0", "p1"} and
                                names(m, "decode") == {"d0"}, "the engines registered")
-                queue = iter(bodies(300, 41))
-                answered = 0
                 drained = None
 
-                async def worker():
-                    nonlocal answered, drained
-                    for body in queue:
-                        status, answer = await post(s, c.url, body)
-                        assert status == 200, answer
-                        check_verified(answer_info(answer))
-                        answered += 1
-                        if answered == 100:
-                            drained = await asyncio.to_thread(
-                                subprocess.run, [CLI, "drain", p0.control], capture_output=True,
-                                text=True, timeout=30, env={"KVFERRY_SECRET": SECRET})
-                await asyncio.gather(*(worker() for _ in range(8)))
-                assert answered == 300
+                async def midway():
+                    nonlocal drained
+                    drained = await asyncio.to_thread(
+                        subprocess.run, [CLI, "drain", p0.control], capture_output=True,
+                        text=True, timeout=30, env={"KVFERRY_SECRET": SECRET})
+                assert await answer_with_midway(s, c, bodies(300, 41), 8, 100, midway) == 300
                 assert drained is not None and drained.returncode == 0, drained
                 assert drained.stdout.startswith("draining: "), drained.stdout
                 # The drained engine exits once nothing is held, and its key goes with it.
