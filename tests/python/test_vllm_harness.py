@@ -317,3 +317,58 @@ def test_llm_datadist_tutorial_config_moves_every_byte(ranks, tmp_path, buffer_d
                                            engine_id="0@decode", base_port=dport)]
     check_every_byte(g, decode, pairs)
     assert decode.load_errors == []
+
+
+def test_a_registered_prefill_instance_drains_through_vllms_step_loop(ranks):
+    """kv_connector_extra_config "register" on the prefill instance, a real etcd, and vLLM's
+    step loop (every hook, in vLLM's order, with the aggregator's KVConnectorOutput): after
+    `kvferry drain etcd://.../instances/prefill/p0` the instance stays draining while its request
+    is held, and reports drained in its key once the decode instance has read it and
+    finished_sending has reached the scheduler through update_connector_output."""
+    import subprocess
+
+    import etcd_server
+    from kvferry.fleet import b64, call, parse_etcd_url
+
+    if not etcd_server.available():
+        pytest.skip("SKIPPED LOUDLY: etcd is not installed (Debian's etcd-server; make deps)")
+    cli = os.environ.get("KVFERRY_CLI", "")
+    if not cli:
+        pytest.skip("KVFERRY_CLI (the kvferry binary) is not set; ctest sets it")
+    with etcd_server.EtcdServer() as etcd:
+        key = "/fleet/instances/prefill/p0"
+        base, _ = parse_etcd_url(etcd.url("/fleet"))
+
+        def state() -> str:
+            import base64
+            import json
+            kvs = call(base, "/v3/kv/range", {"key": b64(key)}, 2).get("kvs", [])
+            return json.loads(base64.b64decode(kvs[0]["value"]))["state"] if kvs else ""
+
+        g = geometry("flash_attn_hnd", transport="tcp")
+        p_g = dict(g, register={"etcd": etcd.url("/fleet"), "url": "http://127.0.0.1:8100",
+                                "name": "p0", "ttl_s": 3})
+        pport, dport = free_port(2), free_port(2)
+        prefill = Instance(p_g, "kv_producer", pport, ranks[:2])
+        decode = Instance(g, "kv_consumer", dport, ranks[2:4])
+        try:
+            assert state() == "serving"
+            params = proxy_hop(prefill, "req-d", PROMPT)  # held for its reader
+            drained = subprocess.run([cli, "drain", etcd.url(key)], capture_output=True,
+                                     text=True, timeout=30)
+            assert drained.returncode == 0, drained.stderr
+            run_until([prefill], lambda: prefill.connector._draining.is_set(),
+                      "the adapter to adopt the drain (its next keepalive)")
+            prefill.step()
+            assert state() == "draining"  # req-d is still held
+            req = decode_request("req-d", PROMPT, params)
+            decode.add_request(req)
+            run_until([prefill, decode], lambda: "req-d" not in prefill.requests,
+                      "the prefill release")
+            run_until([prefill], lambda: state() == "drained", "drained in the key")
+            local = list(decode.blocks["req-d"])
+            check_every_byte(g, decode, list(zip(params["remote_block_ids"], local)))
+        finally:
+            prefill.connector.shutdown()
+            decode.connector.shutdown()
+        assert state() == ""  # the key was revoked at shutdown

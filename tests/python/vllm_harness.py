@@ -431,6 +431,8 @@ def vllm_config(g: dict, role: str, port: int, tp: int, extra: Optional[dict] = 
                                      model_config=model)
     kv_extra = {"base_port": port, "host": "127.0.0.1", "transport": g.get("transport", "auto"),
                 "transfer_timeout_ms": 10000}
+    if g.get("register"):  # the instance registers in etcd (docs/fleet.md); scheduler side
+        kv_extra["register"] = g["register"]
     kv_extra.update(extra or {})
     return types.SimpleNamespace(
         kv_transfer_config=types.SimpleNamespace(
