@@ -51,26 +51,26 @@ void PackRegionList(msgpack::packer<msgpack::sbuffer>& pk, const std::vector<Reg
   }
 }
 
-Result<std::vector<RegionBlob>> ReadRegionList(const msgpack::object& list, const std::string& path,
-                                               std::size_t max_bytes, std::string_view what) {
+Status ReadRegionEntries(
+    const msgpack::object& list, const std::string& path, std::uint32_t arity,
+    const std::function<bool(const msgpack::object* items)>& shaped, std::string_view rest,
+    std::string_view what,
+    const std::function<void(std::uint32_t region, const msgpack::object* items)>& take) {
   if (list.type != msgpack::type::ARRAY) {
     return Status::InvalidArgument(path + ": expected an array, found " +
                                    wire::ObjectTypeName(list));
   }
-  std::vector<RegionBlob> out;
   std::set<std::uint32_t> seen;
   for (std::uint32_t i = 0; i < list.via.array.size; ++i) {
     const msgpack::object& e = list.via.array.ptr[i];
     const std::string at = path + "[" + std::to_string(i) + "]";
-    const bool shaped = e.type == msgpack::type::ARRAY && e.via.array.size == 2 &&
-                        e.via.array.ptr[0].type == msgpack::type::POSITIVE_INTEGER &&
-                        e.via.array.ptr[0].via.u64 <= std::numeric_limits<std::uint32_t>::max() &&
-                        e.via.array.ptr[1].type == msgpack::type::BIN &&
-                        e.via.array.ptr[1].via.bin.size >= 1 &&
-                        e.via.array.ptr[1].via.bin.size <= max_bytes;
-    if (!shaped) {
-      return Status::InvalidArgument(at + ": expected [region id, " + std::string(what) +
-                                     " (1 to " + std::to_string(max_bytes) + " bytes)]");
+    const bool well_formed =
+        e.type == msgpack::type::ARRAY && e.via.array.size == arity &&
+        e.via.array.ptr[0].type == msgpack::type::POSITIVE_INTEGER &&
+        e.via.array.ptr[0].via.u64 <= std::numeric_limits<std::uint32_t>::max() &&
+        shaped(e.via.array.ptr);
+    if (!well_formed) {
+      return Status::InvalidArgument(at + ": expected [region id, " + std::string(rest) + "]");
     }
     const auto region = static_cast<std::uint32_t>(e.via.array.ptr[0].via.u64);
     if (!seen.insert(region).second) {
@@ -78,10 +78,26 @@ Result<std::vector<RegionBlob>> ReadRegionList(const msgpack::object& list, cons
                                      " is listed twice; expected one " + std::string(what) +
                                      " per region");
     }
-    const msgpack::object_bin& bin = e.via.array.ptr[1].via.bin;
-    const auto* b = reinterpret_cast<const std::uint8_t*>(bin.ptr);
-    out.push_back({region, {b, b + bin.size}});
+    take(region, e.via.array.ptr);
   }
+  return Status::Ok();
+}
+
+Result<std::vector<RegionBlob>> ReadRegionList(const msgpack::object& list, const std::string& path,
+                                               std::size_t max_bytes, std::string_view what) {
+  std::vector<RegionBlob> out;
+  KVFERRY_RETURN_IF_ERROR(ReadRegionEntries(
+      list, path, 2,
+      [&](const msgpack::object* items) {
+        return items[1].type == msgpack::type::BIN && items[1].via.bin.size >= 1 &&
+               items[1].via.bin.size <= max_bytes;
+      },
+      std::string(what) + " (1 to " + std::to_string(max_bytes) + " bytes)", what,
+      [&](std::uint32_t region, const msgpack::object* items) {
+        const msgpack::object_bin& bin = items[1].via.bin;
+        const auto* b = reinterpret_cast<const std::uint8_t*>(bin.ptr);
+        out.push_back({region, {b, b + bin.size}});
+      }));
   return out;
 }
 

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <msgpack.hpp>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -40,5 +42,16 @@ void PackRegionList(msgpack::packer<msgpack::sbuffer>& pk, const std::vector<Reg
 /// named, are refused. InvalidArgument naming the entry otherwise.
 Result<std::vector<RegionBlob>> ReadRegionList(const msgpack::object& list, const std::string& path,
                                                std::size_t max_bytes, std::string_view what);
+
+/// The rule under ReadRegionList, for any list keyed by region: `list` must be an array of arrays
+/// of `arity` items whose first is a region id (uint <= 2^32-1) and that `shaped` accepts, each
+/// region named once; `take` gets each entry's items and region. InvalidArgument naming the entry
+/// otherwise: "expected [region id, `rest`]", or "... listed twice; expected one `what` per
+/// region".
+Status ReadRegionEntries(
+    const msgpack::object& list, const std::string& path, std::uint32_t arity,
+    const std::function<bool(const msgpack::object* items)>& shaped, std::string_view rest,
+    std::string_view what,
+    const std::function<void(std::uint32_t region, const msgpack::object* items)>& take);
 
 }  // namespace kvferry

@@ -1,7 +1,6 @@
 #include "transport/shm/shm_section.h"
 
 #include <limits>
-#include <set>
 #include <string>
 
 #include "wire/msgpack_reader.h"
@@ -11,36 +10,20 @@ namespace {
 
 Result<std::vector<ShmServedRegion>> ReadServedRegions(const msgpack::object& list,
                                                        const std::string& path) {
-  if (list.type != msgpack::type::ARRAY) {
-    return Status::InvalidArgument(path + ": expected an array, found " +
-                                   wire::ObjectTypeName(list));
-  }
+  const auto uint_at = [](const msgpack::object& v, std::uint64_t max) {
+    return v.type == msgpack::type::POSITIVE_INTEGER && v.via.u64 <= max;
+  };
   std::vector<ShmServedRegion> out;
-  std::set<std::uint32_t> seen;
-  for (std::uint32_t i = 0; i < list.via.array.size; ++i) {
-    const msgpack::object& e = list.via.array.ptr[i];
-    const auto uint_at = [&](std::uint32_t k, std::uint64_t max) {
-      const msgpack::object& v = e.via.array.ptr[k];
-      return v.type == msgpack::type::POSITIVE_INTEGER && v.via.u64 <= max;
-    };
-    const bool shaped = e.type == msgpack::type::ARRAY && e.via.array.size == 3 &&
-                        uint_at(0, std::numeric_limits<std::uint32_t>::max()) &&
-                        uint_at(1, std::numeric_limits<std::int32_t>::max()) &&
-                        uint_at(2, std::numeric_limits<std::uint64_t>::max());
-    const std::string at = path + "[" + std::to_string(i) + "]";
-    if (!shaped) {
-      return Status::InvalidArgument(
-          at + ": expected [region id, descriptor (0 to 2^31-1), offset in the memfd]");
-    }
-    ShmServedRegion r{static_cast<std::uint32_t>(e.via.array.ptr[0].via.u64),
-                      static_cast<std::int32_t>(e.via.array.ptr[1].via.u64),
-                      e.via.array.ptr[2].via.u64};
-    if (!seen.insert(r.region).second) {
-      return Status::InvalidArgument(at + ": region " + std::to_string(r.region) +
-                                     " is listed twice; expected one memfd per region");
-    }
-    out.push_back(r);
-  }
+  KVFERRY_RETURN_IF_ERROR(ReadRegionEntries(
+      list, path, 3,
+      [&](const msgpack::object* items) {
+        return uint_at(items[1], std::numeric_limits<std::int32_t>::max()) &&
+               uint_at(items[2], std::numeric_limits<std::uint64_t>::max());
+      },
+      "descriptor (0 to 2^31-1), offset in the memfd", "memfd",
+      [&](std::uint32_t region, const msgpack::object* items) {
+        out.push_back({region, static_cast<std::int32_t>(items[1].via.u64), items[2].via.u64});
+      }));
   return out;
 }
 
