@@ -211,7 +211,7 @@ Result<std::unique_ptr<BackendPeer>> ShmBackend::Connect(const PeerView& peer,
   KVFERRY_ASSIGN_OR_RETURN(auto imported, ImportPeerRegions(section.ipc, table));
   // Host regions the peer allocated with HostMemory: mapped read-only once, then read with memcpy;
   // any that does not map is read with process_vm_readv (served_memory.h).
-  std::map<RegionId, std::shared_ptr<const MappedRegion>> mapped;
+  std::map<RegionId, std::unique_ptr<const MappedRegion>> mapped;
   std::uint64_t mapped_bytes = 0;
   for (const ShmServedRegion& served : section.served) {
     auto it = table.find(served.region);

@@ -108,7 +108,7 @@ Status CopyMapped(const ShmPeerState& peer, const Batch& batch,
   return Status::Ok();
 }
 
-using MappedRegions = std::map<RegionId, std::shared_ptr<const MappedRegion>>;
+using MappedRegions = std::map<RegionId, std::unique_ptr<const MappedRegion>>;
 
 class ShmPeer final : public BackendPeer {
  public:
@@ -353,7 +353,7 @@ Status ProveShmInstance(const ShmPeerState& peer, const ShmProof& proof) {
 std::unique_ptr<BackendPeer> MakeShmPeer(
     std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions, std::shared_ptr<WorkQueue> pool,
     int threads, std::map<RegionId, ImportedRegion> imported,
-    std::map<RegionId, std::shared_ptr<const MappedRegion>> mapped,
+    std::map<RegionId, std::unique_ptr<const MappedRegion>> mapped,
     std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge) {
   return std::make_unique<ShmPeer>(std::move(state), std::move(regions), std::move(pool), threads,
                                    std::move(imported), std::move(mapped),

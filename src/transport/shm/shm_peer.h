@@ -69,7 +69,7 @@ Status ProveShmInstance(const ShmPeerState& peer, const ShmProof& proof);
 std::unique_ptr<BackendPeer> MakeShmPeer(
     std::shared_ptr<ShmPeerState> state, RemoteRegionTable regions, std::shared_ptr<WorkQueue> pool,
     int threads, std::map<RegionId, ImportedRegion> imported,
-    std::map<RegionId, std::shared_ptr<const MappedRegion>> mapped,
+    std::map<RegionId, std::unique_ptr<const MappedRegion>> mapped,
     std::shared_ptr<std::atomic<std::uint64_t>> staging_gauge);
 
 }  // namespace kvferry
