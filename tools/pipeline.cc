@@ -256,7 +256,9 @@ class Proxy {
     while (finished_ < static_cast<int>(prompts_.size()) && Clock::now() < deadline) {
       if (etcd_ && Clock::now() >= next_refresh) {
         RefreshMembership();
-        next_refresh = Clock::now() + milliseconds(200);
+        // Each look is a blocking call of up to 2 s: while etcd is away, look less often, so the
+        // run keeps taking answers in between.
+        next_refresh = Clock::now() + milliseconds(etcd_away_ ? 2000 : 200);
       }
       SubmitUpToConcurrency();
       SendDueAborts();
