@@ -536,7 +536,8 @@ PYBIND11_MODULE(_kvferry, m) {
                        const std::string& visible_devices, int transfer_timeout_ms,
                        int hold_lease_ms, const std::string& failure_policy,
                        const std::map<std::string, std::string>& transport_options, int pp_size,
-                       int pp_rank) {
+                       int pp_rank, int layerwise_start_timeout_ms,
+                       int layerwise_progress_timeout_ms) {
              WorkerConfig c;
              c.role = Unwrap(ParseRole(role));
              c.engine_id = engine_id;
@@ -556,6 +557,9 @@ PYBIND11_MODULE(_kvferry, m) {
              c.visible_devices = ParseVisibleDevices(visible_devices);
              c.transfer_timeout = std::chrono::milliseconds(transfer_timeout_ms);
              c.hold_lease = std::chrono::milliseconds(hold_lease_ms);
+             c.layerwise_start_timeout = std::chrono::milliseconds(layerwise_start_timeout_ms);
+             c.layerwise_progress_timeout =
+                 std::chrono::milliseconds(layerwise_progress_timeout_ms);
              if (failure_policy == "fail") {
                c.failure_policy = LoadFailurePolicy::kFail;
              } else if (failure_policy != "recompute") {
@@ -577,7 +581,9 @@ PYBIND11_MODULE(_kvferry, m) {
            py::arg("transfer_timeout_ms") = 30000, py::arg("hold_lease_ms") = 120000,
            py::arg("failure_policy") = "recompute",
            py::arg("transport_options") = std::map<std::string, std::string>{},
-           py::arg("pp_size") = 1, py::arg("pp_rank") = 0)
+           py::arg("pp_size") = 1, py::arg("pp_rank") = 0,
+           py::arg("layerwise_start_timeout_ms") = 30000,
+           py::arg("layerwise_progress_timeout_ms") = 5000)
       .def(
           "register_kv_caches",
           [](PyWorker& pw, const CacheSpec& spec, std::vector<std::vector<std::uint64_t>> bases,
