@@ -301,12 +301,23 @@ class KvferryKVManager:
         self.timeout_s = float(cfg.get("waiting_timeout_s", 300))
         name = f"{getattr(server_args, 'host', self.host)}:{getattr(server_args, 'port', 0)}"
         self.engine_id = str(cfg.get("engine_id") or f"sglang-{self.mode}-{name}")
-        state_type = str(getattr(args, "state_type", "none") or "none")
-        if list(getattr(args, "state_data_ptrs", None) or []) or state_type != "none":
+        # A Mamba / linear-attention model's per-request state (SGLang's state_type "mamba":
+        # each state tensor one request's state per slot, state_indices one slot): kvferry state
+        # groups, one per distinct slot size, read once the last chunk is announced.
+        self.state_type = str(getattr(args, "state_type", "none") or "none")
+        ptrs = [int(p) for p in (getattr(args, "state_data_ptrs", None) or [])]
+        if ptrs and self.state_type != "mamba":
             raise _kvferry.NotSupportedError(
-                f"kvferry.sglang: this model's pool carries {state_type!r} state buffers beside "
-                "its KV (SWA, Mamba or NSA state), which kvferry's SGLang backend does not move "
-                "yet; use it for full-attention models (MHA, GQA, MLA)")
+                f"kvferry.sglang: this model's pool carries {self.state_type!r} state buffers "
+                "beside its KV; kvferry's SGLang backend moves Mamba state (state_type "
+                "'mamba'), not SWA or NSA state yet")
+        self.state_groups: list[tuple[int, list[int], int]] = []  # (slot bytes, ptrs, slots)
+        for ptr, length, item in zip(ptrs, args.state_data_lens, args.state_item_lens):
+            group = next((g for g in self.state_groups if g[0] == int(item)), None)
+            if group is None:
+                group = (int(item), [], int(length) // int(item))
+                self.state_groups.append(group)
+            group[1].append(ptr)
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._finished_recving: dict[str, str] = {}  # rid -> error ("" when done)
@@ -366,7 +377,21 @@ class KvferryKVManager:
         head count the prefill side declares (kv_head_num x attention TP unless "kv_heads")."""
         return {"mla": self.is_mla, "row_bytes": self._row_bytes(), "page_size": self.page_size,
                 "layers": self.num_layers, "heads": self.model_heads,
-                "aux_item_lens": [int(x) for x in self.kv_args.aux_item_lens]}
+                "aux_item_lens": [int(x) for x in self.kv_args.aux_item_lens],
+                "state": [[g[0], len(g[1])] for g in self.state_groups],
+                "tp": self.attn_tp_size}
+
+    @property
+    def total_layers(self) -> int:
+        """kvferry's layer index runs over the groups' layers, group after group."""
+        return self.num_layers + sum(len(g[1]) for g in self.state_groups)
+
+    def group_ids(self, pages: list[int], state: Optional[int], complete: bool) -> list[list[int]]:
+        """Every group's block ids: the pages, and per state group the state slot in the last
+        page's position once the prompt is complete (-1, no block, before)."""
+        tail = [-1] * max(len(pages) - 1, 0)
+        slot = [int(state)] if complete and state is not None else [-1]
+        return [list(pages)] + [tail + slot for _ in self.state_groups]
 
     def _register_caches(self, model_heads: int) -> None:
         a = self.kv_args
@@ -400,7 +425,17 @@ class KvferryKVManager:
                 tp_rank=self.attn_tp_rank, first_layer=first)
             ptrs = [int(p) for p in a.kv_data_ptrs]
             bases = [[ptrs[i], ptrs[L + i]] for i in range(L)]
-        self.worker.register_kv_caches(spec, bases, self.memory)
+        if not self.state_groups:
+            self.worker.register_kv_caches(spec, bases, self.memory)
+        else:
+            specs, all_bases = [spec], [bases]
+            for item, gptrs, slots in self.state_groups:
+                specs.append(_kvferry.CacheSpec.create(
+                    "state", len(gptrs), [("state", self.attn_tp_size, item, "int8")], slots,
+                    self.page_size, dtype="int8", tp_size=self.attn_tp_size,
+                    tp_rank=self.attn_tp_rank, first_layer=first))
+                all_bases.append([[p] for p in gptrs])
+            self.worker.register_kv_cache_groups(specs, all_bases, self.memory)
         self._registered = True
 
     # -- prefill: where this rank is
@@ -483,6 +518,15 @@ class KvferryKVManager:
             raise RuntimeError(f"the prefill server at {addr} has --page-size "
                                f"{g['page_size']}, this decode server {self.page_size}; set "
                                "them equal")
+        if self.state_groups and tp != self.attn_tp_size:
+            raise RuntimeError(f"Mamba state moves between equal TP sizes only (as SGLang's own "
+                               f"backends): the prefill server has attention TP {tp}, this one "
+                               f"{self.attn_tp_size}")
+        if [list(x) for x in g.get("state", [])] != [[i, len(p)] for i, p, _ in
+                                                      self.state_groups]:
+            raise RuntimeError(f"the prefill server's state buffers are {g.get('state')} (slot "
+                               "bytes, tensors), this server's "
+                               f"{[[i, len(p)] for i, p, _ in self.state_groups]}")
         mine = [int(x) for x in self.kv_args.aux_item_lens]
         if list(g["aux_item_lens"]) != mine:
             raise RuntimeError(f"the prefill server's aux rows are {g['aux_item_lens']} bytes, "
@@ -534,6 +578,26 @@ class KvferryKVManager:
         self.worker.close()
 
 
+def _state_slot(state_indices: Any, mgr: KvferryKVManager) -> Optional[int]:
+    """The request's Mamba state slot from SGLang's state_indices (one entry, an index or a
+    one-element array); None without state groups."""
+    if not mgr.state_groups:
+        if state_indices is not None and len(state_indices):
+            raise _kvferry.InvalidArgumentError(
+                "state_indices given, but this server registered no state buffers")
+        return None
+    flat: list[int] = []
+    for entry in state_indices or ():
+        try:
+            flat.extend(int(x) for x in entry)  # an array or a list of slots
+        except TypeError:
+            flat.append(int(entry))  # one slot (a 0-d array or an int)
+    if len(flat) != 1:
+        raise _kvferry.InvalidArgumentError(
+            f"a Mamba request names exactly one state slot, found state_indices {flat}")
+    return flat[0]
+
+
 # ----------------------------------------------------------------------------- sender
 
 class KvferryKVSender:
@@ -577,19 +641,27 @@ class KvferryKVSender:
                 raise _kvferry.InvalidArgumentError(
                     f"send() brought {len(self.pages)} pages in all, init() announced "
                     f"{self.num_pages}")
-            if state_indices is not None and len(state_indices):
-                raise _kvferry.NotSupportedError("state_indices (SWA/Mamba state) are not moved")
             m = self.mgr
-            m.scheduler.request_scheduled(self.rid, self.params, self.pages, computed,
-                                          len(pages) * m.page_size, prompt)
+            state = _state_slot(state_indices, m) if last else None
+            if m.state_groups:
+                m.scheduler.request_scheduled_all_groups(
+                    self.rid, self.params, m.group_ids(self.pages, state, last), computed,
+                    len(pages) * m.page_size, prompt)
+            else:
+                m.scheduler.request_scheduled(self.rid, self.params, self.pages, computed,
+                                              len(pages) * m.page_size, prompt)
             m.step()
-            for layer in range(m.num_layers):
+            for layer in range(m.total_layers):
                 m.worker.save_kv_layer(layer)
             if last:
                 if self.aux_index is not None:
                     m.keep_aux(self.room, self.aux_index)
-                held, _ = m.scheduler.request_finished(self.rid, self.params, "length",
-                                                       self.pages)
+                if m.state_groups:
+                    held, _ = m.scheduler.request_finished_all_groups(
+                        self.rid, self.params, "length", m.group_ids(self.pages, state, True))
+                else:
+                    held, _ = m.scheduler.request_finished(self.rid, self.params, "length",
+                                                           self.pages)
                 m.step()
                 if not held:
                     raise _kvferry.InternalError("kvferry did not hold the request's pages")
@@ -710,10 +782,12 @@ class KvferryKVReceiver:
             self._fail("init() before the prefill server's ranks were known (SGLang calls it "
                        "only after WaitingForInput)")
             return
-        if state_indices is not None and len(state_indices):
-            self._fail("state_indices (SWA/Mamba state) are not moved by kvferry's backend")
-            return
         info, m = self._info, self.mgr
+        try:
+            state = _state_slot(state_indices, m)
+        except _kvferry.Error as e:
+            self._fail(str(e))
+            return
         dp = (int(self.prefill_dp_rank) if self.prefill_dp_rank is not None
               else self.room % info["dp"])
         if not 0 <= dp < info["dp"]:
@@ -738,8 +812,12 @@ class KvferryKVReceiver:
         self._aux_source = info["hosts"][(dp, source, info["pp"] - 1)]
         self.aux_index = aux_index
         try:
-            m.scheduler.update_state_after_alloc(self.rid, params,
-                                                 [int(p) for p in kv_indices], -1, -1)
+            pages = [int(p) for p in kv_indices]
+            if m.state_groups:
+                m.scheduler.update_state_after_alloc_all_groups(
+                    self.rid, params, m.group_ids(pages, state, True), -1, -1)
+            else:
+                m.scheduler.update_state_after_alloc(self.rid, params, pages, -1, -1)
             m.step()
             self._loading = True
             self.state = TRANSFERRING

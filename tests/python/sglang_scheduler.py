@@ -42,6 +42,11 @@ def kv_value(room: int, layer: int, part: int, token: int, width: int) -> np.nda
     return (np.arange(width, dtype=np.float32) + base).astype(np.float16)
 
 
+def state_value(room: int, tensor: int, rank: int, width: int, dtype) -> np.ndarray:
+    """A Mamba state slot's contents as prefill leaves it after the prompt."""
+    return (np.arange(width) + (room * 31 + tensor * 7 + rank * 3) % 500).astype(dtype)
+
+
 def server_args(port: int, bootstrap_port: int, tp: int, page_size: int, **cfg) -> SimpleNamespace:
     extra = dict({"backend_name": "kvferry", "module_path": "kvferry.sglang",
                   "class_name": "KvferryProvider", "memory": "host", "transport": "tcp",
@@ -67,14 +72,22 @@ class Rank:
             self.bufs = [np.zeros((tokens, self.heads, HEAD_DIM), np.float16)
                          for _ in range(2 * LAYERS)]
         self.meta = MetadataBuffers(64)
+        # Mamba (SGLang's HybridLinearKVPool / MambaPool): per layer a conv and a temporal state
+        # tensor, one request's state per slot; get_state_buf_infos lists them flat.
+        self.states = ([np.zeros((16, 2 * 8 // s.tp), np.float16) for _ in range(LAYERS)]
+                       + [np.zeros((16, 4 * 8 // s.tp), np.float32) for _ in range(LAYERS)]
+                       if s.mamba else [])
+        self.free_slots = list(range(16))
         args = get_kv_class(TransferBackend.DYNAMIC, KVClassType.KVARGS, s.args)()
         args.engine_rank = tp_rank
         args.kv_data_ptrs = [b.ctypes.data for b in self.bufs]
         args.kv_data_lens = [b.nbytes for b in self.bufs]
         args.kv_item_lens = [b[0].nbytes * s.page_size for b in self.bufs]
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
-        args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], []
-        args.state_type = "none"
+        args.state_data_ptrs = [t.ctypes.data for t in self.states]
+        args.state_data_lens = [t.nbytes for t in self.states]
+        args.state_item_lens = [t[0].nbytes for t in self.states]
+        args.state_type = "mamba" if s.mamba else "none"
         args.ib_device = None
         args.gpu_id = tp_rank
         args.pp_rank = 0
@@ -102,6 +115,7 @@ class Req:
         self.senders: list = []  # one per rank (req.disagg_kv_sender on each rank's scheduler)
         self.pages: list[list[int]] = []
         self.meta_index: list[int] = []
+        self.state_slot: list[int] = []  # Mamba: the request's state slot on each rank
         self.start_send_idx = 0
         self.finished: Optional[str] = None  # "ok", or the abort message
         self.first_token: Optional[int] = None
@@ -109,7 +123,9 @@ class Req:
 
 class Server:
     def __init__(self, mode: str, tp: int, port: int, bootstrap_port: int, mla: bool = False,
-                 model_heads: int = 4, page_size: int = 4, pages: int = 64, **cfg):
+                 model_heads: int = 4, page_size: int = 4, pages: int = 64, mamba: bool = False,
+                 **cfg):
+        self.mamba = mamba
         self.mode = (DisaggregationMode.PREFILL if mode == "prefill"
                      else DisaggregationMode.DECODE)
         self.tp, self.mla, self.model_heads, self.page_size, self.pages = (
@@ -143,7 +159,9 @@ class Server:
                 rank.free_pages.extend(req.pages[i])
             if req.meta_index:
                 rank.free_meta.append(req.meta_index[i])
-        req.pages, req.meta_index = [], []
+            if req.state_slot:
+                rank.free_slots.append(req.state_slot[i])
+        req.pages, req.meta_index, req.state_slot = [], [], []
 
     def _fail(self, req: Req, what: str) -> None:
         try:
@@ -185,6 +203,8 @@ class Prefill(Server):
                 num_pages = kv_to_page_num(req.prompt, self.page_size)
                 req.meta_index = [r.free_meta.pop(0) for r in self.ranks]
                 req.pages = [[r.free_pages.pop(0) for _ in range(num_pages)] for r in self.ranks]
+                if self.mamba:
+                    req.state_slot = [r.free_slots.pop() for r in self.ranks]
                 for s, idx in zip(req.senders, req.meta_index):
                     s.init(num_pages, idx)
                 self.running.append(req)
@@ -220,9 +240,15 @@ class Prefill(Server):
             slots = np.array([req.pages[i][t // self.page_size] * self.page_size
                               + t % self.page_size for t in kv], dtype=np.int64)
             pages = kv_to_page_indices(slots, self.page_size)
+            state_indices = None
+            if last_chunk and self.mamba:  # the state as of the prompt's end, one slot
+                slot = req.state_slot[i]
+                for n, t in enumerate(rank.states):
+                    t[slot] = state_value(req.bootstrap_room, n, i, t.shape[1], t.dtype)
+                state_indices = [np.array([slot], dtype=np.int64)]
             if len(pages) == 0:
                 continue
-            sender.send(pages, None)
+            sender.send(pages, state_indices)
 
     def step(self) -> None:
         """One event loop: bootstrapped requests join, each running request computes one chunk
@@ -300,10 +326,13 @@ class Decode(Server):
             n = kv_to_page_num(req.prompt, self.page_size)
             req.pages = [[r.free_pages.pop(0) for _ in range(n)] for r in self.ranks]
             req.meta_index = [r.free_meta.pop(0) for r in self.ranks]
+            if self.mamba:
+                req.state_slot = [r.free_slots.pop(0) for r in self.ranks]
             for i, (rank, recv) in enumerate(zip(self.ranks, req.senders)):
                 slots = np.array([req.pages[i][t // self.page_size] * self.page_size
                                   + t % self.page_size for t in range(req.prompt)], np.int64)
-                recv.init(kv_to_page_indices(slots, self.page_size), req.meta_index[i], None)
+                state = [np.array([req.state_slot[i]])] if self.mamba else None
+                recv.init(kv_to_page_indices(slots, self.page_size), req.meta_index[i], state)
             self.running.append(req)
         self.queue = keep
 
@@ -336,6 +365,9 @@ class Decode(Server):
         """Every row of every layer this rank holds for the request, against what prefill wrote:
         the count of rows checked (a mismatch raises)."""
         rank, rows = self.ranks[i], 0
+        for n, t in enumerate(rank.states):
+            want = state_value(req.bootstrap_room, n, i, t.shape[1], t.dtype)
+            assert np.array_equal(t[req.state_slot[i]], want), (req.rid, i, "state", n)
         for t in range(req.prompt):
             slot = req.pages[i][t // self.page_size] * self.page_size + t % self.page_size
             for layer in range(LAYERS):

@@ -81,6 +81,38 @@ def test_a_request_moves_every_byte_and_its_aux_row(p_tp, d_tp, mla, prompt, chu
         prefill.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_mamba_hybrid_moves_its_state_slot_with_its_pages(tp):
+    """SGLang's state_type "mamba": per layer a conv and a temporal state tensor; the last send
+    names the request's state slot, the decode's init its own; both land, byte for byte."""
+    prefill, decode, bport = pair(tp, tp, mamba=True, chunk_tokens=8)
+    try:
+        reqs = [request(f"m{i}", 900 + i, 17 + 3 * i, bport) for i in range(3)]
+        for p, d in reqs:
+            prefill.add(p)
+            decode.add(d)
+        run([prefill, decode], lambda: len(decode.done) == 3 and len(prefill.done) == 3,
+            "three hybrid requests")
+        for p, d in reqs:
+            assert d.finished == "ok" and p.finished == "ok", (d.finished, p.finished)
+        nothing_held(prefill)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_mamba_hybrid_refuses_unequal_tp_with_a_reason():
+    prefill, decode, bport = pair(2, 1, mamba=True)
+    try:
+        p, d = request("m", 7, 8, bport)
+        decode.add(d)
+        run([decode], lambda: d.finished, "the refusal")
+        assert "equal TP" in d.finished, d.finished
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_the_prefill_waits_for_its_reader_before_sglang_frees_its_pages():
     """The decode leg arrives after the prefill finished: the sender stays Transferring (SGLang
     keeps the pages) until the read, so no page is freed under a reader (sglang#24527)."""
