@@ -37,9 +37,9 @@ check_install() {
   local venv=$1
   (cd "$WORK" && "$venv/bin/python" - "$venv" <<'PYCHECK'
 import os, sys
-import kvferry, kvferry.vllm, kvferry.vllm_plugin, kvferry.proxy.app
+import kvferry, kvferry.vllm, kvferry.vllm_plugin, kvferry.proxy.app, kvferry.sglang
 venv = os.path.realpath(sys.argv[1])
-for module in (kvferry, kvferry.vllm, kvferry.proxy.app, kvferry._kvferry):
+for module in (kvferry, kvferry.vllm, kvferry.sglang, kvferry.proxy.app, kvferry._kvferry):
     path = os.path.realpath(module.__file__)
     assert path.startswith(venv + os.sep), f"{module.__name__} imported from {path}, not {venv}"
 here = os.path.dirname(kvferry.__file__)
@@ -75,11 +75,13 @@ run_logged "$WORK/install.log" "$WORK/venv/bin/pip" install --no-index "$wheel"
 check_install "$WORK/venv"
 
 say "the Python tests against the installed copy"
-# Not the two tests that only drive the CLI's own demo and bench (python_tests runs them).
+# Not the tests that only drive the CLI's own demo and bench, nor the fleet's etcd tests (which
+# check etcd's behaviour, not the install, for 45 s of CI's time): python_tests runs them.
 if ! (cd "$WORK" && env PYTHONPATH="$SRC/tests/python" KVFERRY_CLI="$WORK/venv/bin/kvferry" \
       KVFERRY_PROXY="$WORK/venv/bin/kvferry-proxy" KVFERRY_EXPECT_INSTALLED=1 \
       timeout 900 "$WORK/venv/bin/python" -m pytest -q -p no:cacheprovider \
       --ignore="$SRC/tests/python/test_xpyd.py" --ignore="$SRC/tests/python/test_bench_e2e.py" \
+      --ignore="$SRC/tests/python/test_fleet.py" \
       "$SRC/tests/python"); then
   fail "the Python tests against $WORK/venv"
 fi
