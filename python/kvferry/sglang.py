@@ -321,6 +321,9 @@ class KvferryKVManager:
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._finished_recving: dict[str, str] = {}  # rid -> error ("" when done)
+        # Requests whose end a sender or receiver still waits for: only theirs are kept from
+        # get_finished, so a request SGLang dropped (failed on another rank) leaves nothing.
+        self._live: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="kvferry-sglang")
         self._prefills: dict[str, concurrent.futures.Future] = {}  # decode: bootstrap addr
@@ -554,11 +557,28 @@ class KvferryKVManager:
         with self._lock:
             sending, recving = self.worker.get_finished()
             errors = {e["request_id"]: e for e in self.worker.take_load_errors()}
-            self._finished_sending.update(sending)
-            for rid in recving:
+            self._finished_sending.update(r for r in sending if r in self._live)
+            for rid in (r for r in recving if r in self._live):
                 e = errors.get(rid)
                 self._finished_recving[rid] = "" if e is None else (
                     f"{e.get('code', 'error')}: {e.get('message', '')}".strip())
+
+    def watch(self, rid: str, live: bool) -> None:
+        """Starts or stops keeping what the worker reports about `rid`."""
+        with self._lock:
+            if live:
+                self._live.add(rid)
+            else:
+                self._live.discard(rid)
+                self._finished_sending.discard(rid)
+                self._finished_recving.pop(rid, None)
+
+    def registration_error(self) -> Optional[str]:
+        """Prefill: why this rank could not register with the bootstrap server, if it could not."""
+        fut = getattr(self, "_registration", None)
+        if fut is None or not fut.done() or fut.exception() is None:
+            return None
+        return str(fut.exception())
 
     def take_sent(self, rid: str) -> bool:
         with self._lock:
@@ -628,6 +648,13 @@ class KvferryKVSender:
         if self.state not in (SUCCESS, FAILED):
             self.state, self.reason = FAILED, reason
 
+    def _finish(self, state: int, reason: str = "") -> None:
+        self.mgr.watch(self.rid, False)
+        if state == SUCCESS:
+            self.state = SUCCESS
+        else:
+            self._fail(reason)
+
     def send(self, kv_indices: Any, state_indices: Any = None) -> None:
         if self.state in (SUCCESS, FAILED) or self.held:
             return
@@ -665,6 +692,7 @@ class KvferryKVSender:
                 m.step()
                 if not held:
                     raise _kvferry.InternalError("kvferry did not hold the request's pages")
+                m.watch(self.rid, True)
                 self.held = True
         except Exception as e:  # into poll, never into SGLang's loop
             logger.warning("kvferry.sglang: room %s: %s", self.room, e)
@@ -682,6 +710,11 @@ class KvferryKVSender:
     def poll(self) -> int:
         if self.state in (SUCCESS, FAILED):
             return self.state
+        error = self.mgr.registration_error()
+        if error is not None and not self.held:
+            self._end_transfer()
+            self._fail(f"this prefill rank is not registered with its bootstrap server: {error}")
+            return self.state
         try:
             self.mgr.pump()
         except Exception as e:  # noqa: BLE001
@@ -689,10 +722,7 @@ class KvferryKVSender:
             return self.state
         if self.held and self.mgr.take_sent(self.rid):
             # The hold ended: every reader confirmed, or its lease ran out. SGLang may free now.
-            if self.aborted:
-                self._fail("Aborted by AbortReq.")
-            else:
-                self.state = SUCCESS
+            self._finish(FAILED if self.aborted else SUCCESS, "Aborted by AbortReq.")
         return self.state
 
     def abort(self) -> None:
@@ -754,6 +784,7 @@ class KvferryKVReceiver:
     def _fail(self, reason: str) -> None:
         if self.state not in (SUCCESS, FAILED):
             self.state, self.reason = FAILED, reason
+            self.mgr.watch(self.rid, False)
             logger.info("kvferry.sglang: room %s failed: %s", self.room, reason)
 
     def _bootstrapped(self) -> bool:
@@ -813,6 +844,7 @@ class KvferryKVReceiver:
         self.aux_index = aux_index
         try:
             pages = [int(p) for p in kv_indices]
+            m.watch(self.rid, True)
             if m.state_groups:
                 m.scheduler.update_state_after_alloc_all_groups(
                     self.rid, params, m.group_ids(pages, state, True), -1, -1)
@@ -860,6 +892,7 @@ class KvferryKVReceiver:
                 self._loading = False
                 self._fail(f"reading the KV from the prefill server at {self.addr}: {error}")
                 return self.state
+            self.mgr.watch(self.rid, False)
             if self.aux_index is None:
                 self.state = SUCCESS
                 return self.state

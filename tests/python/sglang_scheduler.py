@@ -124,7 +124,7 @@ class Req:
 class Server:
     def __init__(self, mode: str, tp: int, port: int, bootstrap_port: int, mla: bool = False,
                  model_heads: int = 4, page_size: int = 4, pages: int = 64, mamba: bool = False,
-                 **cfg):
+                 start_bootstrap: bool = True, **cfg):
         self.mamba = mamba
         self.mode = (DisaggregationMode.PREFILL if mode == "prefill"
                      else DisaggregationMode.DECODE)
@@ -132,7 +132,7 @@ class Server:
             tp, mla, model_heads, page_size, pages)
         self.args = server_args(port, bootstrap_port, tp, page_size, **cfg)
         self.bootstrap = None
-        if self.mode == DisaggregationMode.PREFILL:
+        if self.mode == DisaggregationMode.PREFILL and start_bootstrap:
             cls = get_kv_class(TransferBackend.DYNAMIC, KVClassType.BOOTSTRAP_SERVER, self.args)
             self.bootstrap = cls(host="127.0.0.1", port=bootstrap_port)
         self.ranks = [Rank(self, r) for r in range(tp)]

@@ -272,6 +272,23 @@ def test_mismatched_servers_are_refused_with_a_reason():
         prefill.close()
 
 
+def test_a_prefill_rank_the_bootstrap_server_refused_fails_its_requests_with_the_reason():
+    """A second prefill server pointed at the first one's bootstrap port with another TP size:
+    its ranks' PUT /route is refused (409), and its requests fail instead of waiting."""
+    bport = free_port(1)
+    first = Prefill(1, free_port(1), bport)
+    second = Prefill(2, free_port(2), bport, start_bootstrap=False)
+    try:
+        p = Req("refused", 3, 8, "127.0.0.1", bport)
+        second.add(p)
+        run([second], lambda: p.finished, "the refusal")
+        assert "not registered with its bootstrap server" in p.finished, p.finished
+        assert "(1, 1, 1)" in p.finished, p.finished
+    finally:
+        second.close()
+        first.close()
+
+
 def test_a_wildcard_host_is_refused_at_startup():
     args = server_args(free_port(1), free_port(1), 1, 4)
     args.host = "0.0.0.0"
