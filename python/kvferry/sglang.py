@@ -62,6 +62,25 @@ def transfer_id(room: Any) -> str:
     return f"sglang-{int(room)}"
 
 
+def _attention_dp_rank(args: Any, cfg: dict, attn_tp_size: int, mode: str) -> int:
+    """This rank's attention-DP rank under DP attention: SGLang's own
+    (layers/dp_attention.get_attention_dp_rank, as CommonKVManager reads it) where importable;
+    else, on prefill, from engine_rank (the full TP rank there); else "attn_dp_rank" in the extra
+    config. A decode rank's engine_rank is tp_rank % attn_tp_size, which cannot tell it."""
+    try:
+        from sglang.srt.layers.dp_attention import get_attention_dp_rank  # type: ignore
+        return int(get_attention_dp_rank())
+    except Exception:  # noqa: BLE001 - not inside SGLang, or not initialised
+        pass
+    if "attn_dp_rank" in cfg:
+        return int(cfg["attn_dp_rank"])
+    if mode == "prefill":
+        return int(args.engine_rank) // attn_tp_size
+    raise _kvferry.InvalidArgumentError(
+        "kvferry.sglang: DP attention on a decode server, but SGLang's attention-DP rank is not "
+        "available to this process; set \"attn_dp_rank\" in the extra config")
+
+
 def _mode(disaggregation_mode: Any) -> str:
     value = str(getattr(disaggregation_mode, "value", disaggregation_mode)).lower()
     if value not in ("prefill", "decode"):
@@ -217,7 +236,7 @@ class _Aux:
     """A prefill rank's aux rows of finished requests, kept until read or their time ends, and
     served read-only over HTTP (``GET /aux/<room>``): the decode rank pulls them after its KV."""
 
-    def __init__(self, host: str, keep_s: float, max_rows: int = 65536):
+    def __init__(self, host: str, keep_s: float, max_rows: int = 8192):
         self._rows: dict[int, tuple[bytes, float]] = {}
         self._lock = threading.Lock()
         self._keep_s, self._max = keep_s, max_rows
@@ -249,6 +268,14 @@ class _Aux:
                 del self._rows[next(iter(self._rows))]
             self._rows[room] = (data, now + self._keep_s)
 
+    def read_soon(self, room: int, grace_s: float = 30.0) -> None:
+        """The request's hold ended (its readers confirmed): its rows go after a short grace,
+        which covers a reader pulling them just after its confirmation."""
+        with self._lock:
+            entry = self._rows.get(room)
+            if entry is not None:
+                self._rows[room] = (entry[0], min(entry[1], time.monotonic() + grace_s))
+
     def get(self, room: int) -> Optional[bytes]:
         with self._lock:
             entry = self._rows.get(room)
@@ -278,7 +305,8 @@ class KvferryKVManager:
         self.system_dp_size = 1 if dp_attention else dp
         self.system_dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
         self.attn_dp_size = dp if dp_attention else 1
-        self.attn_dp_rank = int(args.engine_rank) // self.attn_tp_size if dp_attention else 0
+        self.attn_dp_rank = _attention_dp_rank(args, cfg, self.attn_tp_size, self.mode) if (
+            dp_attention) else 0
         self.dp_group = self.attn_dp_rank if self.system_dp_size == 1 else self.system_dp_rank
         self.dp_size = self.attn_dp_size if self.system_dp_size == 1 else self.system_dp_size
         self.pp_size = int(getattr(server_args, "pp_size", 1) or 1)
@@ -324,10 +352,18 @@ class KvferryKVManager:
         # Requests whose end a sender or receiver still waits for: only theirs are kept from
         # get_finished, so a request SGLang dropped (failed on another rank) leaves nothing.
         self._live: set[str] = set()
+        self._load_errors: dict[str, str] = {}
+        # Bootstrap lookups (which retry while a prefill server starts) and aux pulls (one short
+        # GET each) on pools of their own, so slow lookups never hold back a pull.
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix="kvferry-sglang")
+            max_workers=2, thread_name_prefix="kvferry-sglang-bootstrap")
+        self._aux_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="kvferry-sglang-aux")
         self._prefills: dict[str, concurrent.futures.Future] = {}  # decode: bootstrap addr
         self._registered = False
+        self._register_lock = threading.Lock()  # the decode side registers its caches lazily
+        self.first_layer = 0
+        self._closed = False
         self._aux: Optional[_Aux] = None
         self.scheduler = _kvferry.Scheduler(
             self.mode, self.engine_id, self.host, self.base_port, self.dp_group,
@@ -382,6 +418,7 @@ class KvferryKVManager:
                 "layers": self.num_layers, "heads": self.model_heads,
                 "aux_item_lens": [int(x) for x in self.kv_args.aux_item_lens],
                 "state": [[g[0], len(g[1])] for g in self.state_groups],
+                "first_layer": int(getattr(self.kv_args, "prefill_start_layer", 0) or 0),
                 "tp": self.attn_tp_size}
 
     @property
@@ -410,7 +447,7 @@ class KvferryKVManager:
             raise _kvferry.InvalidArgumentError(
                 f"kvferry.sglang: a token's row of {row} bytes is not {local} heads")
         first = int(getattr(a, "prefill_start_layer", 0) or 0) if self.mode == "prefill" else (
-            int(self.cfg.get("first_layer", 0)))
+            self.first_layer)
         L = self.num_layers
         if self.is_mla:
             spec = _kvferry.CacheSpec.create(
@@ -494,14 +531,23 @@ class KvferryKVManager:
         while True:
             try:
                 info = json.loads(_http("GET", url))
-                break
+                sizes = (int(info["prefill_attn_tp_size"]) * int(info["prefill_dp_size"])
+                         * int(info["prefill_pp_size"]))
+                if len(info.get("ranks") or []) >= sizes or time.monotonic() > deadline:
+                    break  # every rank registered (or the table as it is, refused below)
             except urllib.error.HTTPError as e:
                 if e.code != 503 or time.monotonic() > deadline:
                     raise RuntimeError(f"bootstrap server {addr}: HTTP {e.code}: "
                                        f"{e.read(4096).decode(errors='replace')}") from e
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise RuntimeError(f"no bootstrap server answers at {addr}: {e}") from e
+            if self._closed:
+                raise RuntimeError("the manager was closed")
             time.sleep(0.2)
+            continue
+        return self._table(addr, info)
+
+    def _table(self, addr: str, info: dict) -> dict:
         ranks = info.get("ranks") or []
         tp, dp, pp = (int(info["prefill_attn_tp_size"]), int(info["prefill_dp_size"]),
                       int(info["prefill_pp_size"]))
@@ -535,9 +581,12 @@ class KvferryKVManager:
             raise RuntimeError(f"the prefill server's aux rows are {g['aux_item_lens']} bytes, "
                                f"this server's {mine}: the two servers run different models or "
                                "SGLang versions")
-        with self._lock:
+        # Decode stage p holds the layers prefill stage p holds (equal PP).
+        stage = next((r["kvferry"] for r in ranks if int(r["pp_rank"]) == self.pp_rank), g)
+        with self._register_lock:
             if not self._registered:
                 self.model_heads = int(g["heads"])
+                self.first_layer = int(stage.get("first_layer", 0))
                 self._register_caches(self.model_heads)
         hosts: dict[tuple[int, int, int], tuple[str, int]] = {}
         for r in ranks:
@@ -556,12 +605,14 @@ class KvferryKVManager:
         """Collects what the worker finished since last asked (never blocks)."""
         with self._lock:
             sending, recving = self.worker.get_finished()
-            errors = {e["request_id"]: e for e in self.worker.take_load_errors()}
+            # A load's error may come in an earlier TakeLoadErrors than its finish
+            # (connector.h): kept until the finish comes.
+            for e in self.worker.take_load_errors():
+                if e["request_id"] in self._live:
+                    self._load_errors[e["request_id"]] = f"{e['code']}: {e['message']}"
             self._finished_sending.update(r for r in sending if r in self._live)
             for rid in (r for r in recving if r in self._live):
-                e = errors.get(rid)
-                self._finished_recving[rid] = "" if e is None else (
-                    f"{e.get('code', 'error')}: {e.get('message', '')}".strip())
+                self._finished_recving[rid] = self._load_errors.pop(rid, "")
 
     def watch(self, rid: str, live: bool) -> None:
         """Starts or stops keeping what the worker reports about `rid`."""
@@ -572,6 +623,7 @@ class KvferryKVManager:
                 self._live.discard(rid)
                 self._finished_sending.discard(rid)
                 self._finished_recving.pop(rid, None)
+                self._load_errors.pop(rid, None)
 
     def registration_error(self) -> Optional[str]:
         """Prefill: why this rank could not register with the bootstrap server, if it could not."""
@@ -592,7 +644,9 @@ class KvferryKVManager:
             return self._finished_recving.pop(rid, None)
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._aux_pool.shutdown(wait=False, cancel_futures=True)
         if self._aux is not None:
             self._aux.close()
         self.worker.close()
@@ -627,7 +681,7 @@ class KvferryKVSender:
 
     def __init__(self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: int,
                  dest_tp_ranks: Any = None, pp_rank: Any = None, **_: Any):
-        self.mgr, self.room = mgr, int(bootstrap_room)
+        self.mgr, self.room = mgr, int(bootstrap_room or 0)
         self.rid = transfer_id(self.room)
         self.params = {"do_remote_decode": True, "transfer_id": self.rid}
         self.num_pages = 0
@@ -722,6 +776,8 @@ class KvferryKVSender:
             return self.state
         if self.held and self.mgr.take_sent(self.rid):
             # The hold ended: every reader confirmed, or its lease ran out. SGLang may free now.
+            if self.mgr._aux is not None:
+                self.mgr._aux.read_soon(self.room)
             self._finish(FAILED if self.aborted else SUCCESS, "Aborted by AbortReq.")
         return self.state
 
@@ -739,7 +795,13 @@ class KvferryKVSender:
         pass
 
     def failure_exception(self) -> None:
-        raise KVTransferError(self.room, self.reason or
+        """SGLang calls it on every rank once any rank failed, then frees the pages: a transfer
+        still announced here ends so its readers fail at once."""
+        if self.state not in (SUCCESS, FAILED) and not self.held:
+            self._end_transfer()
+        self._fail("failed on another rank of this prefill server")
+        self.mgr.watch(self.rid, False)
+        raise KVTransferError(self.room, self.reason if self.reason else
                               "failed on another rank of this prefill server")
 
     # upstream SGLang's sender additions
@@ -778,6 +840,7 @@ class KvferryKVReceiver:
         self._aux: Optional[concurrent.futures.Future] = None
         self._info: Optional[dict] = None
         self._loading = False
+        self._aborted = False
         self._deadline = time.monotonic() + mgr.timeout_s
         self._fut = mgr.prefill_info(self.addr)
 
@@ -856,15 +919,19 @@ class KvferryKVReceiver:
         except Exception as e:  # noqa: BLE001 - into poll
             self._fail(f"kvferry refused the load: {e}")
 
-    def _fetch_aux(self) -> None:
+    def _fetch_aux(self) -> bytes:
+        """On a pool thread: the aux rows' bytes only. They are copied into SGLang's metadata
+        slot by poll(), on SGLang's thread, while the slot is still this request's."""
         host, port = self._aux_source
         data = _http("GET", f"http://{host}:{port}/aux/{self.room}")
-        a = self.mgr.kv_args
-        want = sum(int(n) for n in a.aux_item_lens)
+        want = sum(int(n) for n in self.mgr.kv_args.aux_item_lens)
         if len(data) != want:
             raise RuntimeError(f"aux rows of {len(data)} bytes from {host}:{port}, expected "
                                f"{want}")
-        at = 0
+        return data
+
+    def _store_aux(self, data: bytes) -> None:
+        a, at = self.mgr.kv_args, 0
         for ptr, n in zip(a.aux_data_ptrs, a.aux_item_lens):
             ctypes.memmove(int(ptr) + int(n) * int(self.aux_index), data[at:at + int(n)], int(n))
             at += int(n)
@@ -887,40 +954,62 @@ class KvferryKVReceiver:
                 return self.state
             error = self.mgr.take_received(self.rid)
             if error is None:
+                return self.state  # still reading (an aborted load too, until it stops)
+            self._loading = False
+            if self._aborted:
+                self._fail("Aborted by AbortReq.")
                 return self.state
             if error:
-                self._loading = False
                 self._fail(f"reading the KV from the prefill server at {self.addr}: {error}")
                 return self.state
             self.mgr.watch(self.rid, False)
             if self.aux_index is None:
                 self.state = SUCCESS
                 return self.state
-            self._aux = self.mgr._pool.submit(self._fetch_aux)
+            self._loading = True
+            self._aux = self.mgr._aux_pool.submit(self._fetch_aux)
         if self._aux.done():
             self._loading = False
             e = self._aux.exception()
-            if e is None:
-                self.state = SUCCESS
-            else:
+            if e is not None:
                 self._fail(f"pulling the aux rows (first token) from the prefill rank: {e}")
+            elif self._aborted:
+                self._fail("Aborted by AbortReq.")
+            else:
+                self._store_aux(self._aux.result())
+                self.state = SUCCESS
         return self.state
 
+    def _stop_load(self, why: str) -> None:
+        try:
+            self.mgr.worker.abort_load(self.rid, why)
+        except Exception as e:  # noqa: BLE001 - logged; the load still ends by its deadline
+            logger.warning("kvferry.sglang: room %s: abort: %s", self.room, e)
+
     def abort(self) -> None:
+        """SGLang's AbortReq. A load still reading keeps reporting Transferring until kvferry
+        says it stopped (its reads write into the pages SGLang gave it, so SGLang must keep
+        them until then); then Failed."""
         if self.state in (SUCCESS, FAILED):
             return
+        self._aborted = True
         if self._loading and self._aux is None:
-            try:
-                self.mgr.worker.abort_load(self.rid, "aborted by SGLang (AbortReq)")
-            except Exception as e:  # noqa: BLE001
-                logger.warning("kvferry.sglang: room %s: abort: %s", self.room, e)
+            self._stop_load("aborted by SGLang (AbortReq)")
+            return
         self._fail("Aborted by AbortReq.")
 
     def clear(self) -> None:
-        self.mgr.take_received(self.rid)
+        self.mgr.watch(self.rid, False)
 
     def failure_exception(self) -> None:
-        raise KVTransferError(self.room, self.reason or
+        """SGLang calls it on every rank once any rank failed, then frees the pages at once: a
+        load still reading here is stopped now (its reads may still finish into those pages
+        while the stop takes effect: a known limit, docs/sglang.md)."""
+        if self._loading and self._aux is None:
+            self._stop_load("failed on another rank of this decode server")
+        self._loading = False
+        self._fail("failed on another rank of this decode server")
+        raise KVTransferError(self.room, self.reason if self.reason else
                               "failed on another rank of this decode server")
 
 

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -291,6 +292,19 @@ TEST(FleetTest, DecodeRanksReadAgainFromARestartedPrefillRankWithNoCapReached) {
     }
     return out;
   };
+  // The same once the data connections are within `bound`, or at a deadline: a decode rank that
+  // reads again after a peer fault opens its new connections before the server side has seen the
+  // old ones close, so a count taken at once may briefly include both (1,027 of 1,024 seen on a
+  // loaded machine). The bound is asserted on what the count settles to.
+  auto rank0_connections_settled = [&](int bound) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    std::pair<int, int> out = rank0_connections();
+    while (out.second > bound && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      out = rank0_connections();
+    }
+    return out;
+  };
   for (int d = 0; d < num_decode; ++d) {
     decode.emplace_back("decode-" + std::to_string(d), FreeLoopbackPorts(1, taken), 0);
     decode.back().worker = StartWorker(Role::kDecode, decode.back(), num_decode);
@@ -317,7 +331,7 @@ TEST(FleetTest, DecodeRanksReadAgainFromARestartedPrefillRankWithNoCapReached) {
   const long rss_warm = Status("VmRSS:");
   const int fds_warm = OpenFds();
 
-  const auto [side_warm, data_warm] = rank0_connections();
+  const auto [side_warm, data_warm] = rank0_connections_settled(num_decode * kConnectionsPerPeer);
   // Every decode rank's tcp.connections to it, and no more.
   EXPECT_LE(data_warm, num_decode * kConnectionsPerPeer);
 
@@ -345,7 +359,7 @@ TEST(FleetTest, DecodeRanksReadAgainFromARestartedPrefillRankWithNoCapReached) {
   const RoundResult storm = Round(prefill, decode, all_zero, "storm", 3, [] {});
   EXPECT_EQ(storm.failed, 0) << "reads from the restarted rank failed:" << Failures(storm);
   ExpectLoaded(decode, prefill[0], everyone, 3);
-  const auto [side_after, data_after] = rank0_connections();
+  const auto [side_after, data_after] = rank0_connections_settled(num_decode * kConnectionsPerPeer);
   EXPECT_LE(data_after, num_decode * kConnectionsPerPeer);
 
   std::uint64_t handshakes = 0;

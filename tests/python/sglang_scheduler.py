@@ -164,11 +164,18 @@ class Server:
         req.pages, req.meta_index, req.state_slot = [], [], []
 
     def _fail(self, req: Req, what: str) -> None:
-        try:
-            req.senders[0].failure_exception()
-            raise AssertionError("failure_exception() must raise")
-        except Exception as e:  # noqa: BLE001 - SGLang appends str(e) to its message
-            self._end(req, f"{what} failed for request {req.rid} with exception {e}")
+        """SGLang's Failed branch runs on every rank (the all-reduced poll is the same
+        everywhere): each rank calls failure_exception() and prepares the abort with its text."""
+        messages = []
+        for sender in req.senders:
+            try:
+                sender.failure_exception()
+                raise AssertionError("failure_exception() must raise")
+            except AssertionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - SGLang appends str(e) to its message
+                messages.append(f"{what} failed for request {req.rid} with exception {e}")
+        self._end(req, messages[0])
 
     def abort(self, req: Req) -> None:
         """Scheduler.abort_request: the sender's abort (if it has one) / the receiver's."""

@@ -153,6 +153,7 @@ def test_aborts_at_each_stage_end_both_sides_and_hold_nothing():
         assert d2.finished and "Aborted by AbortReq" in d2.finished
         prefill.add(p2)
         run([prefill], lambda: p2.finished, "the prefill hold to end by its lease", 20)
+        assert p2.finished == "ok", p2.finished  # the pages went back to SGLang
         # 3. Prefill aborts after its last chunk: kept Transferring until the reader read, then
         #    Failed; the reader still gets correct bytes.
         p3, d3 = request("a3", 13, 8, bport)
@@ -170,8 +171,51 @@ def test_aborts_at_each_stage_end_both_sides_and_hold_nothing():
         decode.add(d4)
         run([decode], lambda: d4 in decode.running, "preallocation")
         decode.abort(d4)
-        decode.step()
-        assert d4.finished and "Aborted by AbortReq" in d4.finished
+        run([decode], lambda: d4.finished, "the aborted load to stop")
+        assert "Aborted by AbortReq" in d4.finished
+        nothing_held(prefill)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+class FailingScheduler:
+    """kvferry's scheduler of one rank, refusing the next announced chunk."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def request_scheduled(self, *a, **kw):
+        raise kvferry_error("injected: this rank's chunk was refused")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def kvferry_error(message):
+    import kvferry
+    return kvferry.InternalError(message)
+
+
+def test_a_failure_on_one_prefill_rank_ends_the_transfer_on_every_rank():
+    """One prefill rank fails mid-prompt: SGLang's MIN all-reduce fails the request on every
+    rank and frees its pages, calling failure_exception() on each; the other rank's transfer
+    ends there, so the decode side fails at once, not at its progress deadline."""
+    prefill, decode, bport = pair(2, 2, chunk_tokens=4, decode_cfg={"progress_timeout_s": 30})
+    try:
+        p, d = request("split", 41, 24, bport)
+        decode.add(d)
+        prefill.add(p)
+        run([prefill, decode], lambda: getattr(p, "computed", 0) >= 8, "two chunks")
+        mgr = prefill.ranks[1].mgr
+        mgr.scheduler = FailingScheduler(mgr.scheduler)  # rank 1's next chunk is refused
+        run([prefill, decode], lambda: p.finished and d.finished, "both to fail", 20)
+        assert "another rank" in p.finished, p.finished  # rank 0's text: the rank that did not
+        assert "injected" in p.senders[1].reason, p.senders[1].reason
+        # Decode rank 1 read from prefill rank 1, whose transfer ended with the refusal: it
+        # fails at once, naming that, and every decode rank fails with it (MIN all-reduce).
+        assert "Decode transfer failed" in d.finished, d.finished
+        assert "Timeout" not in d.senders[1].reason, d.senders[1].reason
         nothing_held(prefill)
     finally:
         decode.close()
@@ -202,6 +246,7 @@ def test_decode_death_ends_the_prefill_hold_by_its_lease():
         decode.close()
         prefill.add(p)
         run([prefill], lambda: p.finished, "the hold to end", 20)
+        assert p.finished == "ok", p.finished  # ended by its lease: the pages go back
         nothing_held(prefill)
     finally:
         prefill.close()
@@ -266,7 +311,7 @@ def test_mismatched_servers_are_refused_with_a_reason():
         p, d = Req("x", 9, 8, "127.0.0.1", bport), Req("x", 9, 8, "127.0.0.1", bport)
         decode.add(d)
         run([decode], lambda: d.finished, "the refusal")
-        assert "--page-size 4" in d.finished and "8" in d.finished
+        assert "--page-size 4, this decode server 8" in d.finished, d.finished
     finally:
         decode.close()
         prefill.close()
