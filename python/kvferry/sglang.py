@@ -7,8 +7,9 @@ request's layer-wise transfer (docs/layerwise.md) under the transfer id ``sglang
 each ``send`` of a prefill chunk announces that chunk's pages, which the decode side reads while
 the prefill computes the next chunk. After the last chunk the pages stay held until every decode
 rank that reads them has confirmed, or until the hold's lease ends; only then does the sender
-report a terminal state, so SGLang never frees or reuses a page a reader may still read
-(sglang#24527's defect cannot happen). The first output token and the other aux rows SGLang moves
+report a terminal state, so SGLang does not free a page a reader may still read (sglang#24527's
+defect), except where SGLang fails a request on every rank at once (docs/sglang.md, "Known
+limits"). The first output token and the other aux rows SGLang moves
 beside the KV are kept by each prefill rank and pulled by the decode rank after its KV has landed.
 
 The interface followed is SGLang's ``sglang/srt/disaggregation/base/conn.py`` at
