@@ -101,18 +101,6 @@ def test_a_mamba_hybrid_moves_its_state_slot_with_its_pages(tp):
         prefill.close()
 
 
-def test_a_mamba_hybrid_refuses_unequal_tp_with_a_reason():
-    prefill, decode, bport = pair(2, 1, mamba=True)
-    try:
-        p, d = request("m", 7, 8, bport)
-        decode.add(d)
-        run([decode], lambda: d.finished, "the refusal")
-        assert "equal TP" in d.finished, d.finished
-    finally:
-        decode.close()
-        prefill.close()
-
-
 def test_the_prefill_waits_for_its_reader_before_sglang_frees_its_pages():
     """The decode leg arrives after the prefill finished: the sender stays Transferring (SGLang
     keeps the pages) until the read, so no page is freed under a reader (sglang#24527)."""
@@ -302,16 +290,21 @@ def test_the_bootstrap_server_answers_sglangs_routes():
         server.close()
 
 
-def test_mismatched_servers_are_refused_with_a_reason():
-    """A decode server with another page size: the handshake fails, naming both."""
+@pytest.mark.parametrize("p_tp, d_tp, kw, p_kw, d_kw, reason", [
+    # Mamba state moves between equal TP sizes only, as in SGLang's own backends.
+    (2, 1, {"mamba": True}, {}, {}, "equal TP"),
+    # Page sizes must match: the handshake names both.
+    (1, 1, {}, {"page_size": 4}, {"page_size": 8}, "--page-size 4, this decode server 8"),
+], ids=["mamba_unequal_tp", "page_sizes"])
+def test_mismatched_servers_are_refused_with_a_reason(p_tp, d_tp, kw, p_kw, d_kw, reason):
     bport = free_port(1)
-    prefill = Prefill(1, free_port(1), bport, page_size=4)
-    decode = Decode(1, free_port(1), bport, page_size=8)
+    prefill = Prefill(p_tp, free_port(p_tp), bport, **kw, **p_kw)
+    decode = Decode(d_tp, free_port(d_tp), bport, **kw, **d_kw)
     try:
-        p, d = Req("x", 9, 8, "127.0.0.1", bport), Req("x", 9, 8, "127.0.0.1", bport)
+        d = Req("x", 9, 8, "127.0.0.1", bport)
         decode.add(d)
         run([decode], lambda: d.finished, "the refusal")
-        assert "--page-size 4, this decode server 8" in d.finished, d.finished
+        assert "Decode handshake failed" in d.finished and reason in d.finished, d.finished
     finally:
         decode.close()
         prefill.close()
