@@ -755,7 +755,8 @@ class KvferryKVSender:
             self._fail(f"kvferry refused the chunk: {e}")
 
     def _end_transfer(self) -> None:
-        """Ends a layer-wise transfer that is not held: its readers fail at once."""
+        """Ends the request's transfer (kvferry's TransferEnd): announced readers fail at once, a
+        hold is invalidated (ended, its readers' confirmations refused) before this returns."""
         try:
             self.mgr.scheduler.request_finished(self.rid, self.params, "abort", [])
             self.mgr.step()
@@ -783,14 +784,15 @@ class KvferryKVSender:
         return self.state
 
     def abort(self) -> None:
-        """SGLang's AbortReq. Pages a reader may still read stay held until their hold ends (the
-        sender stays Transferring until then), so nothing is freed under a read."""
+        """SGLang's AbortReq: the transfer ends here and now, held or not. kvferry invalidates
+        the hold before this returns, so a reader still reading fails when it confirms (rule 10)
+        and never uses bytes from pages SGLang frees and reuses next."""
         if self.state in (SUCCESS, FAILED):
             return
         self.aborted = True
-        if not self.held:
-            self._end_transfer()
-            self._fail("Aborted by AbortReq.")
+        self._end_transfer()
+        self.mgr.watch(self.rid, False)
+        self._fail("Aborted by AbortReq.")
 
     def clear(self) -> None:
         pass
@@ -798,7 +800,7 @@ class KvferryKVSender:
     def failure_exception(self) -> None:
         """SGLang calls it on every rank once any rank failed, then frees the pages: a transfer
         still announced here ends so its readers fail at once."""
-        if self.state not in (SUCCESS, FAILED) and not self.held:
+        if self.state not in (SUCCESS, FAILED):
             self._end_transfer()
         self._fail("failed on another rank of this prefill server")
         self.mgr.watch(self.rid, False)

@@ -142,18 +142,17 @@ def test_aborts_at_each_stage_end_both_sides_and_hold_nothing():
         prefill.add(p2)
         run([prefill], lambda: p2.finished, "the prefill hold to end by its lease", 20)
         assert p2.finished == "ok", p2.finished  # the pages went back to SGLang
-        # 3. Prefill aborts after its last chunk: kept Transferring until the reader read, then
-        #    Failed; the reader still gets correct bytes.
+        # 3. Prefill aborts after its last chunk, its pages held: the hold ends at once (SGLang
+        #    frees them), and the reader that comes afterwards fails instead of reading them.
         p3, d3 = request("a3", 13, 8, bport)
         prefill.add(p3)
         run([prefill], lambda: p3 in prefill.inflight, "the last chunk")
         prefill.abort(p3)
-        for _ in range(5):
-            prefill.step()
-        assert p3.finished is None  # its pages are still SGLang's until the hold ends
+        prefill.step()
+        assert p3.finished and "Aborted by AbortReq" in p3.finished
         decode.add(d3)
-        run([prefill, decode], lambda: p3.finished and d3.finished, "abort 3")
-        assert d3.finished == "ok" and "Aborted by AbortReq" in p3.finished
+        run([decode], lambda: d3.finished, "the reader of an ended transfer")
+        assert "Decode transfer failed" in d3.finished, d3.finished
         # 4. Decode aborts mid-transfer (prefill never starts it): the load stops at once.
         p4, d4 = request("a4", 14, 8, bport)
         decode.add(d4)
