@@ -662,7 +662,7 @@ def _state_slot(state_indices: Any, mgr: KvferryKVManager) -> Optional[int]:
                 "state_indices given, but this server registered no state buffers")
         return None
     flat: list[int] = []
-    for entry in state_indices or ():
+    for entry in (() if state_indices is None else state_indices):  # arrays have no bool
         try:
             flat.extend(int(x) for x in entry)  # an array or a list of slots
         except TypeError:
@@ -882,8 +882,8 @@ class KvferryKVReceiver:
         info, m = self._info, self.mgr
         try:
             state = _state_slot(state_indices, m)
-        except _kvferry.Error as e:
-            self._fail(str(e))
+        except Exception as e:  # noqa: BLE001 - into poll, never into SGLang's loop
+            self._fail(f"state_indices: {e}")
             return
         dp = (int(self.prefill_dp_rank) if self.prefill_dp_rank is not None
               else self.room % info["dp"])

@@ -101,6 +101,26 @@ def test_a_mamba_hybrid_moves_its_state_slot_with_its_pages(tp):
         prefill.close()
 
 
+def test_bad_state_indices_fail_the_request_instead_of_raising_into_sglang():
+    """A numpy array of two slots for a Mamba request (one is expected): poll says Failed with
+    the reason; nothing raises from init (an array has no truth value: `indices or ()` raised)."""
+    import numpy as np
+    prefill, decode, bport = pair(1, 1, mamba=True)
+    try:
+        recv = ks.KvferryKVReceiver(decode.ranks[0].mgr, f"127.0.0.1:{bport}", 77,
+                                    prefill_dp_rank=None)
+        deadline = time.monotonic() + 10
+        while recv.poll() != KVPoll.WaitingForInput:
+            assert time.monotonic() < deadline
+        recv.init(np.array([1, 2]), 0, np.array([3, 4]))
+        assert recv.poll() == KVPoll.Failed
+        with pytest.raises(ks.KVTransferError, match="exactly one state slot"):
+            recv.failure_exception()
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_the_prefill_waits_for_its_reader_before_sglang_frees_its_pages():
     """The decode leg arrives after the prefill finished: the sender stays Transferring (SGLang
     keeps the pages) until the read, so no page is freed under a reader (sglang#24527)."""
