@@ -107,12 +107,17 @@ def extra_config(server_args: Any) -> dict:
     return cfg
 
 
+# Straight to the peer: an http_proxy in the engine's environment must not carry kvferry's
+# bootstrap and aux requests, which go to the cluster's own addresses.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _http(method: str, url: str, body: Optional[dict] = None,
           timeout: float = _HTTP_TIMEOUT_S) -> bytes:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json"} if data else {})
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - http only
+    with _OPENER.open(req, timeout=timeout) as r:
         out = r.read(_MAX_BODY + 1)
     if len(out) > _MAX_BODY:
         raise ValueError(f"{url}: answer longer than {_MAX_BODY} bytes")

@@ -309,6 +309,24 @@ def test_the_bootstrap_server_answers_sglangs_routes():
         server.close()
 
 
+def test_bootstrap_and_aux_requests_never_go_through_an_http_proxy():
+    """An engine's environment may name an http_proxy; kvferry's requests go to the peers'
+    own addresses. A fresh interpreter (urllib builds its proxy table once per process)."""
+    import subprocess
+    port = free_port(1)
+    server = ks.KvferryBootstrapServer("127.0.0.1", port)
+    try:
+        env = dict(os.environ, http_proxy="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
+                   no_proxy="", NO_PROXY="")
+        out = subprocess.run(
+            [sys.executable, "-c", "import sys, kvferry.sglang as ks; "
+             f"sys.stdout.write(ks._http('GET', 'http://127.0.0.1:{port}/health').decode())"],
+            env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout == "OK", out.stderr[-2000:]
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("p_tp, d_tp, kw, p_kw, d_kw, reason", [
     # Mamba state moves between equal TP sizes only, as in SGLang's own backends.
     (2, 1, {"mamba": True}, {}, {}, "equal TP"),
