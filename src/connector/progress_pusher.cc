@@ -15,6 +15,7 @@ ProgressPusher::ProgressPusher(sidechannel::Client& client, ProgressPusherOption
 ProgressPusher::~ProgressPusher() {
   {
     MutexLock lock(mu_);
+    stopping_ = true;  // a batch a sender already took stops at its next push
     pending_.clear();
     count_ = 0;
   }
@@ -66,9 +67,15 @@ void ProgressPusher::Drain(const std::string& endpoint) {
       batch.swap(it->second);
       count_ -= batch.size();
     }
+    std::size_t done = 0;
     for (auto& [key, push] : batch) {
+      {
+        MutexLock lock(mu_);
+        if (stopping_) return;
+      }
       Result<wire::Message> reply =
           client_.Call(endpoint, push.progress, DeadlineAfter(options_.timeout));
+      ++done;
       {
         MutexLock lock(mu_);
         ++sent_;
@@ -76,10 +83,19 @@ void ProgressPusher::Drain(const std::string& endpoint) {
       if (reply.ok()) continue;
       if (reply.status().code() == StatusCode::kNotFound) {
         gone_(key.first, key.second);
-      } else {
-        Log().debug("layer-wise progress of transfer {} to {} failed: {}", key.first, endpoint,
-                    reply.status().ToString());
+        continue;
       }
+      // The endpoint did not answer (gone, or stalled): the rest of its batch would wait the
+      // same timeout each, one after another (1,024 subscribers on one decode worker held a
+      // sender, and a worker's shutdown, for minutes). They are dropped, as past max_pending:
+      // each subscriber gets its next push, or fails its load by its progress deadline.
+      Log().debug(
+          "layer-wise progress of transfer {} to {} failed: {}; dropping the {} other "
+          "pushes to it in this batch",
+          key.first, endpoint, reply.status().ToString(), batch.size() - done);
+      MutexLock lock(mu_);
+      dropped_ += batch.size() - done;
+      break;
     }
   }
 }

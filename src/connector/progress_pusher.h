@@ -38,7 +38,8 @@ class ProgressPusher {
   /// transfer); called on a pusher thread, without the pusher's lock.
   using Gone = std::function<void(const std::string& transfer_id, const std::string& subscriber)>;
   ProgressPusher(sidechannel::Client& client, ProgressPusherOptions options, Gone gone);
-  /// Drops what waits; waits for pushes in flight (each bounded by the timeout).
+  /// Drops what waits, including the rest of a batch a sender took; waits for the push in
+  /// flight on each sender (bounded by the timeout).
   ~ProgressPusher();
   ProgressPusher(const ProgressPusher&) = delete;
   ProgressPusher& operator=(const ProgressPusher&) = delete;
@@ -61,6 +62,7 @@ class ProgressPusher {
   std::size_t count_ GUARDED_BY(mu_) = 0;
   std::uint64_t sent_ GUARDED_BY(mu_) = 0;
   std::uint64_t dropped_ GUARDED_BY(mu_) = 0;
+  bool stopping_ GUARDED_BY(mu_) = false;
   std::unique_ptr<WorkQueue> senders_;  // last: its threads use the rest
 };
 
