@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -181,6 +182,73 @@ Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
   return RunGnuplot(script, data);
 }
 
+// A --concurrency sweep with both modes: two panels against the requests in flight, each prompt
+// length whole-request and layer-wise: the exposed transfer p50 (from the end of each request's
+// own prefill compute to its decode's first step), and the decode instance's peak threads.
+Status WriteConcurrencyChart(const E2eArgs& a, const Json& points) {
+  const std::string data = a.chart + ".dat";
+  // Rows by concurrency; per prompt length four columns: exposed whole, exposed layer-wise,
+  // threads whole, threads layer-wise (NaN where a point is missing).
+  std::map<int, std::map<int, std::map<std::string, const Json*>>> by_conc;
+  std::set<int> lens;
+  for (const Json& pt : points) {
+    const int len = pt["prompt_tokens"].get<int>();
+    lens.insert(len);
+    by_conc[pt["concurrency"].get<int>()][len][pt["mode"]] = &pt;
+  }
+  {
+    std::ofstream out(data);
+    for (const auto& [conc, by_len] : by_conc) {
+      out << conc;
+      for (int len : lens) {
+        auto at = [&](const char* mode, const char* key) -> std::string {
+          auto l = by_len.find(len);
+          if (l == by_len.end() || l->second.count(mode) == 0) return "NaN";
+          return l->second.at(mode)->at(key).dump();
+        };
+        out << " " << at("whole", "exposed_p50_ms") << " " << at("layerwise", "exposed_p50_ms")
+            << " " << at("whole", "decode_threads_peak") << " "
+            << at("layerwise", "decode_threads_peak");
+      }
+      out << "\n";
+    }
+    if (!out) return Status::Internal("cannot write " + data);
+  }
+  const std::string script = a.chart + ".gp";
+  {
+    std::ofstream gp(script);
+    gp << "set terminal png size 1200,500\n"
+       << "set output '" << a.chart << "'\n"
+       << "set multiplot layout 1,2 title 'whole-request and layer-wise under concurrency, same "
+       << "run: " << a.pipeline.model.layers << " layers, TP " << a.pipeline.prefill_tp << " -> "
+       << a.pipeline.decode_tp << ", " << a.pipeline.transport << ", "
+       << a.pipeline.compute_us_per_token << " us/token of prefill compute'\n"
+       << "set logscale x 2\nset grid\nset key top left\nset xlabel 'requests in flight'\n"
+       << "set logscale y 10\nset ylabel 'exposed transfer p50 (ms)'\n"
+       << "set title 'from the end of its prefill compute to its first decode step'\n";
+    auto plot = [&](int first_column) {
+      gp << "plot ";
+      int column = first_column;
+      for (int len : lens) {
+        if (column != first_column) gp << ", ";
+        gp << "'" << data << "' using 1:" << column << " with linespoints lw 2 pt 7 title '" << len
+           << " tokens, whole-request', '" << data << "' using 1:" << column + 1
+           << " with linespoints lw 2 pt 5 title '" << len << " tokens, layer-wise'";
+        column += 4;
+      }
+      gp << "\n";
+    };
+    plot(2);
+    gp << "unset logscale y\nset yrange [0:*]\nset key bottom right\n"
+       << "set ylabel 'decode instance threads, peak'\n"
+       << "set title 'threads of the decode instance'\n";
+    plot(4);
+    gp << "unset multiplot\n";
+    if (!gp) return Status::Internal("cannot write " + script);
+  }
+  return RunGnuplot(script, data);
+}
+
 // A hybrid model's point: the bytes per request against the bound of what it needs, and against
 // vLLM's full-attention fallback run now on the same prompts (a model with a window only).
 Result<Json> HybridFigures(const E2eArgs& a, const PipelineArgs& p,
@@ -231,9 +299,9 @@ void PrintHybrid(int len, const char* mode, const Json& h) {
 }
 
 int RunE2e(const E2eArgs& a) {
-  if (!a.chart.empty() && a.concurrency.size() > 1) {
-    std::cerr << "kvferry bench e2e: --chart plots against prompt length at one concurrency; "
-                 "give one --concurrency value with it, or leave --chart out of a sweep\n";
+  if (!a.chart.empty() && a.concurrency.size() > 1 && a.layerwise != "both") {
+    std::cerr << "kvferry bench e2e: with a --concurrency sweep, --chart plots whole-request "
+                 "against layer-wise; give --layerwise both, or one --concurrency value\n";
     return 2;
   }
   Json points = Json::array();
@@ -368,8 +436,9 @@ int RunE2e(const E2eArgs& a) {
     }
   }
   if (!a.chart.empty()) {
-    Status c =
-        modes.size() == 2 ? WriteLayerwiseChart(a, points) : WriteChart(a, points, baselines);
+    Status c = a.concurrency.size() > 1 ? WriteConcurrencyChart(a, points)
+               : modes.size() == 2      ? WriteLayerwiseChart(a, points)
+                                        : WriteChart(a, points, baselines);
     if (!c.ok()) {
       std::cerr << "kvferry bench e2e: " << c.ToString() << "\n";
       return 1;
@@ -407,8 +476,11 @@ void AddBenchE2eCommand(CLI::App& bench, int& exit_code) {
       ->capture_default_str()
       ->check(CLI::IsMember({"off", "on", "both"}));
   e2e->add_option("--chart", e->chart,
-                  "Write a PNG chart (gnuplot) of kvferry's per-request transfer time and rate "
-                  "against prompt length, with the transport's same-run rate");
+                  "Write a PNG chart (gnuplot): kvferry's per-request transfer time and rate "
+                  "against prompt length, with the transport's same-run rate; with --layerwise "
+                  "both, TTFT and exposed transfer of both modes against prompt length; with a "
+                  "--concurrency sweep (and --layerwise both), exposed transfer and the decode "
+                  "instance's threads against concurrency");
   AddPipelineOptions(*e2e, e->pipeline);
   // The pipeline's one --concurrency becomes a list swept here.
   e2e->remove_option(e2e->get_option("--concurrency"));

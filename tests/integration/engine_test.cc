@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
@@ -135,6 +136,30 @@ class Pair {
 // The decode side's prefix cache fills the whole pool; a request that hits a cached prefix and
 // needs fresh blocks must evict other entries, never its own hits (found by the two-host test:
 // the hits were evicted and reused, and the engine died on a missing cache entry).
+// Shared memory resident in this process (RssShmem of /proc/self/status), bytes.
+std::int64_t ResidentShmemBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("RssShmem:", 0) == 0) return std::stoll(line.substr(9)) * 1024;  // kB
+  }
+  ADD_FAILURE() << "/proc/self/status has no RssShmem line";
+  return 0;
+}
+
+// A GPU engine's KV cache is resident from start-up (vLLM zeroes it); the reference engine's is
+// too, so no first write into a page faults inside a measured compute or transfer
+// (docs/layerwise.md, "Concurrency 256"). Fails on an engine that leaves its caches untouched.
+TEST(EngineTest, TheCachesAreResidentFromTheStart) {
+  const std::int64_t before = ResidentShmemBytes();
+  std::unique_ptr<Instance> p = MakeInstance(Role::kPrefill, 4096, 2);
+  ASSERT_NE(p, nullptr);
+  const std::int64_t bytes = p->caches(0).TotalBytes() + p->caches(1).TotalBytes();
+  ASSERT_GE(bytes, std::int64_t{32} << 20);
+  EXPECT_GE(ResidentShmemBytes() - before, bytes)
+      << "the engine's " << bytes << " bytes of KV cache are not all resident after Create";
+}
+
 TEST(EngineTest, EvictionUnderPressureKeepsThePrefixHitsOfTheRequest) {
   Pair pair(/*prefill_blocks=*/64, /*decode_blocks=*/12);
   ASSERT_TRUE(pair.ok());
