@@ -97,6 +97,22 @@ Status RunGnuplot(const std::string& script, const std::string& data) {
   return Status::Ok();
 }
 
+// The first lines of a chart's gnuplot script: a 1200x500 PNG at --chart, two panels under
+// `title`.
+void ChartHeader(std::ostream& gp, const E2eArgs& a, const std::string& title) {
+  gp << "set terminal png size 1200,500\n"
+     << "set output '" << a.chart << "'\n"
+     << "set multiplot layout 1,2 title '" << title << "'\n";
+}
+
+// What a run comparing whole-request and layer-wise transfer ran: layers, TP, transport, compute.
+std::string RunDescription(const E2eArgs& a) {
+  return std::to_string(a.pipeline.model.layers) + " layers, TP " +
+         std::to_string(a.pipeline.prefill_tp) + " -> " + std::to_string(a.pipeline.decode_tp) +
+         ", " + a.pipeline.transport + ", " + std::to_string(a.pipeline.compute_us_per_token) +
+         " us/token of prefill compute";
+}
+
 // Two panels against prompt length, of what kvferry does per request: the transfer time in the
 // connector (p50, p99), and the rate (bytes / transfer time: p50, p10) under the transport's own
 // rate measured in the same run.
@@ -116,12 +132,12 @@ Status WriteChart(const E2eArgs& a, const Json& points, const Json& baselines) {
   const std::string script = a.chart + ".gp";
   {
     std::ofstream gp(script);
-    gp << "set terminal png size 1200,500\n"
-       << "set output '" << a.chart << "'\n"
-       << "set multiplot layout 1,2 title 'kvferry per request: prefill TP "
-       << a.pipeline.prefill_tp << " -> decode TP " << a.pipeline.decode_tp << ", transport "
-       << a.pipeline.transport << ", " << a.requests << " requests per point'\n"
-       << "set logscale x 2\nset grid\nset key top left\nset xlabel 'prompt length (tokens)'\n"
+    ChartHeader(gp, a,
+                "kvferry per request: prefill TP " + std::to_string(a.pipeline.prefill_tp) +
+                    " -> decode TP " + std::to_string(a.pipeline.decode_tp) + ", transport " +
+                    a.pipeline.transport + ", " + std::to_string(a.requests) +
+                    " requests per point");
+    gp << "set logscale x 2\nset grid\nset key top left\nset xlabel 'prompt length (tokens)'\n"
        << "set ylabel 'transfer time in the connector (ms)'\n"
        << "plot '" << data << "' using 1:2 with linespoints lw 2 pt 7 title 'p50', '" << data
        << "' using 1:3 with linespoints lw 2 pt 5 title 'p99'\n"
@@ -160,14 +176,10 @@ Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
   const std::string script = a.chart + ".gp";
   {
     std::ofstream gp(script);
-    gp << "set terminal png size 1200,500\n"
-       << "set output '" << a.chart << "'\n"
-       << "set multiplot layout 1,2 title 'whole-request and layer-wise transfer, same run: "
-       << a.pipeline.model.layers << " layers, TP " << a.pipeline.prefill_tp << " -> "
-       << a.pipeline.decode_tp << ", " << a.pipeline.transport << ", "
-       << a.pipeline.compute_us_per_token << " us/token of prefill compute, " << a.requests
-       << " requests a point'\n"
-       << "set logscale x 2\nset grid\nset key top left\nset xlabel 'prompt length (tokens)'\n"
+    ChartHeader(gp, a,
+                "whole-request and layer-wise transfer, same run: " + RunDescription(a) + ", " +
+                    std::to_string(a.requests) + " requests a point");
+    gp << "set logscale x 2\nset grid\nset key top left\nset xlabel 'prompt length (tokens)'\n"
        << "set logscale y 10\nset ylabel 'TTFT p50 (ms)'\n"
        << "plot '" << data << "' using 1:2 with linespoints lw 2 pt 7 title 'whole-request', '"
        << data << "' using 1:3 with linespoints lw 2 pt 5 title 'layer-wise'\n"
@@ -217,13 +229,9 @@ Status WriteConcurrencyChart(const E2eArgs& a, const Json& points) {
   const std::string script = a.chart + ".gp";
   {
     std::ofstream gp(script);
-    gp << "set terminal png size 1200,500\n"
-       << "set output '" << a.chart << "'\n"
-       << "set multiplot layout 1,2 title 'whole-request and layer-wise under concurrency, same "
-       << "run: " << a.pipeline.model.layers << " layers, TP " << a.pipeline.prefill_tp << " -> "
-       << a.pipeline.decode_tp << ", " << a.pipeline.transport << ", "
-       << a.pipeline.compute_us_per_token << " us/token of prefill compute'\n"
-       << "set logscale x 2\nset grid\nset key top left\nset xlabel 'requests in flight'\n"
+    ChartHeader(gp, a,
+                "whole-request and layer-wise under concurrency, same run: " + RunDescription(a));
+    gp << "set logscale x 2\nset grid\nset key top left\nset xlabel 'requests in flight'\n"
        << "set logscale y 10\nset ylabel 'exposed transfer p50 (ms)'\n"
        << "set title 'from the end of its prefill compute to its first decode step'\n";
     auto plot = [&](int first_column) {

@@ -133,9 +133,6 @@ class Pair {
   std::set<std::string> hold_back_;
 };
 
-// The decode side's prefix cache fills the whole pool; a request that hits a cached prefix and
-// needs fresh blocks must evict other entries, never its own hits (found by the two-host test:
-// the hits were evicted and reused, and the engine died on a missing cache entry).
 // Shared memory resident in this process (RssShmem of /proc/self/status), bytes.
 std::int64_t ResidentShmemBytes() {
   std::ifstream status("/proc/self/status");
@@ -160,6 +157,9 @@ TEST(EngineTest, TheCachesAreResidentFromTheStart) {
       << "the engine's " << bytes << " bytes of KV cache are not all resident after Create";
 }
 
+// The decode side's prefix cache fills the whole pool; a request that hits a cached prefix and
+// needs fresh blocks must evict other entries, never its own hits (found by the two-host test:
+// the hits were evicted and reused, and the engine died on a missing cache entry).
 TEST(EngineTest, EvictionUnderPressureKeepsThePrefixHitsOfTheRequest) {
   Pair pair(/*prefill_blocks=*/64, /*decode_blocks=*/12);
   ASSERT_TRUE(pair.ok());
