@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -224,10 +225,16 @@ async def main() -> None:
     p.add_argument("--register", default="")
     p.add_argument("--name", default="")
     args = p.parse_args()
+    # The server's socket is bound before kvferry serve starts, so the URL it registers is this
+    # server's own: a port picked free and bound later can be taken in between by another test's
+    # process (CI: "address already in use" on the port kvferry serve had registered).
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", args.port))
+    listener.listen(128)
+    args.port = listener.getsockname()[1]
     register = []
     if args.register:
-        from common import free_port
-        args.port = args.port or free_port()
         register = ["--register", args.register, "--register-name", args.name,
                     "--register-url", f"http://127.0.0.1:{args.port}", "--register-ttl-s", "3"]
     serve = subprocess.Popen([args.cli, "serve", "--role", args.role, "--control-port", "0",
@@ -248,7 +255,7 @@ async def main() -> None:
     app.router.add_get("/v1/models", fake.models)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", args.port)
+    site = web.SockSite(runner, listener)
     await site.start()
     port = runner.addresses[0][1]
     print(f"READY http://127.0.0.1:{port} "
