@@ -25,8 +25,9 @@ all: build
 deps:
 	@bash scripts/deps.sh
 
-# The main build unity-builds the libraries and the CLI (KVFERRY_UNITY: about half the time of a
-# fresh build); the sanitizer, TSA and fuzz builds compile every source on its own.
+# The main build and the ASan and TSan builds unity-build the libraries and the CLI
+# (KVFERRY_UNITY: about half the time of a fresh build); the TSA and fuzz builds compile every
+# source on its own (the analysis and the fuzz targets want single files).
 $(BUILD)/CMakeCache.txt: | deps
 	$(CMAKE_CONFIGURE) -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_UNITY=ON
 
@@ -97,7 +98,7 @@ soak: configure
 # asan_dynamic_tls_at_exit (tests/unit/sanitizer/dtls_exit.cc) makes that chance certain and fails
 # without the option. With it, pointers held only in such blocks are not leak-check roots.
 asan: deps
-	$(CMAKE_CONFIGURE) -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=address,undefined
+	$(CMAKE_CONFIGURE) -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=address,undefined -DKVFERRY_UNITY=ON
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:intercept_tls_get_addr=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --test-dir $(ASAN_BUILD) --output-on-failure -j $(JOBS) -LE netns $(CTEST_ARGS)
@@ -111,7 +112,7 @@ asan: deps
 # loads UCX died with SIGSEGV); the ucx backend registers its memory explicitly and needs no hooks.
 # No TSan suppression names UCX: with ignore_noninstrumented_modules its frames report nothing.
 tsan: deps
-	$(CMAKE_CONFIGURE) -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=thread
+	$(CMAKE_CONFIGURE) -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=thread -DKVFERRY_UNITY=ON
 	cmake --build $(TSAN_BUILD) -j $(JOBS)
 	UCX_MEM_MMAP_HOOK_MODE=none TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$(CURDIR)/tsan.supp" \
 	  ctest --test-dir $(TSAN_BUILD) --output-on-failure -j $(JOBS) -LE "demo|netns|soak" $(CTEST_ARGS)

@@ -314,7 +314,7 @@ Status LoadRunner::SetUpLayerwise(ProgressWatch& w) {
                                 "host, KVFERRY_HOST, or the adapter's \"host\": \"auto\")");
   }
   KVFERRY_RETURN_IF_ERROR(SubscribeAll(w));
-  st.heard = Clock::now();
+  st.heard = st.polled = Clock::now();
   return Status::Ok();
 }
 
@@ -396,21 +396,22 @@ Result<std::optional<Clock::time_point>> LoadRunner::AdvanceLayerwise(ProgressWa
                                " did not finish within the transfer timeout of " +
                                Ms(cfg_.transfer_timeout));
       }
-      if (now >= limit && waiting) {
+      const SilenceStep step = OnSilence(now, limit, st.heard, st.polled, poll_every);
+      if (step == SilenceStep::kFail && waiting) {
         return Status::Timeout("the prefill side (engine " + load.remote_engine_id +
                                ") did not start transfer " + load.transfer_id + " within " +
                                Ms(cfg_.layerwise_start_timeout) +
                                " (its request never arrived there, or waits behind its queue)");
       }
-      if (now >= limit) {
+      if (step == SilenceStep::kFail) {
         return Status::Timeout("the prefill side (engine " + load.remote_engine_id +
                                ") announced no progress of transfer " + load.transfer_id + " for " +
                                Ms(cfg_.layerwise_progress_timeout) +
                                " (it died, stopped, or is overloaded)");
       }
-      if (now >= st.heard + poll_every) {
-        KVFERRY_RETURN_IF_ERROR(SubscribeAll(w));  // time to poll
-        st.heard = Clock::now();
+      if (step == SilenceStep::kPoll) {
+        KVFERRY_RETURN_IF_ERROR(SubscribeAll(w));
+        st.heard = st.polled = Clock::now();
         continue;
       }
       return std::optional<Clock::time_point>(std::min(limit, st.heard + poll_every));

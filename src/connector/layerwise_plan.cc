@@ -208,4 +208,10 @@ Result<std::vector<LayerGroupRead>> PlanLayerwiseReads(
   return out;
 }
 
+SilenceStep OnSilence(Clock::time_point now, Clock::time_point limit, Clock::time_point heard,
+                      Clock::time_point polled, Clock::duration poll_every) {
+  if (now >= limit) return polled >= limit - poll_every ? SilenceStep::kFail : SilenceStep::kPoll;
+  return now >= heard + poll_every ? SilenceStep::kPoll : SilenceStep::kWait;
+}
+
 }  // namespace kvferry

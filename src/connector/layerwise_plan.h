@@ -8,6 +8,7 @@
 #include <span>
 #include <vector>
 
+#include "common/clock.h"
 #include "kvferry/status.h"
 #include "wire/messages.h"
 
@@ -81,5 +82,17 @@ Result<std::vector<LayerGroupRead>> PlanLayerwiseReads(
 /// What `p`'s announcements brought every layer of `groups` to: the cursor a newer announcement
 /// from the same rank is checked against.
 LayerwiseCursor AnnouncedCursor(const wire::Progress& p, std::span<const LayerwiseGroup> groups);
+
+/// What a layer-wise load does when its prefill ranks have announced nothing new since its last
+/// step: wait, poll them (Subscribe again; the reply carries their progress) or fail.
+enum class SilenceStep { kWait, kPoll, kFail };
+
+/// At `now`, with `limit` the start or progress deadline in force, `heard` the last fresh
+/// announcement or poll, `polled` the last poll answered: a poll every `poll_every` of silence;
+/// at the limit, a failure only when a poll answered within `poll_every` before it brought
+/// nothing. Silence is judged by asking: a step that runs past its limit without such a poll (its
+/// threads were busy under load, and the pushes that would have woken it were lost) polls first.
+SilenceStep OnSilence(Clock::time_point now, Clock::time_point limit, Clock::time_point heard,
+                      Clock::time_point polled, Clock::duration poll_every);
 
 }  // namespace kvferry

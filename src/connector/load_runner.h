@@ -145,8 +145,9 @@ class LoadRunner {
     Deadline deadline{};
     Deadline start_deadline{};
     Deadline progress_deadline = Deadline::max();
-    Clock::time_point heard{};  // the last fresh announcement, or poll
-    std::string listener;       // this worker's, where progress is pushed
+    Clock::time_point heard{};   // the last fresh announcement, or poll
+    Clock::time_point polled{};  // the last poll answered (the subscription's first reply too)
+    std::string listener;        // this worker's, where progress is pushed
     std::uint64_t moved = 0;
     bool set_up = false;
   };

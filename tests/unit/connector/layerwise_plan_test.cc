@@ -223,5 +223,33 @@ TEST(LayerwisePlanTest, AHybridsContradictionsAreRefusedAndChangeNothing) {
   }
 }
 
+// Silence: a poll every half progress timeout, and a failure at the deadline only after a poll
+// answered within the last half brought nothing. LayerwiseScaleTest beside the ASan demo tests
+// failed 64 of 1,024 loads "announced no progress for 5000 ms" while their prefill had announced
+// every layer: the pushes queued behind one another to the one decode endpoint, and the steps,
+// 1,024 on a few threads on two loaded cores, ran past the deadline before their poll was due, so
+// they failed without asking.
+TEST(LayerwisePlanTest, SilenceIsJudgedByAPollNotByALateStep) {
+  using std::chrono::milliseconds;
+  const Clock::time_point t0{};
+  const milliseconds every(2500);
+  const Clock::time_point limit = t0 + milliseconds(5000);  // last fresh announcement at t0
+  // On time: wait, then poll half-way.
+  EXPECT_EQ(OnSilence(t0 + milliseconds(1000), limit, t0, t0, every), SilenceStep::kWait);
+  EXPECT_EQ(OnSilence(t0 + every, limit, t0, t0, every), SilenceStep::kPoll);
+  // That poll, answered at 2.5 s, brought nothing new: at the deadline the load fails.
+  const Clock::time_point polled = t0 + every;
+  EXPECT_EQ(OnSilence(t0 + milliseconds(4000), limit, polled, polled, every), SilenceStep::kWait);
+  EXPECT_EQ(OnSilence(limit, limit, polled, polled, every), SilenceStep::kFail);
+  // A step that first runs past the deadline (its threads were busy; the pushes were lost) has
+  // not asked since the announcement: it polls, and fails only if that brings nothing.
+  EXPECT_EQ(OnSilence(t0 + milliseconds(9000), limit, t0, t0, every), SilenceStep::kPoll);
+  const Clock::time_point late = t0 + milliseconds(9000);
+  EXPECT_EQ(OnSilence(late, limit, late, late, every), SilenceStep::kFail);
+  // A poll answered long before the deadline does not count as asking at it.
+  EXPECT_EQ(OnSilence(limit, limit, t0 + milliseconds(1000), t0 + milliseconds(1000), every),
+            SilenceStep::kPoll);
+}
+
 }  // namespace
 }  // namespace kvferry
