@@ -213,9 +213,10 @@ Status WriteConcurrencyChart(const E2eArgs& a, const Json& points) {
     for (const auto& [conc, by_len] : by_conc) {
       out << conc;
       for (int len : lens) {
-        auto at = [&](const char* mode, const char* key) -> std::string {
-          auto l = by_len.find(len);
-          if (l == by_len.end() || l->second.count(mode) == 0) return "NaN";
+        // A name of its own for the binding: clang before 16 cannot capture structured bindings.
+        auto at = [&, &row = by_len](const char* mode, const char* key) -> std::string {
+          auto l = row.find(len);
+          if (l == row.end() || l->second.count(mode) == 0) return "NaN";
           return l->second.at(mode)->at(key).dump();
         };
         out << " " << at("whole", "exposed_p50_ms") << " " << at("layerwise", "exposed_p50_ms")
