@@ -69,7 +69,7 @@ def test_bench_e2e_charts_the_per_request_figures_without_the_warmup(tmp_path):
     assert not (tmp_path / "e2e.png.dat").exists() and not (tmp_path / "e2e.png.gp").exists()
 
 
-def test_bench_e2e_sweeps_concurrency_with_each_requests_own_exposed_transfer():
+def test_bench_e2e_sweeps_concurrency_with_each_requests_own_exposed_transfer(tmp_path):
     """Issue 30, item 2: figures that hold under load. `--concurrency` takes a list and sweeps it;
     per point each request's exposed transfer runs from the end of its own prefill compute to
     its decode's first step (the instances report both on the host's steady clock), the prefill's
@@ -79,9 +79,14 @@ def test_bench_e2e_sweeps_concurrency_with_each_requests_own_exposed_transfer():
     cli = _cli()
     out = subprocess.run([cli, "bench", "e2e", "--layerwise", "both", "--concurrency", "1,8",
                           "--prompts", "128", "--requests", "8", "--warmup", "1",
-                          "--compute-us-per-token", "200", "--json"] + SMALL[:-1],
+                          "--compute-us-per-token", "200", "--json",
+                          "--chart", str(tmp_path / "sweep.png")] + SMALL[:-1],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    # The sweep's chart (exposed transfer and decode threads against concurrency).
+    with open(tmp_path / "sweep.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["sweep.png"]
     points = json.loads(out.stdout)["points"]
     assert [(p["concurrency"], p["mode"]) for p in points] == [
         (1, "whole"), (1, "layerwise"), (8, "whole"), (8, "layerwise")]
