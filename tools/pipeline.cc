@@ -626,6 +626,7 @@ class Proxy {
       t.transfer_ms = r.value("transfer_ms", 0.0);
       t.first_step_ms = r.value("first_step_ms", 0.0);
       t.first_step_at_us = r.value("first_step_at_us", std::int64_t{0});
+      t.loaded_at_us = r.value("loaded_at_us", std::int64_t{0});
       t.layerwise = it->second.layerwise;
       if (!it->second.layerwise) {
         t.compute_ms = it->second.compute_ms;

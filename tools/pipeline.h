@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -76,7 +77,8 @@ struct RequestTiming {
   // compute, the start of its decode's first step; 0 when not reported.
   std::int64_t computed_at_us = 0;
   std::int64_t first_step_at_us = 0;
-  bool layerwise = false;  // both legs sent at once
+  std::int64_t loaded_at_us = 0;  // the decode engine saw every rank's load finished
+  bool layerwise = false;         // both legs sent at once
   // TTFT less the prefill's compute and the decode's first step: what the transfer, the hops
   // around it and, with requests queued, the prefill's queue add to time-to-first-token.
   double exposed_ttft_ms() const { return ttft_ms - compute_ms - first_step_ms; }
@@ -86,6 +88,13 @@ struct RequestTiming {
   double exposed_ms() const {
     if (computed_at_us == 0 || first_step_at_us == 0) return exposed_ttft_ms();
     return static_cast<double>(first_step_at_us - computed_at_us) / 1000.0;
+  }
+  // Of exposed_ms(), the part until the decode engine saw the load finished (the connector's,
+  // with the engine's polling of it), and the rest, the engine's pick-up (its loop and the first
+  // steps of other requests ahead in the same step). NaN where a time was not reported.
+  double exposed_to_loaded_ms() const {
+    if (computed_at_us == 0 || loaded_at_us == 0) return std::numeric_limits<double>::quiet_NaN();
+    return static_cast<double>(loaded_at_us - computed_at_us) / 1000.0;
   }
   std::uint64_t loaded_bytes = 0;
   // In the connector (every rank): bytes read and the transfer's time, 0 when nothing was read.

@@ -488,6 +488,7 @@ int RunServe(const ServeArgs& a) {
              {"first_step_ms", r.first_step_ms},
              {"computed_at_us", r.computed_at_us},
              {"first_step_at_us", r.first_step_at_us},
+             {"loaded_at_us", r.loaded_at_us},
              {"transfer_bytes", r.transfer_bytes},
              {"transfer_ms", r.transfer_ms}});
       reply_to.erase(it);

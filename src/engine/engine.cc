@@ -499,7 +499,9 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
       auto it = running_.find(id);
       if (it == running_.end()) continue;
       Running& r = *it->second;
-      r.result.load_ms = Ms(r.scheduled, Clock::now());
+      const Clock::time_point loaded = Clock::now();
+      r.result.load_ms = Ms(r.scheduled, loaded);
+      r.result.loaded_at_us = SteadyMicros(loaded);
       if (auto t = transfers_.find(id); t != transfers_.end()) {
         r.result.transfer_bytes = t->second.bytes;
         r.result.transfer_ms = static_cast<double>(t->second.duration.count()) / 1000.0;

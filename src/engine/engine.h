@@ -118,6 +118,9 @@ struct EngineResult {
   /// a request's exposed transfer is first_step_at_us at decode - computed_at_us at prefill.
   std::int64_t computed_at_us = 0;
   std::int64_t first_step_at_us = 0;
+  /// decode: when the engine saw every rank's load of it finished (the step that verifies it
+  /// begins at or after it: first_step_at_us - loaded_at_us is the engine's pick-up).
+  std::int64_t loaded_at_us = 0;
   /// decode, a load that ended done: what the connector read for it (every rank) and how long
   /// its transfer took in the connector (the slowest rank's; Worker::TakeLoadTransfers).
   std::uint64_t transfer_bytes = 0;

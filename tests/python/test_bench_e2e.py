@@ -96,6 +96,11 @@ def test_bench_e2e_sweeps_concurrency_with_each_requests_own_exposed_transfer(tm
         assert p["decode_rss_peak_bytes"] > 0
         assert 0 <= p["prefill_queue_p50_ms"] <= p["prefill_queue_p99_ms"]
         assert p["exposed_p50_ms"] <= p["exposed_p99_ms"]
+        # Of it, the part until the decode engine saw the load finished: never after the
+        # first step began (the step that verifies it starts at or after that moment).
+        assert p["exposed_to_loaded_p50_ms"] <= p["exposed_p50_ms"], p
+        assert p["exposed_to_loaded_p99_ms"] <= p["exposed_p99_ms"], p
+        assert p["exposed_to_loaded_p50_ms"] != 0, p  # reported (0 where it was missing)
     busy = [p for p in points if p["concurrency"] == 8]
     # 8 requests of 25.6 ms of compute each, one prefill at a time: the later ones wait.
     assert all(p["prefill_queue_p99_ms"] > 20 for p in busy), busy
