@@ -490,6 +490,10 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
       sum.duration = std::max(sum.duration, t.duration);
     }
   }
+  // When this step saw them finished: one moment for all, so the first steps of the requests
+  // ahead in this step count in each later one's pick-up (first_step_at_us - loaded_at_us), not
+  // in its load.
+  const Clock::time_point seen = Clock::now();
   for (std::size_t rank = 0; rank < workers_.size(); ++rank) {
     for (const std::string& id : finished[rank]) {
       std::set<int>& ranks = rank_reports_[id];
@@ -499,9 +503,8 @@ void Instance::StepDecode(std::vector<EngineResult>& out) {
       auto it = running_.find(id);
       if (it == running_.end()) continue;
       Running& r = *it->second;
-      const Clock::time_point loaded = Clock::now();
-      r.result.load_ms = Ms(r.scheduled, loaded);
-      r.result.loaded_at_us = SteadyMicros(loaded);
+      r.result.load_ms = Ms(r.scheduled, seen);
+      r.result.loaded_at_us = SteadyMicros(seen);
       if (auto t = transfers_.find(id); t != transfers_.end()) {
         r.result.transfer_bytes = t->second.bytes;
         r.result.transfer_ms = static_cast<double>(t->second.duration.count()) / 1000.0;
