@@ -772,7 +772,9 @@ class KvferryKVSender:
         if self.state in (SUCCESS, FAILED):
             return self.state
         error = self.mgr.registration_error()
-        if error is not None and not self.held:
+        if error is not None:
+            # Held or not: no decode rank can find a rank its bootstrap server refused, so nobody
+            # will ever read the request (the refusal may come after its last chunk was held).
             self._end_transfer()
             self._fail(f"this prefill rank is not registered with its bootstrap server: {error}")
             return self.state

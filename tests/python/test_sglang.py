@@ -347,6 +347,52 @@ def test_mismatched_servers_are_refused_with_a_reason(p_tp, d_tp, kw, p_kw, d_kw
         prefill.close()
 
 
+def test_a_refusal_that_comes_after_the_request_was_held_still_fails_it():
+    """The bootstrap server's refusal reaches the rank only after the request's last chunk was
+    held (its PUT /route is answered late): the request fails with the reason at once, instead of
+    waiting out its hold's lease and ending "ok" with nobody ever able to read it. Before the fix
+    the held request ignored the refusal (test_sglang.py flaked on the test below that way)."""
+    import http.server
+    import socketserver
+    import threading
+
+    answer = threading.Event()
+    asked = threading.Event()
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):  # noqa: N802 - http.server's names
+            asked.set()
+            answer.wait(30)
+            body = b"refused: another TP size registered first"
+            self.send_response(409)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Refuse)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    bport = httpd.server_address[1]
+    server = Prefill(1, free_port(1), bport, start_bootstrap=False)
+    try:
+        assert asked.wait(30), "the rank never asked its bootstrap server"
+        p = Req("late-refusal", 5, 8, "127.0.0.1", bport)
+        server.add(p)
+        run([server], lambda: all(s.held for s in p.senders), "the request held")
+        answer.set()
+        run([server], lambda: p.finished, "the refusal")
+        assert "not registered with its bootstrap server" in p.finished, p.finished
+        assert "refused" in p.finished, p.finished
+    finally:
+        answer.set()
+        server.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_a_prefill_rank_the_bootstrap_server_refused_fails_its_requests_with_the_reason():
     """A second prefill server pointed at the first one's bootstrap port with another TP size:
     its ranks' PUT /route is refused (409), and its requests fail instead of waiting."""
