@@ -198,6 +198,8 @@ Status WriteLayerwiseChart(const E2eArgs& a, const Json& points) {
 // length whole-request and layer-wise: the exposed transfer p50 (from the end of each request's
 // own prefill compute to its decode's first step), and the decode instance's peak threads.
 Status WriteConcurrencyChart(const E2eArgs& a, const Json& points) {
+  // The exposed panel's log axis starts here; a point at or below it is drawn on it.
+  constexpr double kHiddenFloorMs = 0.01;
   const std::string data = a.chart + ".dat";
   // Rows by concurrency; per prompt length four columns: exposed whole, exposed layer-wise,
   // threads whole, threads layer-wise (NaN where a point is missing).
@@ -233,25 +235,35 @@ Status WriteConcurrencyChart(const E2eArgs& a, const Json& points) {
     ChartHeader(gp, a,
                 "whole-request and layer-wise under concurrency, same run: " + RunDescription(a));
     gp << "set logscale x 2\nset grid\nset key top left\nset xlabel 'requests in flight'\n"
-       << "set logscale y 10\nset ylabel 'exposed transfer p50 (ms)'\n"
+       << "set logscale y 10\nset ylabel 'exposed transfer p50 (ms; at most " << kHiddenFloorMs
+       << " drawn at " << kHiddenFloorMs << ")'\n"
        << "set title 'from the end of its prefill compute to its first decode step'\n";
-    auto plot = [&](int first_column) {
+    // `floor`: a value on the log axis (an exposed transfer at or below zero, every byte read
+    // before the prefill's compute ended, would leave the line out).
+    auto plot = [&](int first_column, bool floor) {
+      auto y = [&](int column) {
+        if (!floor) return std::to_string(column);
+        std::ostringstream e;
+        e << "(column(" << column << ") > " << kHiddenFloorMs << " ? column(" << column
+          << ") : " << kHiddenFloorMs << ")";
+        return e.str();
+      };
       gp << "plot ";
       int column = first_column;
       for (int len : lens) {
         if (column != first_column) gp << ", ";
-        gp << "'" << data << "' using 1:" << column << " with linespoints lw 2 pt 7 title '" << len
-           << " tokens, whole-request', '" << data << "' using 1:" << column + 1
+        gp << "'" << data << "' using 1:" << y(column) << " with linespoints lw 2 pt 7 title '"
+           << len << " tokens, whole-request', '" << data << "' using 1:" << y(column + 1)
            << " with linespoints lw 2 pt 5 title '" << len << " tokens, layer-wise'";
         column += 4;
       }
       gp << "\n";
     };
-    plot(2);
+    plot(2, /*floor=*/true);
     gp << "unset logscale y\nset yrange [0:*]\nset key bottom right\n"
        << "set ylabel 'decode instance threads, peak'\n"
        << "set title 'threads of the decode instance'\n";
-    plot(4);
+    plot(4, /*floor=*/false);
     gp << "unset multiplot\n";
     if (!gp) return Status::Internal("cannot write " + script);
   }
