@@ -776,6 +776,7 @@ class KvferryKVSender:
             # Held or not: no decode rank can find a rank its bootstrap server refused, so nobody
             # will ever read the request (the refusal may come after its last chunk was held).
             self._end_transfer()
+            self.mgr.watch(self.rid, False)
             self._fail(f"this prefill rank is not registered with its bootstrap server: {error}")
             return self.state
         try:

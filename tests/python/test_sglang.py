@@ -386,6 +386,9 @@ def test_a_refusal_that_comes_after_the_request_was_held_still_fails_it():
         run([server], lambda: p.finished, "the refusal")
         assert "not registered with its bootstrap server" in p.finished, p.finished
         assert "refused" in p.finished, p.finished
+        # Nothing of it is kept: its transfer ended, and its rank no longer watches it.
+        assert all(s.mgr._live == set() for s in p.senders), [s.mgr._live for s in p.senders]
+        nothing_held(server)
     finally:
         answer.set()
         server.close()
