@@ -25,9 +25,9 @@ all: build
 deps:
 	@bash scripts/deps.sh
 
-# The main build and the ASan and TSan builds unity-build the libraries and the CLI
-# (KVFERRY_UNITY: about half the time of a fresh build); the TSA and fuzz builds compile every
-# source on its own (the analysis and the fuzz targets want single files).
+# The main build and the ASan and TSan builds unity-build the libraries, the CLI and the test
+# binaries (KVFERRY_UNITY: about half the time of a fresh build); the TSA and fuzz builds compile
+# every source on its own (the analysis and the fuzz targets want single files).
 $(BUILD)/CMakeCache.txt: | deps
 	$(CMAKE_CONFIGURE) -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_UNITY=ON
 

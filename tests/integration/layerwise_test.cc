@@ -258,6 +258,10 @@ TEST(LayerwiseHostileTest, BadAnnouncementsAreRefusedAndTheLoadCompletes) {
   ASSERT_TRUE(prefill.WaitSubscribed(1));
   std::vector<std::int64_t> blocks = prefill.Step("r", "x", 0, 30, 30);
   prefill.Layer(0);
+  // The real announcement taken first (its layer read): the old and duplicate announcements
+  // below are older than it. Without this wait a push of seq 1 could arrive before it and be
+  // taken as new (seen once under make test).
+  ASSERT_TRUE(WaitForBytesRead(decode.worker(0))) << "layer 0 was announced and never read";
   sidechannel::Client client(sidechannel::ClientOptions{});
   const std::string endpoint = decode.worker(0).listener_endpoint();
   auto push = [&](const wire::Progress& p) {

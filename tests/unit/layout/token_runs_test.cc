@@ -236,7 +236,7 @@ TEST(TokenRunByteRangesTest, EveryTokenLandsWhereTheLayoutPutsIt) {
             for (std::int64_t prefix : {std::int64_t{0}, d_tpb}) {
               if (prefix >= prompt) continue;
               CheckCase(c, prompt, prefix, rng);
-              if (testing::Test::HasFatalFailure()) return;
+              if (::testing::Test::HasFatalFailure()) return;
             }
           }
         }
